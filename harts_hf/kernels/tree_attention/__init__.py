@@ -1,0 +1,6 @@
+"""Softmax attention over a prefix forest (ancestor-or-self visibility), with a per-path reference."""
+
+from .naive import causal_attention_reference, tree_attention_reference
+from .ops import tree_attention, tree_attention_mask
+
+__all__ = ["causal_attention_reference", "tree_attention", "tree_attention_mask", "tree_attention_reference"]

@@ -1,0 +1,31 @@
+"""Reference: causal attention run on every path of the forest."""
+
+from __future__ import annotations
+
+import torch
+
+from ...trees import PackedForest
+
+__all__ = ["causal_attention_reference", "tree_attention_reference"]
+
+
+def causal_attention_reference(q, k, v, scaling=None) -> torch.Tensor:
+    """One sequence: q ``[L, HQ, D]``, k, v ``[L, HKV, D]`` -> ``[L, HQ, D]`` (explicit softmax, fp32 accumulation)."""
+    L, HQ, D = q.shape
+    repeat = HQ // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scaling = D ** -0.5 if scaling is None else scaling
+    compute = torch.promote_types(q.dtype, torch.float32)
+    scores = torch.einsum("qhd,khd->hqk", q.to(compute), k.to(compute)) * scaling
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v.to(compute)).to(q.dtype)
+
+
+def tree_attention_reference(q, k, v, packed: PackedForest, scaling=None) -> list[torch.Tensor]:
+    """Per-path outputs ``[L_i, HQ, D]``."""
+    outputs = []
+    for i in range(packed.num_sequences):
+        index = packed.sequence_index(i).to(q.device)
+        outputs.append(causal_attention_reference(q[index], k[index], v[index], scaling))
+    return outputs

@@ -1,0 +1,52 @@
+"""Tree attention: a token attends to its ancestors and itself (``k <= q < subtree_end[k]`` in DFS order).
+
+The ``"sdpa"`` path builds the dense boolean mask and calls PyTorch's scaled_dot_product_attention: exact and
+CPU-safe, quadratic in memory (fine for tests and small CPU batches). Faster GPU paths plug in behind
+``backend`` without changing the call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["tree_attention", "tree_attention_mask"]
+
+_BACKENDS = ("auto", "sdpa")
+
+
+def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
+    """``[U, U]`` bool, ``mask[q, k] = k <= q < subtree_end[k]`` (True = may attend)."""
+    positions = torch.arange(subtree_end.shape[0], device=subtree_end.device)
+    query, key = positions[:, None], positions[None, :]
+    return (key <= query) & (query < subtree_end[None, :])
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
+                   scaling: float | None = None, mask: torch.Tensor | None = None,
+                   backend: str = "auto") -> torch.Tensor:
+    """Softmax attention over a packed forest.
+
+    Args:
+        q: ``[U, HQ, D]``; k, v: ``[U, HKV, D]`` with ``HQ`` a multiple of ``HKV`` (grouped-query attention).
+        subtree_end: ``[U]`` long from :class:`PackedForest`. scaling: default ``D ** -0.5``.
+        mask: optional precomputed :func:`tree_attention_mask` (reused across layers).
+        backend: ``"auto"`` or ``"sdpa"`` (dense mask).
+
+    Returns:
+        ``[U, HQ, D]`` in ``q.dtype``.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"tree_attention: backend must be one of {_BACKENDS}, got {backend!r}")
+    U, HQ, D = q.shape
+    if k.shape[0] != U or v.shape[0] != U or k.shape[1] != v.shape[1] or HQ % k.shape[1]:
+        raise ValueError(f"tree_attention: expected q [U, HQ, D], k and v [U, HKV, D] with HQ % HKV == 0; got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if subtree_end.shape != (U,):
+        raise ValueError(f"tree_attention: subtree_end must be [U={U}], got {tuple(subtree_end.shape)}")
+    if mask is None:
+        mask = tree_attention_mask(subtree_end)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, scale=scaling, enable_gqa=HQ != k.shape[1])
+    return out[0].transpose(0, 1)

@@ -1,0 +1,66 @@
+"""Reference: expand the forest into its paths and run the plain gated delta rule on each path."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ...trees import PackedForest
+from .chunked import _compute_dtype, chunk_gated_delta_rule_torch, l2_normalize
+
+__all__ = ["gated_delta_rule_recurrent", "tree_gated_delta_rule_reference"]
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    HK, HV = k.shape[1], v.shape[1]
+    if HV != HK:
+        q, k = q.repeat_interleave(HV // HK, dim=1), k.repeat_interleave(HV // HK, dim=1)
+    compute_dtype = _compute_dtype(q)
+    q, k, v, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return q * scale, k, v, g, beta
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False) -> torch.Tensor:
+    """One sequence, one token at a time: ``S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q``.
+
+    q, k ``[L, HK, K]``; v ``[L, HV, V]``; g, beta ``[L, HV]``. Returns ``[L, HV, V]`` in ``q.dtype``.
+    """
+    dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    L, H, K = k.shape
+    state = q.new_zeros(H, K, v.shape[-1])
+    outputs = []
+    for t in range(L):
+        state = state * g[t].exp()[:, None, None]
+        delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        outputs.append(torch.einsum("hkv,hk->hv", state, q[t]))
+    return torch.stack(outputs).to(dtype)
+
+
+def tree_gated_delta_rule_reference(q, k, v, g, beta, packed: PackedForest, *, scale=None,
+                                    use_qk_l2norm_in_kernel=False, chunk_size: int = 64,
+                                    recurrent: bool = False) -> list[torch.Tensor]:
+    """Per-path outputs ``[L_i, HV, V]``: each path gathered and run alone from a zero state.
+
+    ``recurrent=True`` runs the token-by-token recurrence instead of the chunked form.
+    """
+    outputs = []
+    for i in range(packed.num_sequences):
+        index = packed.sequence_index(i).to(q.device)
+        path = [x[index] for x in (q, k, v, g, beta)]
+        if recurrent:
+            outputs.append(gated_delta_rule_recurrent(*path, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel))
+            continue
+        pq, pk, pv, pg, pbeta = _prepare(*path, scale, use_qk_l2norm_in_kernel)
+        L = pq.shape[0]
+        pad = (-L) % chunk_size
+        pq, pk, pv = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (pq, pk, pv))
+        pg, pbeta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (pg, pbeta))
+        state = pq.new_zeros(1, pq.shape[1], pq.shape[-1], pv.shape[-1])
+        o, _ = chunk_gated_delta_rule_torch(pq, pk, pv, pg, pbeta, state, chunk_size)
+        outputs.append(o[0].transpose(0, 1)[:L].to(q.dtype))
+    return outputs

@@ -1,0 +1,114 @@
+"""Tree gated delta rule: every unique token once, every path with its per-trajectory chunk grid.
+
+Executes a :class:`GatedDeltaPlan` round by round; states handed between rounds stay fp32 and in the
+autograd graph, so gradients of a child's initial state flow into its parent's recurrence and the
+gradients of replayed inputs flow back to the parent's tokens (they are gathered, not copied).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._backend import resolve_backend
+from .chunked import _compute_dtype, chunk_gated_delta_rule_torch, l2_normalize
+from .plan import GatedDeltaPlan, GatedDeltaRound
+
+__all__ = ["tree_gated_delta_rule"]
+
+
+def tree_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    plan: GatedDeltaPlan,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Gated delta rule over a packed forest.
+
+    Args:
+        q, k: ``[U, HK, K]``; v: ``[U, HV, V]`` with ``HV`` a multiple of ``HK`` (each key head serves
+            ``HV // HK`` consecutive value heads); g: ``[U, HV]`` log decay (<= 0); beta: ``[U, HV]``.
+        plan: from :func:`build_gated_delta_plan` on the same packed forest (``final_states_only=True`` for fla).
+        scale: query scale, default ``K ** -0.5``.
+        use_qk_l2norm_in_kernel: L2-normalise q and k first (in fp32), as Qwen3-Next / Qwen3.5 do.
+        backend: ``"auto"`` (fla on CUDA when installed, else torch), ``"torch"`` or ``"fla"``.
+
+    Returns:
+        ``o [U, HV, V]`` in ``q.dtype``.
+    """
+    U, HK, K = k.shape
+    HV = v.shape[1]
+    if q.shape != k.shape or v.shape[0] != U or g.shape != (U, HV) or beta.shape != (U, HV):
+        raise ValueError(
+            f"tree_gated_delta_rule: expected q, k [U, HK, K], v [U, HV, V], g and beta [U, HV]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
+    if HV % HK:
+        raise ValueError(f"tree_gated_delta_rule: value heads ({HV}) must be a multiple of key heads ({HK})")
+    if plan.num_tokens != U:
+        raise ValueError(f"tree_gated_delta_rule: the plan covers {plan.num_tokens} tokens but the inputs have {U}; "
+                         "build the plan from the same packed forest.")
+    scale = K ** -0.5 if scale is None else scale
+    if resolve_backend(backend, q, "tree_gated_delta_rule") == "fla":
+        from .fla_backend import tree_gated_delta_rule_fla
+
+        return tree_gated_delta_rule_fla(q, k, v, g, beta, plan, scale=scale,
+                                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+    return _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel)
+
+
+def _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel):
+    dtype = q.dtype
+    U, HK, _ = k.shape
+    HV = v.shape[1]
+    if HV != HK:
+        q, k = q.repeat_interleave(HV // HK, dim=1), k.repeat_interleave(HV // HK, dim=1)
+    compute_dtype = _compute_dtype(q)
+    q, k, v, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = q * scale
+    # one zero row at index U: padding that leaves the state unchanged (k = v = beta = g = 0)
+    q, k, v, g, beta = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v, g, beta))
+
+    states: dict = {}
+    out_tokens, out_values = [], []
+    for round_ in plan.rounds:
+        tokens, values = _run_round(round_, q, k, v, g, beta, states, plan.chunk_size, U)
+        out_tokens.append(tokens)
+        out_values.append(values)
+    out = v.new_zeros(U, HV, v.shape[-1])
+    out = out.index_copy(0, torch.cat(out_tokens), torch.cat(out_values))
+    return out.to(dtype)
+
+
+def _run_round(round_: GatedDeltaRound, q, k, v, g, beta, states, chunk_size, pad_row):
+    device = q.device
+    round_ = round_ if round_.token_index.device == device else round_.to(device)
+    lengths = (round_.cu_seqlens[1:] - round_.cu_seqlens[:-1]).long()
+    n = lengths.shape[0]
+    padded = int(((lengths.max() + chunk_size - 1) // chunk_size * chunk_size).item())
+    row = torch.repeat_interleave(torch.arange(n, device=device), lengths)
+    column = torch.arange(row.shape[0], device=device) - round_.cu_seqlens[:-1].long()[row]
+    index = torch.full((n, padded), pad_row, dtype=torch.long, device=device)
+    index[row, column] = round_.token_index
+
+    def take(x):  # [U + 1, H, ...] -> [n, H, padded, ...]
+        return x[index].transpose(1, 2)
+
+    H, K, V = q.shape[1], q.shape[2], v.shape[2]
+    zero = q.new_zeros(H, K, V)
+    initial = torch.stack([zero if key is None else states[key] for key in round_.initial_state])
+    wanted = sorted({chunks for _, chunks, _ in round_.saved_states if chunks is not None})
+    o, chunk_states = chunk_gated_delta_rule_torch(
+        take(q), take(k), take(v), take(g), take(beta), initial, chunk_size, state_chunks=wanted)
+    for slot, chunks, key in round_.saved_states:
+        states[key] = chunk_states["final" if chunks is None else chunks][slot]
+    o = o.transpose(1, 2)  # [n, padded, H, V]
+    out_row = row[round_.output_position]
+    out_column = column[round_.output_position]
+    return round_.output_token, o[out_row, out_column]

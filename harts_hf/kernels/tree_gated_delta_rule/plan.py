@@ -1,0 +1,201 @@
+"""The execution plan of the gated delta rule over a packed forest.
+
+Runs are maximal contiguous chains of the DFS layout (a branch point's first child continues its
+parent's run). A run whose first token sits at depth d
+restarts from the state at the chunk boundary ``c = C * (d // C)`` of its path and replays the
+``d - c`` (< C) ancestor tokens before it, so every path keeps the chunk grid of per-trajectory
+training. Runs are grouped into rounds: a round only needs states produced in earlier rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ...trees import CHUNK_SIZE, PackedForest
+
+__all__ = ["GatedDeltaPlan", "GatedDeltaRound", "build_gated_delta_plan"]
+
+
+@dataclass
+class GatedDeltaRound:
+    """One variable-length call: ``n`` execution units laid out back to back.
+
+    ``token_index [T]`` (long): packed index of every executed token, replayed ancestors included;
+    ``cu_seqlens [n + 1]`` (int32): unit boundaries in ``token_index``; ``initial_state [n]``: the key of the
+    state each unit starts from (``None`` = zeros); ``output_position [O]`` / ``output_token [O]`` (long): which
+    executed positions are the units' own tokens and where their outputs go in the packed layout;
+    ``saved_states``: ``(unit, chunks, key)`` — after ``chunks`` chunks of ``unit``, store the state under ``key``.
+    """
+
+    token_index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    initial_state: list
+    output_position: torch.Tensor
+    output_token: torch.Tensor
+    saved_states: list
+    unit_ids: list
+
+    @property
+    def num_units(self) -> int:
+        return len(self.initial_state)
+
+    def to(self, device) -> "GatedDeltaRound":
+        return GatedDeltaRound(
+            self.token_index.to(device), self.cu_seqlens.to(device), self.initial_state,
+            self.output_position.to(device), self.output_token.to(device), self.saved_states, self.unit_ids)
+
+
+@dataclass
+class GatedDeltaPlan:
+    """Rounds of execution units for one packed forest; see :func:`build_gated_delta_plan`."""
+
+    chunk_size: int
+    num_tokens: int
+    rounds: list[GatedDeltaRound]
+    stats: dict = field(default_factory=dict)
+
+    def to(self, device) -> "GatedDeltaPlan":
+        return GatedDeltaPlan(self.chunk_size, self.num_tokens, [r.to(device) for r in self.rounds], dict(self.stats))
+
+
+def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE,
+                           final_states_only: bool = False) -> GatedDeltaPlan:
+    """Plan the gated delta rule over ``packed`` (host-side, linear in runs + replay tokens).
+
+    ``final_states_only``: a backend that only returns the final state of each sequence (fla's varlen call)
+    gets runs cut at every chunk boundary a child restarts from; otherwise intermediate chunk states are
+    read out of one longer unit.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    parent = packed.parent.cpu().numpy()
+    depth = packed.position_ids.cpu().numpy()
+    num_tokens = parent.shape[0]
+
+    # runs: contiguous chains in the DFS layout; a branch point's first child continues its parent's run,
+    # every other child (and every root) starts a run of its own
+    starts_mask = (parent < 0) | (parent != np.arange(num_tokens) - 1)
+    run_start = np.flatnonzero(starts_mask)
+    run_end = np.append(run_start[1:], num_tokens)
+    num_runs = run_start.shape[0]
+    run_of_token = np.repeat(np.arange(num_runs), run_end - run_start)
+
+    start_depth = depth[run_start]
+    end_depth = depth[run_end - 1] + 1
+    exec_start = (start_depth // chunk_size) * chunk_size  # c: the chunk boundary each run restarts from
+    parent_token = parent[run_start]
+    parent_run = np.where(parent_token >= 0, run_of_token[np.maximum(parent_token, 0)], -1)
+
+    # where each run's initial state comes from: zeros, the same state as its parent run's, or
+    # the state after some whole chunks of its parent run's execution
+    source_run = np.full(num_runs, -1)
+    source_chunks = np.zeros(num_runs, dtype=np.int64)
+    requests: list[list[int]] = [[] for _ in range(num_runs)]
+    for r in range(num_runs):  # preorder: a parent run is resolved before its children
+        a = parent_run[r]
+        if a < 0:
+            continue
+        if exec_start[r] == exec_start[a]:
+            source_run[r], source_chunks[r] = source_run[a], source_chunks[a]
+        else:
+            chunks = (exec_start[r] - exec_start[a]) // chunk_size
+            source_run[r], source_chunks[r] = a, chunks
+            requests[a].append(int(chunks))
+
+    # execution units: a run, or with final_states_only the pieces of a run cut at requested boundaries;
+    # a state is named by (unit, whole chunks executed in it), with None for the unit's final state
+    units = []  # (run, first chunk, end chunk or None for the run's end)
+    state_of_request = {}  # (run, chunks) -> (unit, chunks within the unit or None)
+    for r in range(num_runs):
+        cuts = sorted(set(requests[r]))
+        length = end_depth[r] - exec_start[r]
+        if final_states_only:
+            inner = [c for c in cuts if c * chunk_size < length]
+            piece_starts = [0] + inner
+            base = len(units)
+            for i, first in enumerate(piece_starts):
+                units.append((r, first, piece_starts[i + 1] if i + 1 < len(piece_starts) else None))
+            for c in cuts:
+                piece = inner.index(c) if c in inner else len(piece_starts) - 1
+                state_of_request[(r, c)] = (base + piece, None)
+        else:
+            units.append((r, 0, None))
+            for c in cuts:
+                state_of_request[(r, c)] = (len(units) - 1, c)
+
+    # rounds: a unit runs one round after the unit that produces its initial state
+    unit_round = np.zeros(len(units), dtype=np.int64)
+    unit_init: list = [None] * len(units)
+    saved_by_unit: dict[int, set] = {}
+    for u, (r, first, _) in enumerate(units):
+        if first == 0:
+            if source_run[r] >= 0:
+                unit_init[u] = state_of_request[(int(source_run[r]), int(source_chunks[r]))]
+        else:
+            unit_init[u] = (u - 1, None)  # the previous piece's final state
+        if unit_init[u] is not None:
+            source, chunks = unit_init[u]
+            unit_round[u] = unit_round[source] + 1
+            saved_by_unit.setdefault(source, set()).add(chunks)
+
+    # per unit: executed packed tokens = replayed ancestors (only in a run's first unit) + own tokens
+    replay = start_depth - exec_start
+    replay_index = _replay_index(parent, run_start, replay)
+    rounds_units: dict[int, list[int]] = {}
+    for u in range(len(units)):
+        rounds_units.setdefault(int(unit_round[u]), []).append(u)
+
+    rounds = []
+    total_replay = 0
+    for k in sorted(rounds_units):
+        token_parts, output_position, output_token, cu = [], [], [], [0]
+        initial, saved, unit_ids = [], [], []
+        for slot, u in enumerate(rounds_units[k]):
+            r, first, last = units[u]
+            own_from = run_start[r] + max(0, first * chunk_size - replay[r])
+            own_to = run_end[r] if last is None else run_start[r] + last * chunk_size - replay[r]
+            skip = replay[r] if first == 0 else 0
+            parts = [replay_index[r]] if skip > 0 else []
+            parts.append(np.arange(own_from, own_to))
+            executed = np.concatenate(parts)
+            total_replay += int(skip)
+            output_position.append(cu[-1] + skip + np.arange(own_to - own_from))
+            output_token.append(np.arange(own_from, own_to))
+            token_parts.append(executed)
+            cu.append(cu[-1] + executed.shape[0])
+            initial.append(None if unit_init[u] is None else ("state",) + tuple(unit_init[u]))
+            for chunks in sorted(saved_by_unit.get(u, ()), key=lambda c: -1 if c is None else c):
+                saved.append((slot, chunks, ("state", u, chunks)))
+            unit_ids.append(u)
+        rounds.append(GatedDeltaRound(
+            token_index=torch.from_numpy(np.concatenate(token_parts).astype(np.int64)),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+            initial_state=initial,
+            output_position=torch.from_numpy(np.concatenate(output_position).astype(np.int64)),
+            output_token=torch.from_numpy(np.concatenate(output_token).astype(np.int64)),
+            saved_states=saved,
+            unit_ids=unit_ids,
+        ))
+    stats = {
+        "runs": int(num_runs),
+        "units": len(units),
+        "rounds": len(rounds),
+        "replay_tokens": int(total_replay),
+        "max_replay": int(replay.max()) if num_runs else 0,
+        "executed_tokens": int(sum(r.token_index.shape[0] for r in rounds)),
+    }
+    return GatedDeltaPlan(chunk_size, num_tokens, rounds, stats)
+
+
+def _replay_index(parent: np.ndarray, run_start: np.ndarray, replay: np.ndarray) -> list[np.ndarray]:
+    """For every run, the packed indices of its ``replay`` ancestor tokens, oldest first (vectorised walk)."""
+    max_replay = int(replay.max()) if replay.size else 0
+    walk = np.empty((max_replay, run_start.shape[0]), dtype=np.int64)
+    current = run_start.copy()
+    for step in range(max_replay):
+        current = np.where(current >= 0, parent[np.maximum(current, 0)], -1)
+        walk[step] = current
+    return [walk[: replay[r], r][::-1].copy() for r in range(run_start.shape[0])]

@@ -1,0 +1,142 @@
+"""Tree kernels against their per-path references: outputs and every input gradient (fp64 and fp32, CPU)."""
+
+import random
+
+import pytest
+import torch
+
+from harts_hf.kernels import (
+    build_gated_delta_plan,
+    tree_attention,
+    tree_attention_reference,
+    tree_causal_conv1d,
+    tree_causal_conv1d_reference,
+    tree_gated_delta_rule,
+    tree_gated_delta_rule_reference,
+)
+from harts_hf.kernels._backend import resolve_backend
+from harts_hf.trees import PrefixForest
+from tests.forests import chunk_edge_sequences, random_tree_sequences
+
+FORESTS = {
+    "chunk_edges": chunk_edge_sequences(),
+    "random_a": random_tree_sequences(random.Random(1), 10),
+    "random_b": random_tree_sequences(random.Random(2), 14, max_tail=150),
+    "deep_chain": [list(range(1, 260)), list(range(1, 140)) + [0]],
+    "fan_out": [[5] * 66 + [k] for k in range(24)] + [[5] * 10 + [k, k] for k in range(8)],
+    "single_tokens": [[1], [1], [2], [1, 3]],
+}
+TOLERANCE = {torch.float64: dict(rtol=1e-9, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+def assert_paths_match(packed, tree_out, reference, inputs, dtype):
+    """Compare per-path outputs and the gradients of a random weighted sum of them."""
+    tree_paths = packed.gather_sequences(tree_out)
+    for a, b in zip(tree_paths, reference):
+        torch.testing.assert_close(a, b, **TOLERANCE[dtype])
+    weights = [torch.randn_like(r) for r in reference]
+    grads_tree = torch.autograd.grad(sum((a * w).sum() for a, w in zip(tree_paths, weights)), inputs, allow_unused=True)
+    grads_ref = torch.autograd.grad(sum((b * w).sum() for b, w in zip(reference, weights)), inputs, allow_unused=True)
+    for a, b in zip(grads_tree, grads_ref):
+        scale = b.abs().max().clamp_min(1e-12)
+        torch.testing.assert_close(a / scale, b / scale, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(FORESTS))
+@pytest.mark.parametrize("final_states_only", [False, True])
+def test_tree_gated_delta_rule(name, dtype, final_states_only):
+    torch.manual_seed(0)
+    packed = PrefixForest.from_sequences(FORESTS[name]).pack()
+    U, HK, HV, K, V = packed.num_tokens, 2, 4, 8, 6
+    q = torch.randn(U, HK, K, dtype=dtype, requires_grad=True)
+    k = torch.randn(U, HK, K, dtype=dtype, requires_grad=True)
+    v = torch.randn(U, HV, V, dtype=dtype, requires_grad=True)
+    g = (-torch.rand(U, HV, dtype=dtype) * 0.3).requires_grad_()
+    beta = torch.rand(U, HV, dtype=dtype).requires_grad_()
+    plan = build_gated_delta_plan(packed, final_states_only=final_states_only)
+    out = tree_gated_delta_rule(q, k, v, g, beta, plan, use_qk_l2norm_in_kernel=True, backend="torch")
+    reference = tree_gated_delta_rule_reference(q, k, v, g, beta, packed, use_qk_l2norm_in_kernel=True)
+    assert_paths_match(packed, out, reference, (q, k, v, g, beta), dtype)
+    assert plan.stats["max_replay"] <= 63
+
+
+def test_gated_delta_rule_chunked_matches_recurrence():
+    torch.manual_seed(0)
+    packed = PrefixForest.from_sequences(FORESTS["random_a"]).pack()
+    U = packed.num_tokens
+    q, k = torch.randn(U, 1, 4, dtype=torch.float64), torch.randn(U, 1, 4, dtype=torch.float64)
+    v, g, beta = torch.randn(U, 2, 3, dtype=torch.float64), -torch.rand(U, 2, dtype=torch.float64), torch.rand(U, 2, dtype=torch.float64)
+    chunked = tree_gated_delta_rule_reference(q, k, v, g, beta, packed, use_qk_l2norm_in_kernel=True, scale=0.3)
+    recurrent = tree_gated_delta_rule_reference(q, k, v, g, beta, packed, use_qk_l2norm_in_kernel=True, scale=0.3, recurrent=True)
+    for a, b in zip(chunked, recurrent):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_plan_replay_and_rounds():
+    # forks at depths 64 (aligned: no replay), 65 (1 replayed token), 127 (63 replayed tokens); the base path
+    # is every branch point's first child, so it continues its run and replays nothing
+    base = list(range(1, 201))
+    packed = PrefixForest.from_sequences([base, base[:64] + [0], base[:65] + [0], base[:127] + [0]]).pack()
+    plan = build_gated_delta_plan(packed)
+    assert plan.stats["runs"] == 4
+    assert plan.stats["replay_tokens"] == 0 + 1 + 63
+    assert plan.stats["max_replay"] == 63
+    assert plan.stats["rounds"] == 2
+    cut = build_gated_delta_plan(packed, final_states_only=True)
+    assert cut.stats["replay_tokens"] == plan.stats["replay_tokens"]
+    assert cut.stats["units"] > plan.stats["units"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(FORESTS))
+@pytest.mark.parametrize("width, activation, with_bias", [(4, "silu", False), (3, None, True), (1, "silu", True)])
+def test_tree_causal_conv1d(name, dtype, width, activation, with_bias):
+    torch.manual_seed(0)
+    packed = PrefixForest.from_sequences(FORESTS[name]).pack()
+    C = 6
+    x = torch.randn(packed.num_tokens, C, dtype=dtype, requires_grad=True)
+    weight = torch.randn(C, width, dtype=dtype, requires_grad=True)
+    bias = torch.randn(C, dtype=dtype, requires_grad=True) if with_bias else None
+    out = tree_causal_conv1d(x, weight, bias, packed.ancestor_table(width), activation)
+    reference = tree_causal_conv1d_reference(x, weight, bias, packed, activation)
+    inputs = (x, weight) + ((bias,) if with_bias else ())
+    assert_paths_match(packed, out, reference, inputs, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(FORESTS))
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 8), (2, 2, 256), (6, 1, 16)])
+def test_tree_attention(name, dtype, heads, kv_heads, head_dim):
+    torch.manual_seed(0)
+    packed = PrefixForest.from_sequences(FORESTS[name]).pack()
+    U = packed.num_tokens
+    q = torch.randn(U, heads, head_dim, dtype=dtype, requires_grad=True)
+    k = torch.randn(U, kv_heads, head_dim, dtype=dtype, requires_grad=True)
+    v = torch.randn(U, kv_heads, head_dim, dtype=dtype, requires_grad=True)
+    out = tree_attention(q, k, v, packed.subtree_end, scaling=0.2)
+    reference = tree_attention_reference(q, k, v, packed, scaling=0.2)
+    assert_paths_match(packed, out, reference, (q, k, v), dtype)
+
+
+def test_cpu_tensors_never_take_the_triton_backend(monkeypatch):
+    import harts_hf.kernels._backend as backend
+
+    monkeypatch.setattr(backend, "fla_available", lambda: True)  # as on a machine with fla and triton installed
+    assert resolve_backend("auto", torch.zeros(1), "op") == "torch"
+    with pytest.raises(ValueError, match="needs CUDA tensors"):
+        resolve_backend("fla", torch.zeros(1), "op")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        resolve_backend("triton", torch.zeros(1), "op")
+
+
+def test_bad_shapes():
+    packed = PrefixForest.from_sequences([[1, 2, 3]]).pack()
+    plan = build_gated_delta_plan(packed)
+    q = torch.randn(3, 2, 4)
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        tree_gated_delta_rule(q, q, torch.randn(3, 3, 4), torch.zeros(3, 3), torch.zeros(3, 3), plan)
+    with pytest.raises(ValueError, match="plan covers 3 tokens"):
+        tree_gated_delta_rule(q[:2], q[:2], torch.randn(2, 2, 4), torch.zeros(2, 2), torch.zeros(2, 2), plan)
+    with pytest.raises(ValueError, match="HQ % HKV"):
+        tree_attention(torch.randn(3, 3, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), packed.subtree_end)
