@@ -1,5 +1,6 @@
 """Tree ops, each in its own folder with a per-path reference; no transformers or trl imports here."""
 
+from .metadata import TreeMetadata
 from .tree_attention import tree_attention, tree_attention_mask, tree_attention_reference
 from .tree_conv1d import tree_causal_conv1d, tree_causal_conv1d_reference
 from .tree_gated_delta_rule import (
@@ -10,6 +11,7 @@ from .tree_gated_delta_rule import (
 )
 
 __all__ = [
+    "TreeMetadata",
     "GatedDeltaPlan",
     "build_gated_delta_plan",
     "tree_attention",

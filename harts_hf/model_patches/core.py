@@ -1,0 +1,183 @@
+"""apply_tree_patches: switch a live transformers model to tree execution, and back.
+
+Only the token mixers change. Attention modules dispatch to the registered ``"harts_tree"`` attention
+function (through a per-module copy of the config, so the model's own config, masks and generation stay
+as they were); Gated DeltaNet modules get an instance-level ``forward`` that runs the tree kernels. Both
+fall through to the original code whenever the call carries no ``harts_tree`` keyword argument.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..kernels import TreeMetadata, tree_attention
+
+__all__ = ["PatchHandle", "TreeFamily", "apply_tree_patches", "register_family", "supported_model_types",
+           "TREE_ATTENTION_NAME", "TREE_KWARG"]
+
+TREE_ATTENTION_NAME = "harts_tree"
+TREE_KWARG = "harts_tree"  # the keyword argument that carries TreeMetadata through the model
+_PATCH_MARK = "_harts_tree_patch"
+
+
+@dataclass
+class TreeFamily:
+    """How to run one model family on a tree.
+
+    ``attention_classes``: class names of softmax-attention mixers; ``linear_classes``: class name ->
+    ``forward`` factory for linear-attention mixers; ``moe``: the family has routed experts.
+    """
+
+    model_types: tuple[str, ...]
+    attention_classes: tuple[str, ...] = ()
+    linear_classes: dict[str, Callable] = field(default_factory=dict)
+    moe: bool = False
+
+
+_REGISTRY: dict[str, TreeFamily] = {}
+
+
+def register_family(family: TreeFamily) -> None:
+    for model_type in family.model_types:
+        _REGISTRY[model_type] = family
+
+
+def supported_model_types() -> list[str]:
+    _load_families()
+    return sorted(_REGISTRY)
+
+
+def _load_families() -> None:
+    if not _REGISTRY:
+        from . import full_attention, qwen3_5, qwen3_next  # noqa: F401  (each registers itself)
+
+
+class PatchHandle:
+    """Undo record of :func:`apply_tree_patches`; ``revert()`` restores every replaced attribute."""
+
+    def __init__(self, model, family: TreeFamily):
+        self.model = model
+        self.family = family
+        self._undo: list[tuple[object, str, object, bool]] = []
+        self.attention_modules: list[torch.nn.Module] = []
+        self.linear_modules: list[torch.nn.Module] = []
+        self.active = True
+
+    def _set(self, obj, name: str, value) -> None:
+        had = name in vars(obj)
+        self._undo.append((obj, name, vars(obj).get(name), had))
+        setattr(obj, name, value)
+
+    def revert(self) -> None:
+        """Restore the model exactly as it was before :func:`apply_tree_patches`."""
+        if not self.active:
+            return
+        for obj, name, old, had in reversed(self._undo):
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
+        self._undo.clear()
+        self.active = False
+        if getattr(self.model, _PATCH_MARK, None) is self:
+            delattr(self.model, _PATCH_MARK)
+
+    def __enter__(self) -> "PatchHandle":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.revert()
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "reverted"
+        return (f"PatchHandle({type(self.model).__name__}, {len(self.attention_modules)} attention + "
+                f"{len(self.linear_modules)} linear-attention mixers, {state})")
+
+
+def model_type_of(model) -> str:
+    config = getattr(model, "config", None)
+    if config is None:
+        raise TypeError(f"apply_tree_patches expects a transformers PreTrainedModel, got {type(model).__name__}")
+    return config.model_type
+
+
+def apply_tree_patches(model) -> PatchHandle:
+    """Patch ``model`` (a live transformers model) for tree execution; returns a :class:`PatchHandle`.
+
+    Calls without the ``harts_tree`` keyword argument behave exactly as before. Raises ``ValueError`` for a
+    model type with no tree support, listing the supported ones.
+    """
+    _load_families()
+    model_type = model_type_of(model)
+    family = _REGISTRY.get(model_type)
+    if family is None:
+        raise ValueError(
+            f"model_type {model_type!r} has no tree execution in harts_hf; supported: {', '.join(supported_model_types())}. "
+            "Train it without trees (TreeGRPOConfig(use_tree=False)) or add a family in harts_hf/model_patches.")
+    existing = getattr(model, _PATCH_MARK, None)
+    if existing is not None and existing.active:
+        raise RuntimeError("this model is already patched for tree execution; call handle.revert() first")
+    handle = PatchHandle(model, family)
+    for module in model.modules():
+        name = type(module).__name__
+        if name in family.attention_classes:
+            _patch_attention(handle, module)
+        elif name in family.linear_classes:
+            original = module.forward
+            handle._set(module, "forward", family.linear_classes[name](module, original))
+            handle.linear_modules.append(module)
+    if not handle.attention_modules and not handle.linear_modules:
+        raise ValueError(f"found no {family.attention_classes + tuple(family.linear_classes)} modules in "
+                         f"{type(model).__name__}; is this a {model_type} model?")
+    handle._set(model, _PATCH_MARK, handle)
+    return handle
+
+
+# ---------------------------------------------------------------------------- attention
+def _patch_attention(handle: PatchHandle, module: torch.nn.Module) -> None:
+    original_name = module.config._attn_implementation or "eager"
+    if original_name == TREE_ATTENTION_NAME:
+        raise RuntimeError("attention module is already routed to harts_tree")
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    original_function = ALL_ATTENTION_FUNCTIONS.get_interface(original_name, eager)
+    config = copy.copy(module.config)
+    config._attn_implementation = TREE_ATTENTION_NAME
+    handle._set(module, "config", config)
+    handle._set(module, "_harts_original_attention", original_function)
+    handle.attention_modules.append(module)
+
+
+def tree_attention_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The ``"harts_tree"`` attention function (transformers' AttentionInterface signature).
+
+    With ``harts_tree`` metadata: ``query [1, HQ, U, D]``, ``key``/``value [1, HKV, U, D]`` attend along the
+    tree (the ``attention_mask`` argument is ignored). Without: the module's original attention function.
+    """
+    tree: TreeMetadata | None = kwargs.get(TREE_KWARG)
+    if tree is None:
+        original = getattr(module, "_harts_original_attention", None)
+        if original is None:
+            raise RuntimeError("harts_tree attention used on a module that apply_tree_patches did not patch")
+        return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if dropout and module.training:
+        raise ValueError(f"tree execution does not support attention dropout (got {dropout}); set "
+                         "config.attention_dropout = 0.0 or call model.eval() for the tree forward.")
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError("tree execution does not support sliding-window attention layers yet; "
+                         "disable use_sliding_window in the config or train without trees.")
+    if query.shape[0] != 1 or query.shape[2] != tree.num_tokens:
+        raise ValueError(f"tree attention expects one packed row of {tree.num_tokens} tokens, got query {tuple(query.shape)}")
+    out = tree_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                         tree.packed.subtree_end, scaling=scaling, mask=tree.attention_mask(),
+                         backend=tree.attention_backend)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(TREE_ATTENTION_NAME, tree_attention_function)

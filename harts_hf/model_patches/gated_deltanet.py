@@ -1,0 +1,66 @@
+"""Tree forward for Gated DeltaNet mixers (Qwen3-Next, Qwen3.5): projections once per unique token,
+tree conv1d over ancestor windows, tree gated delta rule, then the layer's own gated norm and output.
+
+Families differ only in how the input projections are laid out; each passes a ``project`` function.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import TreeMetadata, tree_causal_conv1d, tree_gated_delta_rule
+from .core import TREE_KWARG
+
+__all__ = ["make_tree_gdn_forward"]
+
+_CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
+
+
+def make_tree_gdn_forward(project: Callable) -> Callable:
+    """Build a forward factory ``(module, original_forward) -> forward``.
+
+    ``project(module, x [1, U, hidden]) -> (mixed_qkv [U, conv_dim], z [U, HV, V], b [U, HV], a [U, HV])``.
+    """
+
+    def factory(module: torch.nn.Module, original_forward: Callable) -> Callable:
+        @functools.wraps(original_forward)
+        def forward(*args, **kwargs):
+            tree = kwargs.pop(TREE_KWARG, None)
+            if tree is None:
+                return original_forward(*args, **kwargs)
+            hidden_states = args[0] if args else kwargs["hidden_states"]
+            if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
+                raise ValueError("tree execution computes a whole forest in one pass and cannot use a cache; "
+                                 "call the model with use_cache=False")
+            return tree_gdn_forward(module, hidden_states, tree, project)
+
+        return forward
+
+    return factory
+
+
+def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, project: Callable) -> torch.Tensor:
+    """``hidden_states [1, U, hidden]`` -> ``[1, U, hidden]`` over the forest in ``tree``."""
+    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != tree.num_tokens:
+        raise ValueError(f"tree execution expects one packed row of {tree.num_tokens} tokens, "
+                         f"got hidden_states {tuple(hidden_states.shape)}")
+    mixed_qkv, z, b, a = project(module, hidden_states)
+    weight = module.conv1d.weight.squeeze(1)  # [conv_dim, W]
+    mixed_qkv = tree_causal_conv1d(mixed_qkv, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
+                                   activation=module.activation)
+    U = mixed_qkv.shape[0]
+    query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    query = query.reshape(U, -1, module.head_k_dim)
+    key = key.reshape(U, -1, module.head_k_dim)
+    value = value.reshape(U, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    backend = tree.gdn_backend_for(query)
+    core = tree_gated_delta_rule(query, key, value, g, beta, tree.gdn_plan(backend),
+                                 use_qk_l2norm_in_kernel=True, backend=backend)
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(core.reshape(1, U, -1))
