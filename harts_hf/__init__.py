@@ -5,3 +5,14 @@ gradient equals training each root-to-leaf trajectory on its own.
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["tree_logprobs"]
+
+
+def __getattr__(name):
+    # heavy imports (transformers, trl) only when asked for
+    if name == "tree_logprobs":
+        from .logprobs import tree_logprobs
+
+        return tree_logprobs
+    raise AttributeError(f"module 'harts_hf' has no attribute {name!r}")

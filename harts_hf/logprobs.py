@@ -163,6 +163,6 @@ def _load_balancing_loss(model, router_logits, multiplicity: torch.Tensor) -> to
     """The family's own load-balancing loss with each unique token weighted by its multiplicity."""
     config = _text_config(model)
     module = sys.modules[type(model).__module__]
-    loss_function = getattr(module, "load_balancing_loss_func")
+    loss_function = module.load_balancing_loss_func
     return loss_function(tuple(router_logits), config.num_experts, config.num_experts_per_tok,
                          multiplicity.unsqueeze(0).float())

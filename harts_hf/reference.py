@@ -22,9 +22,31 @@ _KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delt
                      "causal_conv1d_update")
 
 
+def _chunk_gated_delta_rule_in_input_dtype(query, key, value, g, beta, chunk_size=64, initial_state=None,
+                                           output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+    """transformers' chunk_gated_delta_rule contract ([B, T, H, D], zero initial state), computed in the input
+    dtype (fp64 stays fp64) by harts_hf's plain per-sequence chunked recurrence."""
+    from .kernels.tree_gated_delta_rule.naive import tree_gated_delta_rule_reference
+    from .trees import PrefixForest
+
+    if initial_state is not None or output_final_state:
+        raise ValueError("the fp64 reference kernel runs whole sequences from a zero state only")
+    outputs = []
+    for row in range(query.shape[0]):
+        packed = PrefixForest.from_sequences([list(range(query.shape[1]))]).pack()
+        (out,) = tree_gated_delta_rule_reference(query[row], key[row], value[row], g[row], beta[row], packed,
+                                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+        outputs.append(out)
+    return torch.stack(outputs), None
+
+
 @contextlib.contextmanager
-def torch_reference_kernels():
-    """Within the block, transformers' gated-delta-rule and conv1d functions are their pure-PyTorch originals."""
+def torch_reference_kernels(float64_recurrence: bool = False):
+    """Within the block, transformers' gated-delta-rule and conv1d functions are their pure-PyTorch originals.
+
+    ``float64_recurrence``: the chunked gated delta rule keeps the input dtype instead of transformers' fp32
+    (for fp64 reference runs whose only rounding is then transformers' own fp32 norms).
+    """
     saved = []
     try:
         for name in _KERNEL_MODULES:
@@ -38,6 +60,9 @@ def torch_reference_kernels():
                 if original is not None:
                     saved.append((module, function, current))
                     setattr(module, function, original)
+            if float64_recurrence and hasattr(module, "torch_chunk_gated_delta_rule"):
+                saved.append((module, "torch_chunk_gated_delta_rule", module.torch_chunk_gated_delta_rule))
+                module.torch_chunk_gated_delta_rule = _chunk_gated_delta_rule_in_input_dtype
         yield
     finally:
         for module, function, current in reversed(saved):
@@ -45,16 +70,17 @@ def torch_reference_kernels():
 
 
 def per_sequence_logprobs(model, sequences, *, compute_entropy: bool = False, temperature: float = 1.0,
-                          return_aux_loss: bool = False):
+                          return_aux_loss: bool = False, float64_recurrence: bool = False):
     """Log-probs ``[len(s_i) - 1]`` per sequence from one plain forward per sequence (pure-torch kernels).
 
     Returns ``(logprobs, entropies or None, aux_loss or None)``; the aux loss is the family's load-balancing
     loss over the router logits of all sequences together, as a padded batch would give.
+    ``float64_recurrence``: see :func:`torch_reference_kernels`.
     """
     device = model.get_input_embeddings().weight.device
     logprobs, entropies, router_logits = [], [], []
     decoder, head = model.get_decoder(), model.get_output_embeddings()
-    with torch_reference_kernels():
+    with torch_reference_kernels(float64_recurrence):
         for sequence in sequences:
             ids = torch.as_tensor(sequence, dtype=torch.long, device=device).unsqueeze(0)
             kwargs = {"output_router_logits": True} if return_aux_loss else {}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -89,7 +89,7 @@ class PatchHandle:
         if getattr(self.model, _PATCH_MARK, None) is self:
             delattr(self.model, _PATCH_MARK)
 
-    def __enter__(self) -> "PatchHandle":
+    def __enter__(self) -> PatchHandle:
         return self
 
     def __exit__(self, *exc) -> None:

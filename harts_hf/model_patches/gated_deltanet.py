@@ -7,7 +7,7 @@ Families differ only in how the input projections are laid out; each passes a ``
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -7,7 +7,7 @@ Building is linear in the input tokens: shared spans are compared with numpy, no
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -20,7 +20,7 @@ class _Segment:
 
     __slots__ = ("source", "start", "end", "depth", "parent", "children", "ends")
 
-    def __init__(self, source: int, start: int, end: int, depth: int, parent: "_Segment | None"):
+    def __init__(self, source: int, start: int, end: int, depth: int, parent: _Segment | None):
         self.source = source
         self.start = start
         self.end = end
@@ -107,7 +107,7 @@ class PrefixForest:
         self._packed = None
 
     @classmethod
-    def from_sequences(cls, sequences: Sequence, *, loss_masks: Sequence | None = None) -> "PrefixForest":
+    def from_sequences(cls, sequences: Sequence, *, loss_masks: Sequence | None = None) -> PrefixForest:
         """Build the forest of ``sequences`` (token-id lists or 1-D integer tensors, any lengths >= 1).
 
         ``loss_masks`` (optional): one 0/1 or bool mask per sequence, as long as the sequence; it is

@@ -68,7 +68,7 @@ class PackedForest:
     def device(self) -> torch.device:
         return self.input_ids.device
 
-    def to(self, device) -> "PackedForest":
+    def to(self, device) -> PackedForest:
         """A copy with every tensor on ``device`` (the cache of derived tables is dropped)."""
         values = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "_cache"}
         return PackedForest(**values)

@@ -1,7 +1,8 @@
 """The Workload container and the shared pieces of every generator.
 
 A workload is a batch of token sequences with their loss masks. Generators draw token spans with
-:class:`SpanDrawer`, whose spans never share a first token by chance, so prefixes merge only by design.
+:class:`SpanDrawer`: spans drawn fewer than ``vocab_size`` spans apart never share a first token, so
+prefixes merge only where the structure shares them, never by chance.
 """
 
 from __future__ import annotations

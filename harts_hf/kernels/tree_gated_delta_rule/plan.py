@@ -42,7 +42,7 @@ class GatedDeltaRound:
     def num_units(self) -> int:
         return len(self.initial_state)
 
-    def to(self, device) -> "GatedDeltaRound":
+    def to(self, device) -> GatedDeltaRound:
         return GatedDeltaRound(
             self.token_index.to(device), self.cu_seqlens.to(device), self.initial_state,
             self.output_position.to(device), self.output_token.to(device), self.saved_states, self.unit_ids)
@@ -57,7 +57,7 @@ class GatedDeltaPlan:
     rounds: list[GatedDeltaRound]
     stats: dict = field(default_factory=dict)
 
-    def to(self, device) -> "GatedDeltaPlan":
+    def to(self, device) -> GatedDeltaPlan:
         return GatedDeltaPlan(self.chunk_size, self.num_tokens, [r.to(device) for r in self.rounds], dict(self.stats))
 
 

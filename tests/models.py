@@ -1,0 +1,60 @@
+"""Tiny transformers models built from configs in code (no network): every family harts_hf patches."""
+
+import torch
+import transformers
+
+VOCAB = 97
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4)
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=16, max_position_embeddings=512, tie_word_embeddings=False)
+HYBRID_LAYERS = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+           router_aux_loss_coef=0.01)
+
+
+def _mild_decay(model):
+    """Decays as in trained checkpoints (A in [0.01, 1]) rather than transformers' random init (up to 16): with
+    A up to 16 the fp32 *reference's* A_log/dt_bias gradients alone carry ~1e-3 rounding (see test_tree_logprobs)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "A_log"):
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 1.0).log())
+    return model
+
+
+def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True):
+    """A tiny model of family ``name`` with seeded random weights, in eval mode."""
+    torch.manual_seed(seed)
+    if name == "qwen3_next":
+        config = transformers.Qwen3NextConfig(**COMMON, **LINEAR, layer_types=HYBRID_LAYERS,
+                                              mlp_only_layers=list(range(4)), num_hidden_layers=4)
+        model = transformers.Qwen3NextForCausalLM(config)
+    elif name == "qwen3_next_moe":
+        config = transformers.Qwen3NextConfig(**COMMON, **LINEAR, **MOE, layer_types=HYBRID_LAYERS, num_hidden_layers=4)
+        model = transformers.Qwen3NextForCausalLM(config)
+    elif name == "qwen3_5":
+        config = transformers.Qwen3_5TextConfig(**COMMON, **LINEAR, layer_types=HYBRID_LAYERS, num_hidden_layers=4)
+        model = transformers.Qwen3_5ForCausalLM(config)
+    elif name == "qwen3_5_vl":
+        text = dict(COMMON, **LINEAR, layer_types=HYBRID_LAYERS, num_hidden_layers=4)
+        vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32)
+        model = transformers.Qwen3_5ForConditionalGeneration(transformers.Qwen3_5Config(text_config=text, vision_config=vision))
+    elif name == "qwen3_5_moe":
+        moe = {k: v for k, v in MOE.items() if k != "router_aux_loss_coef"}
+        config = transformers.Qwen3_5MoeTextConfig(**COMMON, **LINEAR, **moe, layer_types=HYBRID_LAYERS, num_hidden_layers=4)
+        model = transformers.Qwen3_5MoeForCausalLM(config)
+    elif name == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, num_hidden_layers=2))
+    elif name == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, num_hidden_layers=2))
+    elif name == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, num_hidden_layers=2))
+    else:
+        raise ValueError(name)
+    if mild_decay:
+        _mild_decay(model)
+    return model.to(dtype).eval()
+
+
+FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "llama", "qwen2", "qwen3"]

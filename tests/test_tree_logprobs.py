@@ -1,0 +1,115 @@
+"""tree_logprobs against transformers' own model run one sequence at a time (pure-torch path), CPU.
+
+Tolerances (documented in the README): fp32 log-probs and entropies to 1e-5 relative; fp32 parameter
+gradients to 1e-4 in relative norm (A_log / dt_bias gradients are sums of many cancelling terms: the fp32
+reference itself moves by ~1e-5 there); fp64 gradients to 1e-5 with transformers' default A init (transformers' gated RMSNorm and MoE routing
+still round to fp32 inside).
+"""
+
+import random
+
+import pytest
+import torch
+
+from harts_hf import tree_logprobs
+from harts_hf.model_patches import apply_tree_patches
+from harts_hf.reference import per_sequence_logprobs
+from tests.forests import chunk_edge_sequences, random_tree_sequences
+from tests.models import FAMILIES, VOCAB, build
+
+MOE_FAMILIES = {"qwen3_next_moe", "qwen3_5_moe"}
+
+
+def compare(model, sequences, *, grad_tol, value_tol=1e-5, float64_recurrence=False, entropy=True,
+            temperature=1.0, aux=False):
+    tree = tree_logprobs(model, sequences, compute_entropy=entropy, return_aux_loss=aux, temperature=temperature)
+    ref_logprobs, ref_entropies, ref_aux = per_sequence_logprobs(
+        model, sequences, compute_entropy=entropy, return_aux_loss=aux, temperature=temperature,
+        float64_recurrence=float64_recurrence)
+    for a, b in zip(tree.logprobs, ref_logprobs):
+        torch.testing.assert_close(a, b, rtol=value_tol, atol=value_tol)
+    if entropy:
+        for a, b in zip(tree.entropies, ref_entropies):
+            torch.testing.assert_close(a, b, rtol=value_tol, atol=value_tol)
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(b.shape, generator=generator, dtype=b.dtype) for b in ref_logprobs]
+
+    def objective(logprobs, entropies, aux_loss):
+        total = sum((x * w).sum() for x, w in zip(logprobs, weights))
+        if entropy:
+            total = total + 0.1 * sum((x * w).sum() for x, w in zip(entropies, weights))
+        return total + (aux_loss if aux else 0)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    tree_grads = torch.autograd.grad(objective(tree.logprobs, tree.entropies, tree.aux_loss), params, allow_unused=True)
+    ref_grads = torch.autograd.grad(objective(ref_logprobs, ref_entropies, ref_aux), params, allow_unused=True)
+    worst = 0.0
+    for name, a, b in zip(names, tree_grads, ref_grads):
+        assert (a is None) == (b is None), name
+        if b is None or b.norm() == 0:
+            continue
+        error = ((a - b).norm() / b.norm()).item()
+        worst = max(worst, error)
+        assert error <= grad_tol, f"{name}: relative gradient error {error:.2e} > {grad_tol:.0e}"
+    if aux:
+        torch.testing.assert_close(tree.aux_loss, ref_aux, rtol=value_tol, atol=value_tol)
+    return tree, worst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_per_sequence_fp32(family):
+    model = build(family)
+    compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-4, aux=family in MOE_FAMILIES)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "llama"])
+def test_matches_per_sequence_fp64(family):
+    model = build(family, dtype=torch.float64, mild_decay=False)  # transformers' own init, decays up to 16
+    compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-5, value_tol=1e-7, float64_recurrence=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "qwen3_5"])
+def test_gradient_checkpointing_recomputes_the_same_plan(family, monkeypatch):
+    import harts_hf.model_patches.gated_deltanet as gated_deltanet
+
+    calls = []
+    original = gated_deltanet.tree_gdn_forward
+
+    def counting(module, hidden_states, tree, project):
+        calls.append(id(tree))
+        return original(module, hidden_states, tree, project)
+
+    monkeypatch.setattr(gated_deltanet, "tree_gdn_forward", counting)
+    model = build(family)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    compare(model, random_tree_sequences(random.Random(3), 12, vocab=VOCAB, max_tail=140), grad_tol=1e-4,
+            temperature=0.7, aux=family in MOE_FAMILIES)
+    # two linear-attention layers, each run in the forward and again in the backward, with the same metadata
+    assert len(calls) == 4 and len(set(calls)) == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_forests(seed):
+    model = build("qwen3_next", seed=seed)
+    compare(model, random_tree_sequences(random.Random(seed), 10, vocab=VOCAB, max_tail=100), grad_tol=1e-4)
+
+
+def test_revert_restores_bit_identical_behaviour():
+    model = build("qwen3_next_moe")
+    ids = torch.randint(0, VOCAB, (2, 37), generator=torch.Generator().manual_seed(0))
+    before = model(ids).logits
+    state_before = {id(m): dict(vars(m)) for m in model.modules()}
+    handle = apply_tree_patches(model)
+    assert len(handle.linear_modules) == 2 and len(handle.attention_modules) == 2
+    assert torch.equal(model(ids).logits, before), "patched model must be unchanged without tree metadata"
+    tree_logprobs(model, [[1, 2, 3], [1, 2, 4]])
+    handle.revert()
+    assert torch.equal(model(ids).logits, before)
+    for module in model.modules():
+        assert set(vars(module)) == set(state_before[id(module)]), type(module).__name__
+    with apply_tree_patches(model) as handle:
+        assert handle.active
+    assert not handle.active and "forward" not in vars(handle.linear_modules[0])
+
