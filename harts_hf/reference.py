@@ -94,8 +94,8 @@ def per_sequence_logprobs(model, sequences, *, compute_entropy: bool = False, te
                 router_logits.append(outputs.router_logits)
     aux_loss = None
     if return_aux_loss:
-        from .logprobs import _load_balancing_loss
+        from .model_patches.entry import load_balancing_loss
 
         layers = [torch.cat([per_sequence[layer] for per_sequence in router_logits]) for layer in range(len(router_logits[0]))]
-        aux_loss = _load_balancing_loss(model, layers, torch.ones(layers[0].shape[0], device=device))
+        aux_loss = load_balancing_loss(model, layers, torch.ones(layers[0].shape[0], device=device))
     return logprobs, (entropies if compute_entropy else None), aux_loss

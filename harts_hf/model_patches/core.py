@@ -3,7 +3,8 @@
 Only the token mixers change. Attention modules dispatch to the registered ``"harts_tree"`` attention
 function (through a per-module copy of the config, so the model's own config, masks and generation stay
 as they were); Gated DeltaNet modules get an instance-level ``forward`` that runs the tree kernels. Both
-fall through to the original code whenever the call carries no ``harts_tree`` keyword argument.
+fall through to the original code whenever the call carries no ``harts_tree`` keyword argument. The root
+model's ``forward`` also serves ``harts_tree_request`` calls (see ``entry.py``).
 """
 
 from __future__ import annotations
@@ -136,6 +137,9 @@ def apply_tree_patches(model) -> PatchHandle:
     if not handle.attention_modules and not handle.linear_modules:
         raise ValueError(f"found no {family.attention_classes + tuple(family.linear_classes)} modules in "
                          f"{type(model).__name__}; is this a {model_type} model?")
+    from .entry import wrap_root_forward
+
+    handle._set(model, "forward", wrap_root_forward(model, model.forward))
     handle._set(model, _PATCH_MARK, handle)
     return handle
 

@@ -1,0 +1,48 @@
+"""Log-probs (and entropies) of chosen tokens through the LM head, a chunk of rows at a time.
+
+Each chunk runs under activation checkpointing, so only one chunk's ``[rows, vocab]`` logits exist at a
+time, in the forward and again in the backward. The head is called as a module (ZeRO-3 / FSDP hooks
+fire). Math in fp32: ``z = head(h) / T``, ``logp = z[y] - logsumexp(z)``, ``H = -sum(p log p)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["chunked_logprobs"]
+
+
+def _score_chunk(head, hidden, labels, temperature: float, compute_entropy: bool, float32_head: bool):
+    if float32_head:
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = torch.nn.functional.linear(hidden.float(), head.weight.float(),
+                                                None if head.bias is None else head.bias.float())
+    else:
+        logits = head(hidden)
+    log_probs = (logits.float() / temperature).log_softmax(-1)
+    picked = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    if not compute_entropy:
+        return picked, picked.new_zeros(0)
+    return picked, -(log_probs.exp() * log_probs).sum(-1)
+
+
+def chunked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                     chunk_size: int = 4096, compute_entropy: bool = False,
+                     float32_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``hidden [N, H]`` through ``head`` (the LM head), ``labels [N]`` -> fp32 ``logprobs [N]`` and
+    ``entropies [N]`` (or None). ``float32_head``: project in fp32 outside autocast (TRL's cast_lm_head_to_fp32)."""
+    if hidden.shape[0] != labels.shape[0]:
+        raise ValueError(f"chunked_logprobs: {hidden.shape[0]} rows but {labels.shape[0]} labels")
+    logprobs, entropies = [], []
+    use_checkpoint = torch.is_grad_enabled() and hidden.shape[0] > chunk_size
+    for start in range(0, max(hidden.shape[0], 1), chunk_size):
+        rows = slice(start, start + chunk_size)
+        arguments = (head, hidden[rows], labels[rows], float(temperature), compute_entropy, float32_head)
+        if use_checkpoint:
+            picked, entropy = checkpoint(_score_chunk, *arguments, use_reentrant=False)
+        else:
+            picked, entropy = _score_chunk(*arguments)
+        logprobs.append(picked)
+        entropies.append(entropy)
+    return torch.cat(logprobs), (torch.cat(entropies) if compute_entropy else None)

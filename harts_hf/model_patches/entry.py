@@ -1,0 +1,103 @@
+"""The tree entry point on the model's own ``forward``: ``model(harts_tree_request=TreeRequest(...))``.
+
+Going through ``model(...)`` rather than calling the decoder directly keeps wrappers in the loop: DDP
+prepares its gradient all-reduce in its forward, DeepSpeed and FSDP run their hooks. Calls without the
+keyword go to the original ``forward`` untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import ModelOutput
+
+from ..kernels import TreeMetadata
+from ..kernels.chunked_logprobs import chunked_logprobs
+from .core import TREE_KWARG
+
+__all__ = ["TREE_REQUEST_KWARG", "TreeForwardOutput", "TreeRequest", "wrap_root_forward"]
+
+TREE_REQUEST_KWARG = "harts_tree_request"
+# A 4-D attention mask is passed through transformers' mask builders untouched; tree mixers ignore it.
+_TREE_MASK_PLACEHOLDER = torch.empty(1, 1, 0, 0, dtype=torch.bool)
+
+
+@dataclass
+class TreeRequest:
+    """What one tree forward computes.
+
+    ``tree``: the forest on the model's device; ``targets [n]`` (long): packed tokens whose log-prob is wanted
+    (each predicted from its parent's hidden row); ``temperature``; ``compute_entropy``; ``aux_loss``: return
+    the MoE load-balancing loss weighted by multiplicity; ``float32_head``: LM head in fp32; ``chunk_size``:
+    rows per LM-head chunk.
+    """
+
+    tree: TreeMetadata
+    targets: torch.Tensor
+    temperature: float = 1.0
+    compute_entropy: bool = False
+    aux_loss: bool = False
+    float32_head: bool = False
+    chunk_size: int = 4096
+
+
+@dataclass
+class TreeForwardOutput(ModelOutput):
+    """``logprobs [n]`` and ``entropies [n]`` (fp32) of the requested targets, ``aux_loss`` (or None)."""
+
+    logprobs: torch.Tensor | None = None
+    entropies: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+
+
+def wrap_root_forward(model, original_forward):
+    """The root model's instance-level ``forward``: serves tree requests, else calls ``original_forward``."""
+
+    @functools.wraps(original_forward)
+    def forward(*args, **kwargs):
+        request = kwargs.pop(TREE_REQUEST_KWARG, None)
+        if request is None:
+            return original_forward(*args, **kwargs)
+        if args or kwargs:
+            raise ValueError(f"a tree request takes no other inputs; got {len(args)} positional and {sorted(kwargs)}")
+        return run_tree_request(model, request)
+
+    return forward
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
+    """One decoder pass over the forest, then the LM head on the parents of ``request.targets``."""
+    packed = request.tree.packed
+    kwargs = {"output_router_logits": True} if request.aux_loss else {}
+    outputs = model.get_decoder()(
+        input_ids=packed.input_ids.unsqueeze(0),
+        position_ids=packed.position_ids.unsqueeze(0),
+        attention_mask=_TREE_MASK_PLACEHOLDER.to(packed.device),
+        use_cache=False,
+        **{TREE_KWARG: request.tree},
+        **kwargs,
+    )
+    hidden = outputs.last_hidden_state[0].index_select(0, packed.parent[request.targets])
+    logprobs, entropies = chunked_logprobs(
+        model.get_output_embeddings(), hidden, packed.input_ids[request.targets], temperature=request.temperature,
+        chunk_size=request.chunk_size, compute_entropy=request.compute_entropy, float32_head=request.float32_head)
+    aux_loss = None
+    if request.aux_loss:
+        aux_loss = load_balancing_loss(model, outputs.router_logits, packed.multiplicity)
+    return TreeForwardOutput(logprobs=logprobs, entropies=entropies, aux_loss=aux_loss)
+
+
+def load_balancing_loss(model, router_logits, weights: torch.Tensor) -> torch.Tensor:
+    """The family's own load-balancing loss with each router row weighted by ``weights`` (multiplicity)."""
+    config = _text_config(model)
+    loss_function = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
+    return loss_function(tuple(router_logits), config.num_experts, config.num_experts_per_tok,
+                         weights.unsqueeze(0).float())
