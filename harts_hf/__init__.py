@@ -6,7 +6,7 @@ gradient equals training each root-to-leaf trajectory on its own.
 
 __version__ = "0.1.0"
 
-__all__ = ["tree_logprobs"]
+__all__ = ["TreeGRPOConfig", "TreeGRPOTrainer", "tree_logprobs"]
 
 
 def __getattr__(name):
@@ -15,4 +15,8 @@ def __getattr__(name):
         from .logprobs import tree_logprobs
 
         return tree_logprobs
+    if name in ("TreeGRPOConfig", "TreeGRPOTrainer"):
+        from . import trainers
+
+        return getattr(trainers, name)
     raise AttributeError(f"module 'harts_hf' has no attribute {name!r}")

@@ -177,3 +177,15 @@ def test_build_is_linear_in_shared_prefix():
     stats = PrefixForest.from_sequences(sequences).stats()
     assert stats["unique_tokens"] == 20000 + 64 * 5
     assert stats["branch_points"] == 1
+
+
+def test_groups_keep_trees_apart():
+    sequences = [[1, 2, 3], [1, 2, 4], [1, 2, 3]]
+    shared = PrefixForest.from_sequences(sequences).stats()
+    apart = PrefixForest.from_sequences(sequences, groups=["a", "b", "a"]).stats()
+    assert shared["unique_tokens"] == 4 and apart["unique_tokens"] == 6
+    packed = PrefixForest.from_sequences(sequences, groups=["a", "b", "a"]).pack()
+    for i, sequence in enumerate(sequences):
+        assert packed.input_ids[packed.sequence_index(i)].tolist() == sequence
+    with pytest.raises(ValueError, match="groups has 1 entries"):
+        PrefixForest.from_sequences(sequences, groups=["a"])

@@ -46,11 +46,13 @@ class TreeRequest:
 
 @dataclass
 class TreeForwardOutput(ModelOutput):
-    """``logprobs [n]`` and ``entropies [n]`` (fp32) of the requested targets, ``aux_loss`` (or None)."""
+    """``logprobs [n]`` and ``entropies [n]`` (fp32) of the requested targets; with ``aux_loss`` requested, the
+    multiplicity-weighted load-balancing loss and the per-layer ``router_logits [U, experts]``."""
 
     logprobs: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
+    router_logits: tuple | None = None
 
 
 def wrap_root_forward(model, original_forward):
@@ -89,10 +91,11 @@ def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
     logprobs, entropies = chunked_logprobs(
         model.get_output_embeddings(), hidden, packed.input_ids[request.targets], temperature=request.temperature,
         chunk_size=request.chunk_size, compute_entropy=request.compute_entropy, float32_head=request.float32_head)
-    aux_loss = None
+    aux_loss = router_logits = None
     if request.aux_loss:
-        aux_loss = load_balancing_loss(model, outputs.router_logits, packed.multiplicity)
-    return TreeForwardOutput(logprobs=logprobs, entropies=entropies, aux_loss=aux_loss)
+        router_logits = tuple(outputs.router_logits)
+        aux_loss = load_balancing_loss(model, router_logits, packed.multiplicity)
+    return TreeForwardOutput(logprobs=logprobs, entropies=entropies, aux_loss=aux_loss, router_logits=router_logits)
 
 
 def load_balancing_loss(model, router_logits, weights: torch.Tensor) -> torch.Tensor:

@@ -1,1 +1,6 @@
-"""(filled in by its issue)"""
+"""TRL trainers on prefix trees: TreeGRPOConfig, TreeGRPOTrainer."""
+
+from .config import TreeGRPOConfig
+from .grpo import TreeGRPOTrainer
+
+__all__ = ["TreeGRPOConfig", "TreeGRPOTrainer"]

@@ -103,15 +103,18 @@ class PrefixForest:
     def __init__(self, arrays: list[np.ndarray], loss_masks: list[np.ndarray] | None, roots: dict[int, _Segment]):
         self._arrays = arrays
         self._loss_masks = loss_masks
-        self._roots = roots  # first token -> root segment; a segment's ``ends`` name the sequences ending there
+        self._roots = roots  # group -> first token -> root segment; a segment's ``ends`` name the sequences ending there
         self._packed = None
 
     @classmethod
-    def from_sequences(cls, sequences: Sequence, *, loss_masks: Sequence | None = None) -> PrefixForest:
+    def from_sequences(cls, sequences: Sequence, *, loss_masks: Sequence | None = None,
+                       groups: Sequence | None = None) -> PrefixForest:
         """Build the forest of ``sequences`` (token-id lists or 1-D integer tensors, any lengths >= 1).
 
         ``loss_masks`` (optional): one 0/1 or bool mask per sequence, as long as the sequence; it is
         carried to the packing (tokens that carry loss in at least one sequence).
+        ``groups`` (optional): one hashable label per sequence; sequences of different groups never share
+        tokens (separate trees), sequences of one group share their common prefixes.
         """
         if isinstance(sequences, torch.Tensor):
             raise TypeError(
@@ -130,9 +133,12 @@ class PrefixForest:
                 )
             masks = [_as_loss_mask(mask, index, len(array)) for index, (mask, array) in enumerate(zip(loss_masks, arrays))]
 
-        roots: dict[int, _Segment] = {}
+        if groups is not None and len(groups) != len(arrays):
+            raise ValueError(f"groups has {len(groups)} entries but sequences has {len(arrays)}; give one label per sequence.")
+        roots: dict = {}  # group label -> {first token -> root segment}
         for index, array in enumerate(arrays):
-            _insert(roots, arrays, index, array)
+            group = None if groups is None else groups[index]
+            _insert(roots.setdefault(group, {}), arrays, index, array)
         return cls(arrays, masks, roots)
 
     # ------------------------------------------------------------------ queries

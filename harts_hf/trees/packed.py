@@ -199,7 +199,8 @@ def pack_forest(forest) -> PackedForest:
     """Lay out ``forest`` (a :class:`PrefixForest`) in depth-first preorder; children in insertion order."""
     arrays = forest._arrays
     order, parent_of = [], []
-    stack = [(root, -1) for root in reversed(list(forest._roots.values()))]
+    roots = [root for group in forest._roots.values() for root in group.values()]
+    stack = [(root, -1) for root in reversed(roots)]
     while stack:
         segment, parent_index = stack.pop()
         index = len(order)

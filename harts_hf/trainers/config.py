@@ -1,0 +1,77 @@
+"""TreeGRPOConfig: GRPOConfig plus the switches of tree execution."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+__all__ = ["TreeGRPOConfig"]
+
+_GDN_BACKENDS = ("auto", "torch", "fla")
+_ATTENTION_BACKENDS = ("auto", "sdpa")
+
+
+@dataclass
+class TreeGRPOConfig(GRPOConfig):
+    r"""Configuration of [`TreeGRPOTrainer`]: every [`~trl.GRPOConfig`] field, plus the fields below.
+
+    With `use_tree=True` the policy, old and reference log-probs of each microbatch come from one forward over
+    the prefix forest of its sequences: shared prompt and history tokens are computed once, and the loss and
+    gradient equal per-trajectory training.
+    """
+
+    use_tree: bool = field(
+        default=True,
+        metadata={"help": "Compute log-probs over prefix trees (shared tokens once). False trains exactly like "
+                          "GRPOTrainer, e.g. for a model family without tree support."},
+    )
+    tree_token_budget: int | None = field(
+        default=None,
+        metadata={"help": "Most unique tokens in one tree forward. A microbatch whose forest is larger runs as "
+                          "several forwards over groups of whole sequences (in depth-first order, so siblings stay "
+                          "together). None: one forward per microbatch."},
+    )
+    tree_share_across_groups: bool = field(
+        default=True,
+        metadata={"help": "Let sequences of different prompts share tokens (e.g. a common system prompt is "
+                          "computed once for the whole microbatch). False builds one tree per prompt."},
+    )
+    tree_keep_groups_together: bool = field(
+        default=True,
+        metadata={"help": "Shuffle the generation batch by prompt group instead of by row, so each microbatch "
+                          "holds whole groups and siblings share their prefix. False keeps TRL's row shuffle."},
+    )
+    tree_gdn_backend: str = field(
+        default="auto",
+        metadata={"help": "Gated-delta-rule kernel for tree execution: 'auto' (fla on CUDA when installed, "
+                          "else PyTorch), 'torch' or 'fla'.", "choices": list(_GDN_BACKENDS)},
+    )
+    tree_attention_backend: str = field(
+        default="auto",
+        metadata={"help": "Softmax-attention kernel for tree execution: 'auto' or 'sdpa'.",
+                  "choices": list(_ATTENTION_BACKENDS)},
+    )
+    tree_head_chunk_size: int = field(
+        default=4096,
+        metadata={"help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.tree_token_budget is not None and self.tree_token_budget < 1:
+            raise ValueError(f"tree_token_budget must be a positive number of tokens or None, got "
+                             f"{self.tree_token_budget}.")
+        if self.tree_gdn_backend not in _GDN_BACKENDS:
+            raise ValueError(f"tree_gdn_backend must be one of {_GDN_BACKENDS}, got {self.tree_gdn_backend!r}.")
+        if self.tree_attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"tree_attention_backend must be one of {_ATTENTION_BACKENDS}, got "
+                             f"{self.tree_attention_backend!r}.")
+        if self.tree_head_chunk_size < 1:
+            raise ValueError(f"tree_head_chunk_size must be >= 1, got {self.tree_head_chunk_size}.")
+        if self.use_tree and self.use_liger_kernel:
+            raise ValueError("use_tree=True and use_liger_kernel=True both replace how log-probs are computed; set "
+                             "use_liger_kernel=False to train on trees, or use_tree=False to keep Liger.")
+        if self.use_tree and getattr(self, "padding_free", False):
+            raise ValueError("padding_free=True packs rows TRL's way; tree execution already computes each token "
+                             "once without padding. Set padding_free=False (or use_tree=False).")
