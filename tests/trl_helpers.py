@@ -1,0 +1,73 @@
+"""In-code pieces for TRL trainer tests: a character tokenizer with a chat template, a saved tiny model,
+a prompt dataset, and a deterministic ``generate`` that yields branching completion groups."""
+
+import random
+from collections import defaultdict
+
+import torch
+from datasets import Dataset
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 +-*/=?.,:!<>()[]{}\"'\n_")
+CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {token: i for i, token in enumerate(SPECIAL + CHARS + ["<unk>"])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        unk_token="<unk>", additional_special_tokens=SPECIAL[1:2])
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def prompt_dataset(n: int = 16, seed: int = 0) -> Dataset:
+    rng = random.Random(seed)
+    prompts = [f"{rng.randint(0, 99)}+{rng.randint(0, 99)}=" for _ in range(n)]
+    return Dataset.from_dict({"prompt": prompts})
+
+
+def length_reward(completions, **kwargs):
+    """A verifiable toy reward with spread inside every group: 1 for even length, else the digit share."""
+    return [1.0 if len(c) % 2 == 0 else sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def branching_completions(prompt: tuple, k: int, eos: int, low: int, high: int, width: int = 24) -> list[int]:
+    """The k-th completion of a prompt: k=0,1 identical; k=2 a prefix of them; k=3 EOS only (empty);
+    later ones fork off the shared draft at random depths (so groups form real trees)."""
+    rng = random.Random(hash(prompt) % (2**31))
+    draft = [rng.randrange(low, high) for _ in range(width)]
+    if k in (0, 1):
+        return draft + [eos]
+    if k == 2:
+        return draft[:5] + [eos]
+    if k == 3:
+        return [eos]
+    branch = random.Random(hash((prompt, k)) % (2**31))
+    cut = branch.randint(1, width - 1)
+    return draft[:cut] + [branch.randrange(low, high) for _ in range(branch.randint(1, 8))] + [eos]
+
+
+def patch_generate(model, tokenizer):
+    """Replace ``model.generate`` by the deterministic :func:`branching_completions` (per prompt group)."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    low, high = len(SPECIAL), len(SPECIAL) + len(CHARS)
+
+    def generate(input_ids=None, attention_mask=None, **kwargs):
+        seen = defaultdict(int)
+        completions = []
+        for row, mask in zip(input_ids, attention_mask):
+            prompt = tuple(row[mask.bool()].tolist())
+            completions.append(branching_completions(prompt, seen[prompt], eos, low, high))
+            seen[prompt] += 1
+        width = max(len(c) for c in completions)
+        padded = torch.tensor([c + [pad] * (width - len(c)) for c in completions], device=input_ids.device)
+        return torch.cat([input_ids, padded], dim=1)
+
+    model.generate = generate
+    return model
