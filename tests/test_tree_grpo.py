@@ -102,3 +102,116 @@ def test_options_match_grpo_trainer(saved_model, tmp_path, options):
     for key, value in tree_only.items():
         setattr(tree.args, key, value)
     assert_same_loss_and_grads(base, tree)
+
+
+def test_training_steps_give_the_same_parameters(saved_model, tmp_path):
+    """Three optimizer steps of two microbatches each (generation every step, siblings shuffled as TRL does)."""
+    base, tree = make_trainers(saved_model, tmp_path, max_steps=3, per_device_train_batch_size=6,
+                               gradient_accumulation_steps=2)
+    start = {name: p.detach().clone() for name, p in base.model.named_parameters()}
+    for trainer in (base, tree):
+        torch.manual_seed(0)  # the same row shuffles in both runs
+        trainer.train()
+    errors = {}
+    for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
+        step_base, step_tree = a.detach() - start[name], b.detach() - start[name]
+        if step_base.norm() > 0:
+            errors[name] = ((step_tree - step_base).norm() / step_base.norm()).item()
+        # the same parameters, up to fp32 noise on the parameter and on the step it took
+        assert (b - a).norm() <= 1e-5 * a.norm() + 1e-3 * step_base.norm(), name
+    logged = [entry for entry in tree.state.log_history if "tree/R_tok" in entry]
+    assert len(logged) == 3
+    assert all(entry["tree/R_tok"] > 1.5 and entry["tree/unique_tokens"] < entry["tree/path_tokens"] for entry in logged)
+    assert all(key in logged[0] for key in ("tree/rounds", "tree/replay_tokens", "tree/R_att"))
+
+
+def branching_rollout(prompts, trainer):
+    """A rollout_func whose groups are real trees, with an identical pair and one completion that is all padding.
+
+    (An empty completion list is not tested here: TRL 1.16 itself indexes ``ids[-1]`` on it; the EOS-only
+    completion of ``patch_generate`` covers the empty answer.)"""
+    tokenizer = trainer.processing_class
+    eos = tokenizer.eos_token_id
+    from tests.trl_helpers import CHARS, SPECIAL, branching_completions
+
+    output = {"prompt_ids": [], "completion_ids": [], "logprobs": []}
+    seen = {}
+    for prompt in prompts:  # TRL passes one entry per completion (each prompt num_generations times)
+        ids = tokenizer(prompt)["input_ids"]
+        k = seen[prompt] = seen.get(prompt, -1) + 1
+        if k == 3:
+            completion = [tokenizer.pad_token_id] * 3
+        else:
+            completion = branching_completions(tuple(ids), k, eos, len(SPECIAL), len(SPECIAL) + len(CHARS))
+        output["prompt_ids"].append(ids)
+        output["completion_ids"].append(completion)
+        output["logprobs"].append([0.0] * len(completion))
+    return output
+
+
+def test_rollout_func_with_branching_and_empty_completions(saved_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tokenizer = char_tokenizer()
+    args = dict(BASE_ARGS, output_dir=str(tmp_path))
+    trainers = []
+    for trainer_class, config_class, extra in [(GRPOTrainer, GRPOConfig, {}),
+                                               (TreeGRPOTrainer, TreeGRPOConfig, {"tree_keep_groups_together": False})]:
+        model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
+        trainers.append(trainer_class(model, reward_funcs=length_reward, args=config_class(**args, **extra),
+                                      train_dataset=prompt_dataset(8), processing_class=tokenizer,
+                                      rollout_func=branching_rollout))
+    base, tree = trainers
+    loss, _ = assert_same_loss_and_grads(base, tree)
+    assert torch.isfinite(torch.tensor(loss))
+
+
+def test_group_shuffle_keeps_groups_together():
+    from harts_hf.trainers.grpo import _group_permutation
+
+    prompts = torch.tensor([[0, 5], [0, 5], [6, 7], [6, 7], [0, 5], [6, 7]])
+    completions = torch.tensor([[3, 1], [1, 2], [2, 2], [1, 1], [1, 1], [3, 3]])
+    batch = {"prompt_ids": prompts, "prompt_mask": torch.tensor([[0, 1]] * 6), "completion_ids": completions,
+             "completion_mask": torch.ones(6, 2, dtype=torch.long)}
+    order = _group_permutation(batch).tolist()
+    assert sorted(order) == list(range(6))
+    groups = [prompts[i].tolist() for i in order]
+    assert groups[:3] == [groups[0]] * 3 and groups[3:] == [groups[3]] * 3  # contiguous groups
+    for half in (order[:3], order[3:]):  # siblings in token order (shared prefixes adjacent)
+        assert [completions[i].tolist() for i in half] == sorted(completions[i].tolist() for i in half)
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_unsupported_model_type_and_switch_off(tmp_path):
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=70, n_embd=16, n_layer=1, n_head=2, n_positions=128)
+    model = transformers.GPT2LMHeadModel(config)
+    args = dict(BASE_ARGS, output_dir=str(tmp_path))
+    with pytest.raises(ValueError) as info:
+        TreeGRPOTrainer(model, reward_funcs=length_reward, args=TreeGRPOConfig(**args), train_dataset=prompt_dataset(4),
+                        processing_class=char_tokenizer())
+    assert "qwen3_next" in str(info.value) and "use_tree=False" in str(info.value)
+    trainer = TreeGRPOTrainer(model, reward_funcs=length_reward, args=TreeGRPOConfig(**args, use_tree=False),
+                              train_dataset=prompt_dataset(4), processing_class=char_tokenizer())
+    assert trainer._tree_handles == []
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(use_liger_kernel=True), ["use_liger_kernel=False", "use_tree=False"]),
+    (dict(tree_token_budget=0), ["tree_token_budget"]),
+    (dict(tree_gdn_backend="cuda"), ["tree_gdn_backend", "'fla'"]),
+    (dict(tree_attention_backend="flex"), ["tree_attention_backend"]),
+    (dict(tree_head_chunk_size=0), ["tree_head_chunk_size"]),
+])
+def test_contradictory_config_is_refused(tmp_path, fields, words):
+    with pytest.raises(ValueError) as info:
+        TreeGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", **fields)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_plain_grpo_config_is_refused(saved_model, tmp_path):
+    model = AutoModelForCausalLM.from_pretrained(saved_model)
+    with pytest.raises(TypeError, match="TreeGRPOConfig"):
+        TreeGRPOTrainer(model, reward_funcs=length_reward, args=GRPOConfig(**dict(BASE_ARGS, output_dir=str(tmp_path))),
+                        train_dataset=prompt_dataset(4), processing_class=char_tokenizer())
