@@ -140,3 +140,26 @@ def test_bad_shapes():
         tree_gated_delta_rule(q[:2], q[:2], torch.randn(2, 2, 4), torch.zeros(2, 2), torch.zeros(2, 2), plan)
     with pytest.raises(ValueError, match="HQ % HKV"):
         tree_attention(torch.randn(3, 3, 4), torch.randn(3, 2, 4), torch.randn(3, 2, 4), packed.subtree_end)
+
+
+@pytest.mark.parametrize("chunk_size", [3, 1000])
+def test_chunked_logprobs_match_full_softmax(chunk_size):
+    from harts_hf.kernels.chunked_logprobs import chunked_logprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=True).double()
+    hidden = torch.randn(10, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 11, (10,))
+    logprobs, entropies = chunked_logprobs(head, hidden, labels, temperature=0.7, chunk_size=chunk_size,
+                                           compute_entropy=True)
+    log_probs = (head(hidden).float() / 0.7).log_softmax(-1)
+    expected = log_probs.gather(-1, labels[:, None])[:, 0]
+    expected_entropy = -(log_probs.exp() * log_probs).sum(-1)
+    torch.testing.assert_close(logprobs, expected)
+    torch.testing.assert_close(entropies, expected_entropy)
+    weights = torch.randn(10), torch.randn(10)
+    inputs = (hidden, head.weight, head.bias)
+    got = torch.autograd.grad((logprobs * weights[0]).sum() + (entropies * weights[1]).sum(), inputs)
+    want = torch.autograd.grad((expected * weights[0]).sum() + (expected_entropy * weights[1]).sum(), inputs)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
