@@ -41,7 +41,7 @@ def tree_gated_delta_rule_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: 
             q[index].unsqueeze(0), k[index].unsqueeze(0), v[index].unsqueeze(0),
             g[index].unsqueeze(0).float(), beta[index].unsqueeze(0),
             scale=scale, initial_state=initial, output_final_state=True,
-            cu_seqlens=round_.cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+            cu_seqlens=round_.cu_seqlens.long(), use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
         for slot, _, key in round_.saved_states:
             states[key] = final[slot]
         out_tokens.append(round_.output_token)

@@ -1,0 +1,191 @@
+"""GPU (bf16) parity and a first timing of tree execution against per-trajectory execution.
+
+    python benchmarks/gpu_parity.py --out results/        # on the H200 (see ../shared/device/README.md)
+
+1. Kernel: tree gated delta rule, backend "fla" (one varlen fla call per round) against "torch" (fp32) and
+   against per-path fla calls, outputs and input gradients.
+2. Model: a Qwen3-Next-style model in bf16; per-token log-prob differences and per-parameter gradient cosine of
+   tree vs per-trajectory, next to per-trajectory vs its own rerun.
+3. Timing: forward+backward of both paths on the same batch (gradient checkpointing on), with R_tok.
+Prints a short table last and writes everything to <out>/gpu_parity.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+
+def quantiles(values: torch.Tensor) -> dict:
+    values = values.float().flatten().cpu()
+    if values.numel() == 0:
+        return {}
+    q = torch.tensor([0.5, 0.9, 0.99, 1.0])
+    return dict(zip(["p50", "p90", "p99", "max"], torch.quantile(values[:1_000_000], q).tolist()))
+
+
+def kernel_parity(results: dict) -> None:
+    import random
+
+    from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
+    from harts_hf.trees import PrefixForest
+    from tests.forests import random_tree_sequences
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    sequences = random_tree_sequences(random.Random(0), 24, vocab=7, max_tail=700)
+    packed = PrefixForest.from_sequences(sequences).pack().to("cuda")
+    U, HK, HV, K, V = packed.num_tokens, 4, 8, 128, 128
+    torch.manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = make(U, HK, K).requires_grad_(), make(U, HK, K).requires_grad_(), make(U, HV, V).requires_grad_()
+    g = (-torch.rand(U, HV, device="cuda") * 0.2).requires_grad_()
+    beta = torch.rand(U, HV, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    inputs = (q, k, v, g, beta)
+    weight = torch.randn(U, HV, V, device="cuda")
+
+    def grads(out):
+        return torch.autograd.grad((out.float() * weight).sum(), inputs)
+
+    outs = {}
+    for backend in ("fla", "torch"):
+        plan = build_gated_delta_plan(packed.to("cpu"), final_states_only=backend == "fla").to("cuda")
+        out = tree_gated_delta_rule(q, k, v, g, beta, plan, use_qk_l2norm_in_kernel=True, backend=backend)
+        outs[backend] = (out, grads(out))
+        results[f"kernel_plan_{backend}"] = plan.stats
+    # per-path fla calls (zero initial state), scattered back by the first path through each token
+    path_out = torch.zeros(U, HV, V, device="cuda", dtype=torch.float32)
+    path_grads = [torch.zeros_like(x, dtype=torch.float32) for x in inputs]
+    seen = torch.zeros(U, dtype=torch.bool, device="cuda")
+    for i in range(packed.num_sequences):
+        index = packed.sequence_index(i)
+        leaf = [x[index].detach().clone().requires_grad_() for x in inputs]
+        o, _ = chunk_gated_delta_rule(*(x.unsqueeze(0) for x in leaf), use_qk_l2norm_in_kernel=True)
+        new = ~seen[index]
+        path_out[index[new]] = o[0][new].float()
+        seen[index] = True
+    kernel = {}
+    reference = outs["torch"][0].float()
+    for name, value in (("fla_tree", outs["fla"][0].float()), ("fla_per_path", path_out)):
+        kernel[f"{name}_vs_torch_fp32_out_rel"] = ((value - reference).norm() / reference.norm()).item()
+    for j, name in enumerate(("q", "k", "v", "g", "beta")):
+        a, b = outs["fla"][1][j].float(), outs["torch"][1][j].float()
+        kernel[f"grad_{name}_fla_tree_vs_torch_rel"] = ((a - b).norm() / b.norm()).item()
+    results["kernel"] = kernel
+
+
+def build_model(hidden=1024, layers=8, vocab=151936):
+    import transformers
+
+    config = transformers.Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=layers,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=8,
+        linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4),
+        mlp_only_layers=list(range(layers)), max_position_embeddings=262144, router_aux_loss_coef=0.0)
+    torch.manual_seed(0)
+    model = transformers.Qwen3NextForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "A_log"):
+                module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 1.0).log())
+    return model
+
+
+def per_trajectory(model, sequences, weights):
+    """Each trajectory alone through the unpatched forward (transformers' fla kernels): log-probs + grads."""
+    model.zero_grad(set_to_none=True)
+    logprobs = []
+    for sequence, weight in zip(sequences, weights):
+        ids = torch.tensor(sequence, device="cuda").unsqueeze(0)
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        logits = model.lm_head(hidden).float()
+        lp = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
+        (lp * weight).sum().backward()
+        logprobs.append(lp.detach())
+    return torch.cat(logprobs), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def tree_path(model, sequences, weights):
+    from harts_hf import tree_logprobs
+
+    model.zero_grad(set_to_none=True)
+    out = tree_logprobs(model, sequences)
+    sum((lp * w).sum() for lp, w in zip(out.logprobs, weights)).backward()
+    return torch.cat([lp.detach() for lp in out.logprobs]), \
+        {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}, out.stats
+
+
+def model_parity(results: dict, scale: float) -> None:
+    from harts_hf.workloads import make_workload
+
+    model = build_model()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    workload = make_workload("swe", scale=scale, seed=0)
+    sequences = workload.sequences
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    weights = [torch.randn(len(s) - 1, device="cuda", generator=generator) for s in sequences]
+    base_a, grads_a = per_trajectory(model, sequences, weights)
+    base_b, grads_b = per_trajectory(model, sequences, weights)
+    tree, grads_t, stats = tree_path(model, sequences, weights)
+
+    def cosines(x, y):
+        return torch.tensor([torch.nn.functional.cosine_similarity(x[n].flatten().float(), y[n].flatten().float(), 0).item()
+                             for n in x])
+
+    results["model"] = {
+        "stats": stats,
+        "logprob_absdiff_tree_vs_baseline": quantiles((tree - base_a).abs()),
+        "logprob_absdiff_baseline_rerun": quantiles((base_b - base_a).abs()),
+        "grad_cosine_tree_vs_baseline_min": cosines(grads_t, grads_a).min().item(),
+        "grad_cosine_baseline_rerun_min": cosines(grads_b, grads_a).min().item(),
+        "grad_one_minus_cosine_tree": quantiles(1 - cosines(grads_t, grads_a)),
+        "grad_one_minus_cosine_rerun": quantiles(1 - cosines(grads_b, grads_a)),
+    }
+    # timing (fwd + bwd), warm
+    timings = {}
+    for name, run in (("per_trajectory", lambda: per_trajectory(model, sequences, weights)),
+                      ("tree", lambda: tree_path(model, sequences, weights))):
+        run()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        timings[name] = {"seconds": (time.perf_counter() - start) / 2,
+                         "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    timings["speedup"] = timings["per_trajectory"]["seconds"] / timings["tree"]["seconds"]
+    results["timing"] = timings
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--scale", type=float, default=0.02)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    import transformers
+
+    results["transformers"] = transformers.__version__
+    for name, step in (("kernel", kernel_parity), ("model", lambda r: model_parity(r, args.scale))):
+        start = time.perf_counter()
+        try:
+            step(results)
+        except Exception:  # keep going: report what broke and where
+            results[f"{name}_error"] = traceback.format_exc()
+            print(results[f"{name}_error"])
+        results[f"{name}_wall_s"] = time.perf_counter() - start
+        (out / "gpu_parity.json").write_text(json.dumps(results, indent=2, default=str))
+    print(json.dumps({k: v for k, v in results.items() if not k.endswith("_error")}, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
