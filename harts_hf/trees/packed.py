@@ -165,6 +165,8 @@ class PackedForest:
         ``depth_segments`` = most segments on one root-to-end path; ``branch_points`` = tokens with two or more
         children; ``unaligned_branch_points`` = those whose children do not start on a ``chunk_size`` boundary.
         """
+        if self.device.type != "cpu":
+            return self.to("cpu").stats(chunk_size)
         lengths = self.sequence_lengths.double()
         path_tokens = int(self.sequence_lengths.sum())
         unique = self.num_tokens
