@@ -1,28 +1,33 @@
 """Train a hybrid-attention LM (Qwen3-Next: Gated DeltaNet + attention) with GRPO on prefix trees.
 
-With no arguments this runs on a CPU in a few minutes: it builds a tiny, randomly initialised Qwen3-Next
-(4 layers, 3 Gated DeltaNet : 1 attention, hidden size 64) around Qwen3's real tokenizer, trains it with
+With no arguments this runs on a CPU in about a minute: it builds a tiny, randomly initialised Qwen3-Next
+(4 layers, 3 Gated DeltaNet : 1 attention, hidden size 64, 9.9M parameters, most of them the embedding of
+Qwen3's 151k-token vocabulary) around Qwen3's real tokenizer, trains it for 10 steps with
 ``harts_hf.TreeGRPOTrainer`` on arithmetic prompts with a verifiable reward, prints one table row per step
 (reward, completion length, tree compression R_tok = path tokens / unique tokens) and saves the final
-checkpoint (model + tokenizer), loadable with plain ``transformers``.
+checkpoint (model + tokenizer), which loads with plain ``transformers`` (no harts_hf needed).
 
-All prompts share one system prompt, so every microbatch is one prefix forest: the system prompt is computed
-once for all rows, each user turn once per group of ``--num-generations`` completions.
+All prompts share one system prompt, so each microbatch is one prefix forest: the system prompt is computed
+once for all its rows, each user turn once per group of ``--num-generations`` completions.
 
-Usage::
+Usage, from the repository root::
 
-    python examples/train_tree_grpo.py                          # tiny model, CPU, ~2 minutes
-    python examples/train_tree_grpo.py --no-tree                # same run as plain TRL GRPOTrainer would do it
-    python examples/train_tree_grpo.py --model Qwen/Qwen3-Next-80B-A3B-Instruct --bf16 ...   # a real model
+    python examples/train_tree_grpo.py                       # tiny model on the CPU
+    python examples/train_tree_grpo.py --no-tree             # the same run through TRL's own log-prob code
+    python examples/train_tree_grpo.py --model PATH_OR_HUB_ID --bf16 --steps 200 --max-completion-length 256
 
-On GPUs (one process per GPU; CUDA is detected, nothing here forces the CPU)::
+On GPUs, one process per GPU (CUDA is detected; nothing here forces the CPU)::
 
     accelerate launch --config_file examples/accelerate_ddp.yaml examples/train_tree_grpo.py --bf16
     accelerate launch --config_file examples/accelerate_deepspeed_zero2.yaml examples/train_tree_grpo.py --bf16
-    # or, without an accelerate config: --deepspeed examples/deepspeed_zero2.json (with torchrun / accelerate launch)
+    torchrun --nproc_per_node 2 examples/train_tree_grpo.py --bf16 --deepspeed examples/deepspeed_zero2.json
 
-The tiny model learns little in a few steps; the run shows the plumbing, the per-step metrics and the saving.
-Point ``--model`` at a real checkpoint (and raise ``--steps`` / ``--max-completion-length``) to train for real.
+``--model`` takes any causal LM whose model type harts_hf patches (Qwen3-Next, Qwen3.5, ...; ``--no-tree`` for
+the others). Its chat template formats the prompts; a MoE model keeps its own ``router_aux_loss_coef``.
+
+The random tiny model needs far more than 10 steps to learn arithmetic: its reward stays flat (the small
+format reward only makes sure completions in a group differ, so that GRPO has advantages to work with). The
+run shows the wiring, the per-step metrics and the saved checkpoint.
 """
 
 from __future__ import annotations
@@ -79,7 +84,7 @@ def correct_reward(completions, answer, **kwargs) -> list[float]:
 
 def format_reward(completions, **kwargs) -> list[float]:
     """Dense shaping, at most 0.2, so that a random model's completions already differ in reward: the share of
-    digits in the stripped completion (0.15 at most) plus a little for plain ASCII (0.05 at most)."""
+    digits and minus signs in the stripped completion (0.15 at most) plus a little for plain ASCII (0.05 at most)."""
     rewards = []
     for completion in completions:
         text = _text(completion).strip()
@@ -160,27 +165,30 @@ class StepTable(TrainerCallback):
 
 # ---------------------------------------------------------------------------------------------- main
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--output-dir", default="outputs/tree-grpo-tiny", help="where the final checkpoint goes")
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", default="outputs/tree-grpo-tiny",
+                        help="where the final checkpoint goes (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--model", default=None,
-                        help="path or hub id of a model to train; default: a tiny random Qwen3-Next built in code")
-    parser.add_argument("--num-generations", type=int, default=4, help="completions per prompt (GRPO group size)")
-    parser.add_argument("--prompts-per-step", type=int, default=2, help="prompt groups per device and step")
-    parser.add_argument("--max-completion-length", type=int, default=32, help="most tokens per completion")
+                        help="path or hub id of the model to train (default: a tiny random Qwen3-Next built here)")
+    parser.add_argument("--num-generations", type=int, default=4,
+                        help="completions per prompt, the GRPO group (default: %(default)s)")
+    parser.add_argument("--prompts-per-step", type=int, default=2,
+                        help="prompt groups per device and step (default: %(default)s)")
+    parser.add_argument("--max-completion-length", type=int, default=32,
+                        help="most tokens per completion (default: %(default)s)")
     parser.add_argument("--learning-rate", type=float, default=None,
-                        help="default: 1e-3 for the tiny random model, 1e-6 for --model")
+                        help="(default: 1e-3 for the tiny random model, 1e-6 with --model)")
     parser.add_argument("--use-tree", dest="use_tree", action="store_true", default=True,
-                        help="log-probs over prefix trees (shared tokens computed once)")
+                        help="log-probs over prefix trees, shared tokens computed once (the default)")
     parser.add_argument("--no-tree", dest="use_tree", action="store_false",
-                        help="per-row log-probs, exactly as trl.GRPOTrainer")
+                        help="per-row log-probs, exactly as trl.GRPOTrainer computes them")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPUs)")
     parser.add_argument("--deepspeed", default=None, metavar="CONFIG",
-                        help="DeepSpeed config file, passed to the trainer (e.g. examples/deepspeed_zero2.json)")
-    parser.add_argument("--hub-model-id", default=None,
+                        help="DeepSpeed config file for the trainer, e.g. examples/deepspeed_zero2.json")
+    parser.add_argument("--hub-model-id", default=None, metavar="REPO_ID",
                         help="also push the final checkpoint to this Hub repo (needs a write token)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -219,8 +227,7 @@ def main(argv=None) -> None:
     )
 
     if args.model:
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
-        model = args.model  # TRL loads it (dtype, device placement, DeepSpeed) from config.model_init_kwargs
+        model, tokenizer = args.model, None  # TRL loads both (fp32 weights; --bf16 autocasts; DeepSpeed-aware)
     else:
         tokenizer = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
         model = tiny_qwen3_next(tokenizer, seed=args.seed)

@@ -163,3 +163,23 @@ def test_chunked_logprobs_match_full_softmax(chunk_size):
     want = torch.autograd.grad((expected * weights[0]).sum() + (expected_entropy * weights[1]).sum(), inputs)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", list(FORESTS))
+def test_varlen_layout_gives_ancestor_or_self_visibility(name):
+    """The varlen path's key rows under bottom-right causal alignment are exactly each token's root path."""
+    from harts_hf.kernels import build_varlen_layout
+
+    packed = PrefixForest.from_sequences(FORESTS[name]).pack()
+    layout = build_varlen_layout(packed)
+    parent = packed.parent.tolist()
+    assert layout.cu_q[-1].item() == packed.num_tokens
+    for run in range(layout.cu_q.shape[0] - 1):
+        queries = range(layout.cu_q[run].item(), layout.cu_q[run + 1].item())
+        keys = layout.key_index[layout.cu_k[run]:layout.cu_k[run + 1]].tolist()
+        for i, query in enumerate(queries):
+            chain, token = [], query
+            while token >= 0:
+                chain.append(token)
+                token = parent[token]
+            assert keys[: len(keys) - len(queries) + i + 1] == chain[::-1]

@@ -232,8 +232,37 @@ def _canonical(inputs):
     return {k: v[order] if isinstance(v, torch.Tensor) and v.ndim else v for k, v in inputs.items()}
 
 
-def assert_tool_batches_match(base, tree, rtol=1e-5, grad_rtol=1e-4):
+def _compare_loss_and_grads(base, tree, inputs_base, inputs_tree, rtol, grad_rtol):
+    """compute_loss + backward on both; the losses and every parameter gradient must agree.
+    Returns (TRL's loss, |loss difference|, worst relative gradient error)."""
+    for model in (base.model, tree.model):
+        model.zero_grad(set_to_none=True)
+    loss_base = base.compute_loss(base.model, inputs_base)
+    loss_tree = tree.compute_loss(tree.model, inputs_tree)
+    torch.testing.assert_close(loss_tree, loss_base, rtol=rtol, atol=rtol)
+    loss_base.backward()
+    loss_tree.backward()
+    worst, nonzero = 0.0, 0
+    for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is None or a.grad.norm() == 0:
+            assert b.grad is None or b.grad.norm() == 0, name
+            continue
+        nonzero += 1
+        error = ((a.grad - b.grad).norm() / a.grad.norm()).item()
+        worst = max(worst, error)
+        assert error < grad_rtol, f"{name}: relative gradient error {error:.2e}"
+    assert nonzero > 0
+    return loss_base.item(), (loss_tree - loss_base).abs().item(), worst
+
+
+def assert_tool_batches_match(base, tree, rtol=1e-5, grad_rtol=1e-4, step_lr=0.5):
     """Same completions, tool masks, advantages and old/ref log-probs; same loss; every gradient equal.
+
+    At the first iteration the importance ratio is exactly 1 (and the KL exactly 0), so the loss *value* is
+    -mean(advantage) in both trainers whatever the log-probs; only the gradients test them. With old or reference
+    log-probs in play, both models then take the same SGD step (TRL's gradients, ``step_lr``) and the loss and
+    gradients are compared again on the same batch: TRL's second iteration, with ratios != 1 and KL > 0.
     Returns the measured differences and TRL's inputs."""
     inputs_base, inputs_tree = prepared(base), prepared(tree)
     # the scripted generate was driven as intended, in both trainers: the first turn for all 8 rows, tool round 1
@@ -252,24 +281,17 @@ def assert_tool_batches_match(base, tree, rtol=1e-5, grad_rtol=1e-4):
         if a is not None:  # TRL's values on tool-result tokens are never used; compare where the loss looks
             torch.testing.assert_close(b[loss_mask], a[loss_mask], rtol=rtol, atol=rtol)
             stats[key] = (b[loss_mask] - a[loss_mask]).abs().max().item()
-    loss_base = base.compute_loss(base.model, inputs_base)
-    loss_tree = tree.compute_loss(tree.model, inputs_tree)
-    torch.testing.assert_close(loss_tree, loss_base, rtol=rtol, atol=rtol)
-    stats["loss"], stats["loss_diff"] = loss_base.item(), (loss_tree - loss_base).abs().item()
-    loss_base.backward()
-    loss_tree.backward()
-    worst, nonzero = 0.0, 0
-    for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
-        assert (a.grad is None) == (b.grad is None), name
-        if a.grad is None or a.grad.norm() == 0:
-            assert b.grad is None or b.grad.norm() == 0, name
-            continue
-        nonzero += 1
-        error = ((a.grad - b.grad).norm() / a.grad.norm()).item()
-        worst = max(worst, error)
-        assert error < grad_rtol, f"{name}: relative gradient error {error:.2e}"
-    assert nonzero > 0
-    stats["grad_rel_err"] = worst
+    stats["loss"], stats["loss_diff"], stats["grad_rel_err"] = _compare_loss_and_grads(
+        base, tree, inputs_base, inputs_tree, rtol, grad_rtol)
+    if "old_per_token_logps" in inputs_base or "ref_per_token_logps" in inputs_base:
+        with torch.no_grad():
+            for a, b in zip(base.model.parameters(), tree.model.parameters()):
+                if a.grad is not None:
+                    a.sub_(step_lr * a.grad)
+                    b.sub_(step_lr * a.grad)
+        stats["loss2"], stats["loss2_diff"], stats["grad2_rel_err"] = _compare_loss_and_grads(
+            base, tree, inputs_base, inputs_tree, rtol, grad_rtol)
+        assert abs(stats["loss2"] - stats["loss"]) > 1e-4, "the step did not move the policy; loss2 tests nothing"
     print(f"\n[tree-grpo tools] {' '.join(f'{k}={v:.3g}' for k, v in stats.items())}")
     return stats, inputs_base
 

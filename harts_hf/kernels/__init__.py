@@ -1,7 +1,12 @@
 """Tree ops, each in its own folder with a per-path reference; no transformers or trl imports here."""
 
 from .metadata import TreeMetadata
-from .tree_attention import tree_attention, tree_attention_mask, tree_attention_reference
+from .tree_attention import (
+    build_varlen_layout,
+    tree_attention,
+    tree_attention_mask,
+    tree_attention_reference,
+)
 from .tree_conv1d import tree_causal_conv1d, tree_causal_conv1d_reference
 from .tree_gated_delta_rule import (
     GatedDeltaPlan,
@@ -11,6 +16,7 @@ from .tree_gated_delta_rule import (
 )
 
 __all__ = [
+    "build_varlen_layout",
     "TreeMetadata",
     "GatedDeltaPlan",
     "build_gated_delta_plan",

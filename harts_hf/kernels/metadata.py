@@ -56,6 +56,16 @@ class TreeMetadata:
             self._cache[key] = plan.to(self.device)
         return self._cache[key]
 
+    def varlen_layout(self):
+        """Runs and gathered ancestor paths for the varlen attention path (CUDA half precision), else None."""
+        if self.attention_backend not in ("auto", "varlen") or self.device.type != "cuda":
+            return None
+        if "varlen_layout" not in self._cache:
+            from .tree_attention import build_varlen_layout
+
+            self._cache["varlen_layout"] = build_varlen_layout(self.packed).to(self.device)
+        return self._cache["varlen_layout"]
+
     def attention_mask(self) -> torch.Tensor:
         """Dense ``[U, U]`` ancestor-or-self mask (the sdpa path)."""
         if "attention_mask" not in self._cache:

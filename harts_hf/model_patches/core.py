@@ -178,9 +178,11 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
                          "disable use_sliding_window in the config or train without trees.")
     if query.shape[0] != 1 or query.shape[2] != tree.num_tokens:
         raise ValueError(f"tree attention expects one packed row of {tree.num_tokens} tokens, got query {tuple(query.shape)}")
-    out = tree_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                         tree.packed.subtree_end, scaling=scaling, mask=tree.attention_mask(),
-                         backend=tree.attention_backend)
+    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    layout = tree.varlen_layout() if q.dtype in (torch.float16, torch.bfloat16) else None
+    out = tree_attention(q, k, v, tree.packed.subtree_end, scaling=scaling,
+                         mask=None if layout is not None else tree.attention_mask(),
+                         backend=tree.attention_backend, layout=layout)
     return out.unsqueeze(0), None
 
 

@@ -153,10 +153,17 @@ class TreeGRPOTrainer(GRPOTrainer):
         slices.append(current)
         return slices
 
+    _TREE_KEYS = ("path_tokens", "unique_tokens", "R_tok", "R_att", "gdn_rounds", "gdn_replay_tokens")
+
     def _record_tree_stats(self, tree: TreeMetadata) -> None:
+        """Per training forward; summed over processes (every rank runs the same number of forwards)."""
         stats = tree.stats()
-        for key in ("path_tokens", "unique_tokens", "R_tok", "R_att", "gdn_rounds", "gdn_replay_tokens"):
-            self._tree_metrics[key].append(float(stats[key]))
+        values = torch.tensor([float(stats[key]) for key in self._TREE_KEYS], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            values = self.accelerator.gather(values.unsqueeze(0)).view(-1, len(self._TREE_KEYS))
+        for row in values.view(-1, len(self._TREE_KEYS)).tolist():
+            for key, value in zip(self._TREE_KEYS, row):
+                self._tree_metrics[key].append(value)
 
     # ------------------------------------------------------------------ batching
     def _prepare_inputs(self, generation_batch):

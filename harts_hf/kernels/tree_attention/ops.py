@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 __all__ = ["tree_attention", "tree_attention_mask"]
 
-_BACKENDS = ("auto", "sdpa")
+_BACKENDS = ("auto", "sdpa", "varlen")
 
 
 def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
@@ -24,14 +24,17 @@ def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
                    scaling: float | None = None, mask: torch.Tensor | None = None,
-                   backend: str = "auto") -> torch.Tensor:
+                   backend: str = "auto", layout=None) -> torch.Tensor:
     """Softmax attention over a packed forest.
 
     Args:
         q: ``[U, HQ, D]``; k, v: ``[U, HKV, D]`` with ``HQ`` a multiple of ``HKV`` (grouped-query attention).
         subtree_end: ``[U]`` long from :class:`PackedForest`. scaling: default ``D ** -0.5``.
         mask: optional precomputed :func:`tree_attention_mask` (reused across layers).
-        backend: ``"auto"`` or ``"sdpa"`` (dense mask).
+        backend: ``"sdpa"`` (dense mask, any device), ``"varlen"`` (one flash-attention varlen call over runs and
+            their gathered ancestor paths; CUDA, half precision; needs ``layout``) or ``"auto"`` (varlen when
+            possible).
+        layout: a :class:`VarlenLayout` (``build_varlen_layout(packed)``) for the varlen path.
 
     Returns:
         ``[U, HQ, D]`` in ``q.dtype``.
@@ -44,6 +47,14 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if subtree_end.shape != (U,):
         raise ValueError(f"tree_attention: subtree_end must be [U={U}], got {tuple(subtree_end.shape)}")
+    use_varlen = backend == "varlen" or (
+        backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))
+    if use_varlen:
+        if layout is None or not q.is_cuda:
+            raise ValueError("tree_attention: backend='varlen' needs CUDA tensors and a VarlenLayout (layout=...)")
+        from .varlen import tree_attention_varlen
+
+        return tree_attention_varlen(q, k, v, layout, scaling)
     if mask is None:
         mask = tree_attention_mask(subtree_end)
     out = F.scaled_dot_product_attention(

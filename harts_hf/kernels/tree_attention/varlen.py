@@ -1,0 +1,83 @@
+"""Tree attention as one variable-length flash-attention call (CUDA).
+
+The DFS layout splits into runs (contiguous chains; a branch point's first child continues its parent's
+run). A run's queries attend to the run's own tokens causally and to every ancestor of its first token:
+its keys are the gathered root-to-run path, and bottom-right causal alignment (``window_size=(-1, 0)``)
+gives exactly ancestor-or-self visibility. Key rows gathered = sum over runs of the run's end depth.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ...trees import PackedForest
+
+__all__ = ["VarlenLayout", "build_varlen_layout", "tree_attention_varlen", "varlen_available"]
+
+
+@dataclass
+class VarlenLayout:
+    """``key_index [Tk]`` (long): packed index of every key row; ``cu_q``/``cu_k`` (int32, ``R + 1``);
+    ``max_q``/``max_k``: longest run / path."""
+
+    key_index: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+    def to(self, device) -> "VarlenLayout":
+        return VarlenLayout(self.key_index.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q, self.max_k)
+
+
+def build_varlen_layout(packed: PackedForest) -> VarlenLayout:
+    """Runs and their root-to-run key paths (numpy, linear in the gathered key rows)."""
+    parent = packed.parent.cpu().numpy()
+    depth = packed.position_ids.cpu().numpy()
+    num_tokens = parent.shape[0]
+    run_start = np.flatnonzero((parent < 0) | (parent != np.arange(num_tokens) - 1))
+    run_end = np.append(run_start[1:], num_tokens)
+    run_of_token = np.repeat(np.arange(run_start.shape[0]), run_end - run_start)
+    paths = []
+    for r, (start, end) in enumerate(zip(run_start, run_end)):
+        own = np.arange(start, end)
+        p = parent[start]
+        if p < 0:
+            paths.append(own)
+            continue
+        ancestors = paths[run_of_token[p]][: depth[p] + 1]  # the parent run's path up to the branch point
+        paths.append(np.concatenate([ancestors, own]))
+    lengths_q = run_end - run_start
+    lengths_k = np.fromiter((len(path) for path in paths), dtype=np.int64, count=len(paths))
+    cu_q = np.zeros(len(paths) + 1, dtype=np.int32)
+    cu_k = np.zeros(len(paths) + 1, dtype=np.int32)
+    np.cumsum(lengths_q, out=cu_q[1:])
+    np.cumsum(lengths_k, out=cu_k[1:])
+    return VarlenLayout(torch.from_numpy(np.concatenate(paths).astype(np.int64)), torch.from_numpy(cu_q),
+                        torch.from_numpy(cu_k), int(lengths_q.max()), int(lengths_k.max()))
+
+
+def varlen_available() -> bool:
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout,
+                          scaling: float | None = None) -> torch.Tensor:
+    """q ``[U, HQ, D]``, k/v ``[U, HKV, D]`` on CUDA (bf16/fp16) -> ``[U, HQ, D]``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    keys, values = k.index_select(0, layout.key_index), v.index_select(0, layout.key_index)
+    extra = {}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
+            extra["enable_gqa"] = True
+    return varlen_attn(q, keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale=scaling,
+                       window_size=(-1, 0), **extra)
