@@ -135,7 +135,7 @@ def tree_path(model, sequences, weights, share=True):
         {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}, out.stats
 
 
-def model_parity(results: dict, scale: float) -> None:
+def model_parity(results: dict, scale: float, save=lambda: None) -> None:
     from harts_hf.workloads import make_workload
 
     model = build_model()
@@ -145,14 +145,22 @@ def model_parity(results: dict, scale: float) -> None:
     sequences = workload.sequences
     generator = torch.Generator(device="cuda").manual_seed(0)
     weights = [torch.randn(len(s) - 1, device="cuda", generator=generator) for s in sequences]
+    stage = results.setdefault("model_stages", [])
     base_a, grads_a = per_trajectory(model, sequences, weights)
     base_b, grads_b = per_trajectory(model, sequences, weights)
+    stage.append("per_trajectory x2")
+    save()
     packed_base, grads_p, _ = tree_path(model, sequences, weights, share=False)
+    stage.append("packed per_trajectory")
+    save()
     tree, grads_t, stats = tree_path(model, sequences, weights)
+    stage.append("tree")
+    results["model_stats"] = stats
+    save()
     # fp32 reference: the same weights in fp32 through the unpatched per-trajectory path
     import copy
 
-    reference = copy.deepcopy(model).float()
+    reference = copy.deepcopy(model).float()  # patches follow the copy (bound methods)
     ref, grads_r = per_trajectory(reference, sequences, weights)
     del reference
 
@@ -203,7 +211,11 @@ def main():
     import transformers
 
     results["transformers"] = transformers.__version__
-    for name, step in (("kernel", kernel_parity), ("model", lambda r: model_parity(r, args.scale))):
+    def save():
+        (out / "gpu_parity.json").write_text(json.dumps(results, indent=2, default=str))
+        print("saved", results.get("model_stages"), flush=True)
+
+    for name, step in (("kernel", kernel_parity), ("model", lambda r: model_parity(r, args.scale, save))):
         if name in args.skip:
             continue
         start = time.perf_counter()

@@ -113,3 +113,17 @@ def test_revert_restores_bit_identical_behaviour():
         assert handle.active
     assert not handle.active and "forward" not in vars(handle.linear_modules[0])
 
+
+
+def test_deep_copy_of_a_patched_model_runs_its_own_weights():
+    import copy
+
+    model = build("qwen3_next")
+    apply_tree_patches(model)
+    clone = copy.deepcopy(model).double()
+    sequences = [[1, 2, 3, 4], [1, 2, 5]]
+    out = tree_logprobs(clone, sequences)
+    assert out.logprobs[0].dtype == torch.float32 or out.logprobs[0].dtype == torch.float64
+    reference, _, _ = per_sequence_logprobs(clone, sequences)
+    for a, b in zip(out.logprobs, reference):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-6, atol=1e-6)

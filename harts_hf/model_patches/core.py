@@ -131,15 +131,16 @@ def apply_tree_patches(model) -> PatchHandle:
         if name in family.attention_classes:
             _patch_attention(handle, module)
         elif name in family.linear_classes:
-            original = module.forward
-            handle._set(module, "forward", family.linear_classes[name](module, original))
+            for attribute, value in family.linear_classes[name](module, module.forward).items():
+                handle._set(module, attribute, value)
             handle.linear_modules.append(module)
     if not handle.attention_modules and not handle.linear_modules:
         raise ValueError(f"found no {family.attention_classes + tuple(family.linear_classes)} modules in "
                          f"{type(model).__name__}; is this a {model_type} model?")
     from .entry import wrap_root_forward
 
-    handle._set(model, "forward", wrap_root_forward(model, model.forward))
+    for attribute, value in wrap_root_forward(model, model.forward).items():
+        handle._set(model, attribute, value)
     handle._set(model, _PATCH_MARK, handle)
     return handle
 

@@ -8,6 +8,7 @@ keyword go to the original ``forward`` untouched.
 from __future__ import annotations
 
 import functools
+import types
 import sys
 from dataclasses import dataclass
 
@@ -55,19 +56,20 @@ class TreeForwardOutput(ModelOutput):
     router_logits: tuple | None = None
 
 
-def wrap_root_forward(model, original_forward):
-    """The root model's instance-level ``forward``: serves tree requests, else calls ``original_forward``."""
+def _root_forward(self, *args, **kwargs):
+    request = kwargs.pop(TREE_REQUEST_KWARG, None)
+    if request is None:
+        return self._harts_original_forward(*args, **kwargs)
+    if args or kwargs:
+        raise ValueError(f"a tree request takes no other inputs; got {len(args)} positional and {sorted(kwargs)}")
+    return run_tree_request(self, request)
 
-    @functools.wraps(original_forward)
-    def forward(*args, **kwargs):
-        request = kwargs.pop(TREE_REQUEST_KWARG, None)
-        if request is None:
-            return original_forward(*args, **kwargs)
-        if args or kwargs:
-            raise ValueError(f"a tree request takes no other inputs; got {len(args)} positional and {sorted(kwargs)}")
-        return run_tree_request(model, request)
 
-    return forward
+def wrap_root_forward(model, original_forward) -> dict:
+    """Attributes that make the root model serve tree requests (a method bound to ``model``, so deep copies of
+    the model serve their own requests) and keep ``original_forward`` for every other call."""
+    bound = types.MethodType(functools.wraps(original_forward)(_root_forward), model)
+    return {"_harts_original_forward": original_forward, "forward": bound}
 
 
 def _text_config(model):

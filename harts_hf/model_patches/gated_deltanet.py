@@ -7,6 +7,7 @@ Families differ only in how the input projections are laid out; each passes a ``
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 
 import torch
@@ -24,21 +25,23 @@ def make_tree_gdn_forward(project: Callable) -> Callable:
     """Build a forward factory ``(module, original_forward) -> forward``.
 
     ``project(module, x [1, U, hidden]) -> (mixed_qkv [U, conv_dim], z [U, HV, V], b [U, HV], a [U, HV])``.
+    The forward is a method bound to the module and finds the original on the module too, so a deep copy
+    of a patched model (``copy.deepcopy``) patches the copy, not the original.
     """
 
-    def factory(module: torch.nn.Module, original_forward: Callable) -> Callable:
-        @functools.wraps(original_forward)
-        def forward(*args, **kwargs):
-            tree = kwargs.pop(TREE_KWARG, None)
-            if tree is None:
-                return original_forward(*args, **kwargs)
-            hidden_states = args[0] if args else kwargs["hidden_states"]
-            if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
-                raise ValueError("tree execution computes a whole forest in one pass and cannot use a cache; "
-                                 "call the model with use_cache=False")
-            return tree_gdn_forward(module, hidden_states, tree, project)
+    def forward(self, *args, **kwargs):
+        tree = kwargs.pop(TREE_KWARG, None)
+        if tree is None:
+            return self._harts_original_forward(*args, **kwargs)
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
+            raise ValueError("tree execution computes a whole forest in one pass and cannot use a cache; "
+                             "call the model with use_cache=False")
+        return tree_gdn_forward(self, hidden_states, tree, project)
 
-        return forward
+    def factory(module: torch.nn.Module, original_forward: Callable) -> dict:
+        bound = types.MethodType(functools.wraps(original_forward)(forward), module)
+        return {"_harts_original_forward": original_forward, "forward": bound}
 
     return factory
 
