@@ -32,10 +32,11 @@ def quantiles(values: torch.Tensor) -> dict:
 def kernel_parity(results: dict) -> None:
     import random
 
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
     from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
     from harts_hf.trees import PrefixForest
     from tests.forests import random_tree_sequences
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     sequences = random_tree_sequences(random.Random(0), 24, vocab=7, max_tail=700)
     packed = PrefixForest.from_sequences(sequences).pack().to("cuda")
@@ -59,7 +60,6 @@ def kernel_parity(results: dict) -> None:
         results[f"kernel_plan_{backend}"] = plan.stats
     # per-path fla calls (zero initial state), scattered back by the first path through each token
     path_out = torch.zeros(U, HV, V, device="cuda", dtype=torch.float32)
-    path_grads = [torch.zeros_like(x, dtype=torch.float32) for x in inputs]
     seen = torch.zeros(U, dtype=torch.bool, device="cuda")
     for i in range(packed.num_sequences):
         index = packed.sequence_index(i)

@@ -1,6 +1,5 @@
 """TreeGRPOTrainer against TRL's GRPOTrainer on the same generated batch: loss, every gradient, a few steps."""
 
-import copy
 
 import pytest
 import torch

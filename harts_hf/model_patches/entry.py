@@ -8,8 +8,8 @@ keyword go to the original ``forward`` untouched.
 from __future__ import annotations
 
 import functools
-import types
 import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +103,6 @@ def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
 def load_balancing_loss(model, router_logits, weights: torch.Tensor) -> torch.Tensor:
     """The family's own load-balancing loss with each router row weighted by ``weights`` (multiplicity)."""
     config = _text_config(model)
-    loss_function = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func")
+    loss_function = sys.modules[type(model).__module__].load_balancing_loss_func
     return loss_function(tuple(router_logits), config.num_experts, config.num_experts_per_tok,
                          weights.unsqueeze(0).float())

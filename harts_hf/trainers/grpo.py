@@ -16,11 +16,11 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
+from ..kernels import TreeMetadata
 from ..logprobs import check_tree_inputs, unwrap_model
 from ..model_patches import apply_tree_patches
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import TREE_REQUEST_KWARG, TreeRequest, load_balancing_loss
-from ..kernels import TreeMetadata
 from ..trees import PrefixForest
 from .config import TreeGRPOConfig
 

@@ -30,7 +30,7 @@ class VarlenLayout:
     max_q: int
     max_k: int
 
-    def to(self, device) -> "VarlenLayout":
+    def to(self, device) -> VarlenLayout:
         return VarlenLayout(self.key_index.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q, self.max_k)
 
 
@@ -43,7 +43,7 @@ def build_varlen_layout(packed: PackedForest) -> VarlenLayout:
     run_end = np.append(run_start[1:], num_tokens)
     run_of_token = np.repeat(np.arange(run_start.shape[0]), run_end - run_start)
     paths = []
-    for r, (start, end) in enumerate(zip(run_start, run_end)):
+    for start, end in zip(run_start, run_end):
         own = np.arange(start, end)
         p = parent[start]
         if p < 0:

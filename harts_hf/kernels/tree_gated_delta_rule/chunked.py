@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["chunk_gated_delta_rule_torch", "l2_normalize"]
+__all__ = ["chunk_gated_delta_rule_torch", "l2_normalize", "prepare_inputs"]
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -20,6 +20,20 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim (the normalisation fla and transformers apply to q, k)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
+    """Per-token preparation shared by every torch path: key heads repeated onto value heads, fp32 (fp64 stays
+    fp64), optional L2 norm of q and k, q scaled (default ``K ** -0.5``). Shapes ``[..., H, D]`` / ``[..., H]``."""
+    HK, HV = k.shape[-2], v.shape[-2]
+    if HV != HK:
+        q, k = q.repeat_interleave(HV // HK, dim=-2), k.repeat_interleave(HV // HK, dim=-2)
+    compute_dtype = _compute_dtype(q)
+    q, k, v, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return q * scale, k, v, g, beta
 
 
 def chunk_gated_delta_rule_torch(

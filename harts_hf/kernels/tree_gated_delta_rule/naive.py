@@ -6,21 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from ...trees import PackedForest
-from .chunked import _compute_dtype, chunk_gated_delta_rule_torch, l2_normalize
+from .chunked import chunk_gated_delta_rule_torch, prepare_inputs
 
 __all__ = ["gated_delta_rule_recurrent", "tree_gated_delta_rule_reference"]
-
-
-def _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel):
-    HK, HV = k.shape[1], v.shape[1]
-    if HV != HK:
-        q, k = q.repeat_interleave(HV // HK, dim=1), k.repeat_interleave(HV // HK, dim=1)
-    compute_dtype = _compute_dtype(q)
-    q, k, v, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2_normalize(q), l2_normalize(k)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return q * scale, k, v, g, beta
 
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False) -> torch.Tensor:
@@ -29,7 +17,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in
     q, k ``[L, HK, K]``; v ``[L, HV, V]``; g, beta ``[L, HV]``. Returns ``[L, HV, V]`` in ``q.dtype``.
     """
     dtype = q.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     L, H, K = k.shape
     state = q.new_zeros(H, K, v.shape[-1])
     outputs = []
@@ -55,7 +43,7 @@ def tree_gated_delta_rule_reference(q, k, v, g, beta, packed: PackedForest, *, s
         if recurrent:
             outputs.append(gated_delta_rule_recurrent(*path, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel))
             continue
-        pq, pk, pv, pg, pbeta = _prepare(*path, scale, use_qk_l2norm_in_kernel)
+        pq, pk, pv, pg, pbeta = prepare_inputs(*path, scale, use_qk_l2norm_in_kernel)
         L = pq.shape[0]
         pad = (-L) % chunk_size
         pq, pk, pv = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (pq, pk, pv))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .._backend import resolve_backend
-from .chunked import _compute_dtype, chunk_gated_delta_rule_torch, l2_normalize
+from .chunked import chunk_gated_delta_rule_torch, prepare_inputs
 from .plan import GatedDeltaPlan, GatedDeltaRound
 
 __all__ = ["tree_gated_delta_rule"]
@@ -63,15 +63,8 @@ def tree_gated_delta_rule(
 
 def _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel):
     dtype = q.dtype
-    U, HK, _ = k.shape
-    HV = v.shape[1]
-    if HV != HK:
-        q, k = q.repeat_interleave(HV // HK, dim=1), k.repeat_interleave(HV // HK, dim=1)
-    compute_dtype = _compute_dtype(q)
-    q, k, v, g, beta = (x.to(compute_dtype) for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q, k = l2_normalize(q), l2_normalize(k)
-    q = q * scale
+    U, HV = v.shape[0], v.shape[1]
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     # one zero row at index U: padding that leaves the state unchanged (k = v = beta = g = 0)
     q, k, v, g, beta = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v, g, beta))
 
