@@ -50,8 +50,11 @@ def prepared(trainer, seed=0):
 def assert_same_loss_and_grads(base, tree, tol=1e-5):
     inputs_base, inputs_tree = prepared(base), prepared(tree)
     if tree.args.tree_keep_groups_together:  # rows come in another order; the loss of one microbatch is order-free
-        order_base = sorted(range(len(inputs_base["advantages"])), key=lambda r: inputs_base["completion_ids"][r].tolist())
-        order_tree = sorted(range(len(inputs_tree["advantages"])), key=lambda r: inputs_tree["completion_ids"][r].tolist())
+        def row_key(inputs):
+            return lambda r: (inputs["prompt_ids"][r].tolist(), inputs["completion_ids"][r].tolist())
+
+        order_base = sorted(range(len(inputs_base["advantages"])), key=row_key(inputs_base))
+        order_tree = sorted(range(len(inputs_tree["advantages"])), key=row_key(inputs_tree))
         torch.testing.assert_close(inputs_tree["advantages"][order_tree], inputs_base["advantages"][order_base])
         inputs_tree_sorted = {k: v[order_tree] if isinstance(v, torch.Tensor) and v.ndim else v for k, v in inputs_tree.items()}
         inputs_base = {k: v[order_base] if isinstance(v, torch.Tensor) and v.ndim else v for k, v in inputs_base.items()}
@@ -214,3 +217,27 @@ def test_plain_grpo_config_is_refused(saved_model, tmp_path):
     with pytest.raises(TypeError, match="TreeGRPOConfig"):
         TreeGRPOTrainer(model, reward_funcs=length_reward, args=GRPOConfig(**dict(BASE_ARGS, output_dir=str(tmp_path))),
                         train_dataset=prompt_dataset(4), processing_class=char_tokenizer())
+
+
+def identical_rollout(prompts, trainer):
+    """Every completion of a group is the same: zero reward spread, multiplicity = group size."""
+    tokenizer = trainer.processing_class
+    completion = tokenizer("42")["input_ids"] + [tokenizer.eos_token_id]
+    ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    return {"prompt_ids": ids, "completion_ids": [list(completion) for _ in prompts],
+            "logprobs": [[0.0] * len(completion) for _ in prompts]}
+
+
+def test_group_with_identical_completions(saved_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    tokenizer = char_tokenizer()
+    trainers = []
+    for trainer_class, config_class in [(GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)]:
+        model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
+        trainers.append(trainer_class(model, reward_funcs=length_reward, train_dataset=prompt_dataset(8),
+                                      processing_class=tokenizer, rollout_func=identical_rollout,
+                                      args=config_class(**dict(BASE_ARGS, output_dir=str(tmp_path), beta=0.1))))
+    loss, _ = assert_same_loss_and_grads(*trainers)
+    assert torch.isfinite(torch.tensor(loss))
+    for parameter in trainers[1].model.parameters():
+        assert parameter.grad is None or torch.isfinite(parameter.grad).all()
