@@ -1,0 +1,74 @@
+"""Cost model of one tree forward+backward: linear in the work a piece of a forest carries.
+
+Features per piece: unique tokens, attention pairs (sum of depth + 1), replayed tokens, gated-delta-rule
+rounds, leaves (sequence ends), and a constant per microbatch. Coefficients are fitted by non-negative
+least squares from measured timings (``CostModel.fit``); the defaults are H200-scale guesses (seconds).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["FEATURES", "CostModel", "nnls"]
+
+FEATURES = ("unique_tokens", "attention_pairs", "replay_tokens", "rounds", "leaves", "microbatches")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``cost = sum(coefficient * feature)``; coefficients are seconds per unit of each feature."""
+
+    unique_tokens: float = 6.5e-5  # ~15k tokens/s fwd+bwd for a 2B hybrid model (../shared/device/README.md)
+    attention_pairs: float = 2.0e-10
+    replay_tokens: float = 6.5e-5
+    rounds: float = 4.0e-3  # host-side cost of one varlen gated-delta-rule call, fwd+bwd
+    leaves: float = 1.0e-5
+    microbatches: float = 2.0e-2
+
+    def cost(self, features: dict) -> float:
+        return sum(getattr(self, name) * float(features.get(name, 0.0)) for name in FEATURES)
+
+    @classmethod
+    def fit(cls, features: list[dict], seconds: list[float]) -> "CostModel":
+        """Non-negative least squares over measured ``(features, seconds)`` pairs."""
+        if len(features) != len(seconds) or not features:
+            raise ValueError("fit needs one timing per feature dict, and at least one")
+        matrix = np.array([[float(f.get(name, 0.0)) for name in FEATURES] for f in features])
+        scale = np.maximum(np.abs(matrix).max(axis=0), 1e-12)
+        coefficients = nnls(matrix / scale, np.asarray(seconds, dtype=float)) / scale
+        return cls(**dict(zip(FEATURES, coefficients.tolist())))
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path) -> "CostModel":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def nnls(matrix: np.ndarray, target: np.ndarray, max_iterations: int = 500) -> np.ndarray:
+    """Lawson-Hanson active-set solution of ``min ||A x - b||`` subject to ``x >= 0``."""
+    rows, columns = matrix.shape
+    x = np.zeros(columns)
+    passive = np.zeros(columns, dtype=bool)
+    for _ in range(max_iterations):
+        gradient = matrix.T @ (target - matrix @ x)
+        candidates = ~passive & (gradient > 1e-12)
+        if not candidates.any():
+            break
+        passive[np.argmax(np.where(candidates, gradient, -np.inf))] = True
+        while True:
+            z = np.zeros(columns)
+            z[passive] = np.linalg.lstsq(matrix[:, passive], target, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            blocked = passive & (z <= 0)
+            step = np.min(x[blocked] / np.maximum(x[blocked] - z[blocked], 1e-300))
+            x = x + step * (z - x)
+            passive &= x > 1e-15
+    return x

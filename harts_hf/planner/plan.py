@@ -1,0 +1,293 @@
+"""plan(): cut a generation batch's prefix forest into pieces that fit a token budget, then place the pieces
+in microbatches, data-parallel replicas and gradient-accumulation slots.
+
+A piece is a subtree of the segment tree minus the child subtrees cut off into pieces of their own. Cuts
+happen only where a subtree does not fit (largest children first, bottom-up), so a subtree that fits is
+never split and no prefix token is computed twice: a cut-off piece receives its ancestors' keys/values and
+the linear-attention state at its chunk boundary from the piece that holds them (its ``handoff``). Pieces
+are placed by longest-processing-time first (whole trees with ``cross_replica=False``); on each replica they
+run in depth-first order, so a source piece runs before its children there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import numpy as np
+
+from ..trees import CHUNK_SIZE, PackedForest, PrefixForest
+from .cost import CostModel
+
+__all__ = ["Handoff", "Microbatch", "Piece", "Plan", "plan"]
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What a cut-off piece receives: from ``source_piece``, the keys/values of the ``ancestor_tokens`` tokens on
+    its root path (ending at packed token ``branch_token``) and the linear-attention state at depth
+    ``state_depth`` (a chunk boundary), after which it replays ``replay_tokens`` ancestor tokens."""
+
+    source_piece: int
+    branch_token: int
+    ancestor_tokens: int
+    state_depth: int
+    replay_tokens: int
+
+
+@dataclass
+class Piece:
+    """Segments (packed segment ids, preorder) computed together; ``tree`` is the index of its root tree."""
+
+    index: int
+    segments: list[int]
+    tree: int
+    handoff: Handoff | None
+    features: dict
+    cost: float
+
+    @property
+    def unique_tokens(self) -> int:
+        return int(self.features["unique_tokens"])
+
+
+@dataclass
+class Microbatch:
+    """Pieces run in one forward+backward (empty in padding slots)."""
+
+    pieces: list[int] = field(default_factory=list)
+    unique_tokens: int = 0
+    cost: float = 0.0
+
+
+@dataclass
+class Plan:
+    """``replicas[r][slot]``: the microbatch replica ``r`` runs in gradient-accumulation slot ``slot``; every
+    replica has ``num_slots`` slots."""
+
+    pieces: list[Piece]
+    replicas: list[list[Microbatch]]
+    token_budget: int
+    cost_model: CostModel
+    packed: PackedForest
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.replicas[0])
+
+    def replica_costs(self) -> list[float]:
+        return [sum(mb.cost for mb in slots) for slots in self.replicas]
+
+    def replica_of_piece(self) -> dict[int, int]:
+        return {piece: r for r, slots in enumerate(self.replicas) for mb in slots for piece in mb.pieces}
+
+    def cross_replica_handoffs(self) -> int:
+        where = self.replica_of_piece()
+        return sum(p.handoff is not None and where[p.handoff.source_piece] != where[p.index] for p in self.pieces)
+
+    def stats(self) -> dict:
+        costs = self.replica_costs()
+        mean = sum(costs) / len(costs)
+        return {
+            "pieces": len(self.pieces),
+            "handoffs": sum(p.handoff is not None for p in self.pieces),
+            "cross_replica_handoffs": self.cross_replica_handoffs(),
+            "slots": self.num_slots,
+            "max_replica_cost": max(costs),
+            "mean_replica_cost": mean,
+            "imbalance": max(costs) / mean if mean > 0 else 1.0,
+            "duplicated_tokens": 0,  # every unique token lives in exactly one piece
+            "unique_tokens": sum(p.unique_tokens for p in self.pieces),
+        }
+
+
+def _as_packed(forest_or_sequences) -> PackedForest:
+    if isinstance(forest_or_sequences, PackedForest):
+        return forest_or_sequences
+    if isinstance(forest_or_sequences, PrefixForest):
+        return forest_or_sequences.pack()
+    return PrefixForest.from_sequences(forest_or_sequences).pack()
+
+
+def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_model: CostModel | None = None,
+         chunk_size: int = CHUNK_SIZE, cross_replica: bool = True, pieces_per_replica: int = 4) -> Plan:
+    """Plan a generation batch.
+
+    Args:
+        forest_or_sequences: a :class:`PrefixForest`, its :class:`PackedForest`, or token sequences.
+        num_replicas: data-parallel replicas (>= 1).
+        token_budget: most unique tokens in one microbatch (>= 1).
+        cost_model: coefficients of the cost of a piece (:class:`CostModel` defaults if None).
+        chunk_size: chunk length of the linear-attention kernels (restart boundaries).
+        pieces_per_replica: with ``cross_replica`` and several replicas, also cut subtrees larger than
+            ``unique / (num_replicas * pieces_per_replica)`` tokens (never below the longest unbranched run), so
+            placement can balance: hand-offs instead of imbalance, still no token computed twice. 0 cuts only
+            what exceeds the budget.
+        cross_replica: place pieces independently (a hand-off may cross replicas: a batch whose tasks share one
+            system prompt is a single tree); False keeps every tree on one replica.
+
+    Returns:
+        A :class:`Plan`; deterministic for the same input. Raises ``ValueError`` when a run of tokens without a
+        branch point (part of one trajectory) is longer than ``token_budget``.
+    """
+    if not isinstance(num_replicas, int) or num_replicas < 1:
+        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
+    if not isinstance(token_budget, int) or token_budget < 1:
+        raise ValueError(f"token_budget must be a positive number of tokens, got {token_budget!r}")
+    cost_model = cost_model or CostModel()
+    packed = _as_packed(forest_or_sequences)
+    cu = packed.cu_seqlens.cpu().numpy().astype(np.int64)
+    lengths = cu[1:] - cu[:-1]
+    parent = packed.segment_parent.cpu().numpy()
+    depth0 = packed.segment_depth.cpu().numpy()
+    num_segments = lengths.shape[0]
+    children: list[list[int]] = [[] for _ in range(num_segments)]
+    for s in range(num_segments):
+        if parent[s] >= 0:
+            children[parent[s]].append(s)
+
+    too_long = np.flatnonzero(lengths > token_budget)
+    if too_long.size:
+        s = int(too_long[0])
+        raise ValueError(
+            f"token_budget={token_budget} is smaller than a run of {int(lengths[s])} tokens without a branch point "
+            f"(depths {int(depth0[s])}..{int(depth0[s] + lengths[s]) - 1} of a trajectory of at least "
+            f"{int(depth0[s] + lengths[s])} tokens); raise token_budget to at least {int(lengths[s])}.")
+
+    if pieces_per_replica < 0:
+        raise ValueError(f"pieces_per_replica must be >= 0, got {pieces_per_replica}")
+    cut_size = token_budget
+    if cross_replica and num_replicas > 1 and pieces_per_replica > 0:
+        target = -(-int(lengths.sum()) // (num_replicas * pieces_per_replica))
+        cut_size = min(token_budget, max(target, int(lengths.max())))
+
+    # bottom-up: keep children while the subtree fits, cut the largest kept children first otherwise
+    kept_size = lengths.copy()
+    cut = np.zeros(num_segments, dtype=bool)
+    for s in range(num_segments - 1, -1, -1):  # reverse preorder: children before parents
+        sizes = sorted(((int(kept_size[c]), -c) for c in children[s]), reverse=True)
+        total = int(lengths[s]) + sum(size for size, _ in sizes)
+        for size, negative_child in sizes:
+            if total <= cut_size:
+                break
+            cut[-negative_child] = True
+            total -= size
+        kept_size[s] = total
+
+    # pieces in preorder; every segment joins the piece of its nearest cut (or root) ancestor
+    ends_per_segment = np.bincount(packed.segment_of_token()[packed.sequence_token_index[
+        packed.sequence_offsets[1:] - 1]].cpu().numpy(), minlength=num_segments)
+    piece_of = np.empty(num_segments, dtype=np.int64)
+    tree_of = np.empty(num_segments, dtype=np.int64)
+    members: list[list[int]] = []
+    tree_count = 0
+    for s in range(num_segments):
+        if parent[s] < 0:
+            tree_of[s] = tree_count
+            tree_count += 1
+        else:
+            tree_of[s] = tree_of[parent[s]]
+        if parent[s] < 0 or cut[s]:
+            piece_of[s] = len(members)
+            members.append([])
+        else:
+            piece_of[s] = piece_of[parent[s]]
+        members[piece_of[s]].append(s)
+
+    pieces = []
+    for index, segments in enumerate(members):
+        root = segments[0]
+        handoff = None
+        if parent[root] >= 0:
+            start = int(depth0[root])
+            boundary = (start // chunk_size) * chunk_size
+            handoff = Handoff(int(piece_of[parent[root]]), int(cu[parent[root] + 1] - 1), start, boundary,
+                              start - boundary)
+        features = _piece_features(segments, lengths, depth0, parent, children, ends_per_segment, chunk_size, handoff)
+        pieces.append(Piece(index, segments, int(tree_of[root]), handoff, features, cost_model.cost(features)))
+
+    replicas = _place(pieces, num_replicas, token_budget, cost_model, cross_replica)
+    return Plan(pieces, replicas, token_budget, cost_model, packed)
+
+
+def _piece_features(segments, lengths, depth0, parent, children, ends, chunk_size, handoff) -> dict:
+    """Work of one piece: tokens, attention pairs against the whole root path, replay and rounds of its runs."""
+    in_piece = set(segments)
+    unique = pairs = replay = 0
+    rounds_of: dict[int, int] = {}
+    for s in segments:  # preorder
+        n, d = int(lengths[s]), int(depth0[s])
+        unique += n
+        pairs += n * d + n * (n + 1) // 2
+        p = parent[s]
+        first_child = p >= 0 and p in in_piece and children[p][0] == s
+        if p < 0 or first_child:
+            rounds_of[s] = rounds_of.get(p, 1) if p >= 0 else 1  # continues its parent's run
+        else:
+            replay += d % chunk_size  # a new run restarts at its chunk boundary
+            rounds_of[s] = rounds_of.get(p, 0) + 1
+    return {"unique_tokens": unique, "attention_pairs": pairs, "replay_tokens": replay,
+            "rounds": max(rounds_of.values()), "leaves": int(sum(ends[s] for s in segments)), "microbatches": 0}
+
+
+def _place(pieces: list[Piece], num_replicas: int, token_budget: int, cost_model: CostModel,
+           cross_replica: bool) -> list[list[Microbatch]]:
+    """Units (pieces, or whole trees) to replicas by longest-processing-time first; on each replica, pieces in
+    depth-first order packed into microbatches up to the budget; every replica padded to the same slot count."""
+    units: dict[int, list[Piece]] = {}
+    for piece in pieces:
+        units.setdefault(piece.index if cross_replica else piece.tree, []).append(piece)
+    order = sorted(units, key=lambda u: (-sum(p.cost for p in units[u]), u))
+    loads = [0.0] * num_replicas
+    assigned: list[list[int]] = [[] for _ in range(num_replicas)]
+    for unit in order:
+        replica = min(range(num_replicas), key=lambda r: (loads[r], r))
+        assigned[replica].append(unit)
+        loads[replica] += sum(p.cost for p in units[unit])
+    _rebalance(assigned, loads, {u: sum(p.cost for p in units[u]) for u in units})
+    overhead = cost_model.cost({"microbatches": 1})
+    replicas = []
+    for unit_list in assigned:
+        slots: list[Microbatch] = []
+        for piece in sorted((p for u in unit_list for p in units[u]), key=lambda p: p.index):  # sources first
+            if not slots or slots[-1].unique_tokens + piece.unique_tokens > token_budget:
+                slots.append(Microbatch(cost=overhead))
+            slots[-1].pieces.append(piece.index)
+            slots[-1].unique_tokens += piece.unique_tokens
+            slots[-1].cost += piece.cost
+        replicas.append(slots)
+    num_slots = max(1, max(len(slots) for slots in replicas))
+    for slots in replicas:
+        slots.extend(Microbatch() for _ in range(num_slots - len(slots)))
+    return replicas
+
+
+def _rebalance(assigned: list[list[int]], loads: list[float], cost: dict[int, float], rounds: int = 200) -> None:
+    """Local search after LPT: move a unit, or swap two, between the most and the least loaded replica while
+    that lowers the larger of the two loads (deterministic, in place)."""
+    for _ in range(rounds):
+        high = max(range(len(loads)), key=lambda r: (loads[r], -r))
+        low = min(range(len(loads)), key=lambda r: (loads[r], r))
+        gap = loads[high] - loads[low]
+        if gap <= 0:
+            return
+        best = None  # (new larger load, unit out of high, unit out of low or None)
+        for unit in assigned[high]:
+            delta = cost[unit]
+            if delta < gap:
+                best = min(best or (loads[high], unit, None), (max(loads[high] - delta, loads[low] + delta), unit, None))
+            for other in assigned[low]:
+                delta = cost[unit] - cost[other]
+                if 0 < delta < gap:
+                    candidate = (max(loads[high] - delta, loads[low] + delta), unit, other)
+                    best = min(best or (loads[high], unit, None), candidate)
+        if best is None or best[0] >= loads[high] - 1e-12:
+            return
+        _, unit, other = best
+        assigned[high].remove(unit)
+        assigned[low].append(unit)
+        loads[high] -= cost[unit]
+        loads[low] += cost[unit]
+        if other is not None:
+            assigned[low].remove(other)
+            assigned[high].append(other)
+            loads[low] -= cost[other]
+            loads[high] += cost[other]

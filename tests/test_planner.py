@@ -1,0 +1,112 @@
+"""Planner invariants on many random forests, the cost model fit, and bad input."""
+
+import random
+
+import numpy as np
+import pytest
+
+from harts_hf.planner import CostModel, nnls, plan
+from harts_hf.trees import PrefixForest
+from harts_hf.workloads import make_workload
+from tests.forests import random_tree_sequences
+
+
+def check_plan_invariants(the_plan, num_replicas, budget):
+    packed = the_plan.packed
+    # every segment (so every unique token) is in exactly one piece: computed once with gradient
+    segments = sorted(s for piece in the_plan.pieces for s in piece.segments)
+    assert segments == list(range(packed.num_segments))
+    assert sum(p.unique_tokens for p in the_plan.pieces) == packed.num_tokens
+    # every piece is placed exactly once; equal slot counts; budgets respected
+    placed = sorted(i for slots in the_plan.replicas for mb in slots for i in mb.pieces)
+    assert placed == list(range(len(the_plan.pieces)))
+    assert len(the_plan.replicas) == num_replicas
+    assert len({len(slots) for slots in the_plan.replicas}) == 1
+    for slots in the_plan.replicas:
+        for mb in slots:
+            assert mb.unique_tokens <= budget
+            assert mb.unique_tokens == sum(the_plan.pieces[i].unique_tokens for i in mb.pieces)
+    # a cut-off piece's hand-off points at the piece holding its parent segment, which runs first on its replica
+    where = {}
+    for r, slots in enumerate(the_plan.replicas):
+        for slot, mb in enumerate(slots):
+            for position, i in enumerate(mb.pieces):
+                where[i] = (r, slot, position)
+    parent = packed.segment_parent.tolist()
+    piece_of = {s: p.index for p in the_plan.pieces for s in p.segments}
+    for piece in the_plan.pieces:
+        root = piece.segments[0]
+        if parent[root] < 0:
+            assert piece.handoff is None
+            continue
+        handoff = piece.handoff
+        assert handoff.source_piece == piece_of[parent[root]]
+        assert handoff.branch_token == packed.cu_seqlens[parent[root] + 1].item() - 1
+        assert handoff.ancestor_tokens == packed.segment_depth[root].item()
+        assert handoff.state_depth % 64 == 0 and 0 <= handoff.replay_tokens < 64
+        source = where[handoff.source_piece]
+        if source[0] == where[piece.index][0]:
+            assert source[1:] < where[piece.index][1:]
+        # the piece's segments are connected below its root
+        for s in piece.segments[1:]:
+            assert piece_of[parent[s]] == piece.index
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_random_forests(seed):
+    rng = random.Random(seed)
+    sequences = random_tree_sequences(rng, rng.randint(2, 30), vocab=rng.choice([3, 20]), max_tail=120)
+    budget = max(max(len(s) for s in sequences), rng.randint(20, 400))
+    longest_run = int((PrefixForest.from_sequences(sequences).pack().cu_seqlens.diff()).max())
+    budget = max(budget, longest_run)
+    replicas = rng.randint(1, 5)
+    for cross in (True, False):
+        first = plan(sequences, num_replicas=replicas, token_budget=budget, cross_replica=cross)
+        check_plan_invariants(first, replicas, budget)
+        again = plan(sequences, num_replicas=replicas, token_budget=budget, cross_replica=cross)
+        assert [[mb.pieces for mb in slots] for slots in first.replicas] == \
+               [[mb.pieces for mb in slots] for slots in again.replicas], "plans must be deterministic"
+
+
+def test_subtree_that_fits_is_never_split():
+    sequences = [[1, 2, 3] + [k] * 5 for k in range(4, 8)]  # 3 + 4 * 5 = 23 unique tokens
+    the_plan = plan(sequences, num_replicas=1, token_budget=23)
+    assert len(the_plan.pieces) == 1 and the_plan.pieces[0].handoff is None
+    cut = plan(sequences, num_replicas=1, token_budget=13)
+    assert len(cut.pieces) > 1 and all(p.unique_tokens <= 13 for p in cut.pieces)
+
+
+def test_agentic_batch_balances_across_replicas():
+    workload = make_workload("swe", scale=0.05, seed=0, num_tasks=4)
+    the_plan = plan(PrefixForest.from_sequences(workload.sequences), num_replicas=4, token_budget=8192)
+    stats = the_plan.stats()
+    check_plan_invariants(the_plan, 4, 8192)
+    assert stats["imbalance"] < 1.05 and stats["duplicated_tokens"] == 0
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(num_replicas=0, token_budget=10), ["num_replicas"]),
+    (dict(num_replicas=1, token_budget=0), ["token_budget"]),
+    (dict(num_replicas=1, token_budget=5), ["token_budget=5", "run of 9 tokens", "at least 9"]),
+])
+def test_bad_input(kwargs, words):
+    with pytest.raises(ValueError) as info:
+        plan([[1] * 9, [2, 3]], **kwargs)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_cost_model_fit_recovers_coefficients(tmp_path):
+    rng = np.random.default_rng(0)
+    truth = CostModel(unique_tokens=1e-4, attention_pairs=3e-9, replay_tokens=5e-5, rounds=2e-3, leaves=0.0,
+                      microbatches=1e-2)
+    features = [{"unique_tokens": int(rng.integers(1000, 50000)), "attention_pairs": int(rng.integers(1e6, 1e9)),
+                 "replay_tokens": int(rng.integers(0, 2000)), "rounds": int(rng.integers(1, 12)),
+                 "leaves": int(rng.integers(1, 64)), "microbatches": 1} for _ in range(40)]
+    fitted = CostModel.fit(features, [truth.cost(f) for f in features])
+    for name in ("unique_tokens", "attention_pairs", "replay_tokens", "rounds", "microbatches"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    assert fitted.leaves >= 0
+    fitted.save(tmp_path / "cost.json")
+    assert CostModel.load(tmp_path / "cost.json") == fitted
+    assert (nnls(np.eye(2), np.array([-1.0, 2.0])) == np.array([0.0, 2.0])).all()
