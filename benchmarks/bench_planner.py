@@ -30,11 +30,11 @@ def forest_cost(sequences, cost_model: CostModel) -> tuple[float, int]:
     return cost_model.cost(features), stats["unique_tokens"]
 
 
-def best_time(function, repeats=3):
+def best_time(function, *args, repeats=3, **kwargs):
     best, result = float("inf"), None
     for _ in range(repeats):
         start = time.perf_counter()
-        result = function()
+        result = function(*args, **kwargs)
         best = min(best, time.perf_counter() - start)
     return best, result
 
@@ -54,11 +54,11 @@ def main():
         packed = PrefixForest.from_sequences(sequences).pack()
         unique = packed.num_tokens
         for replicas in args.replicas:
-            seconds, the_plan = best_time(lambda: plan(packed, num_replicas=replicas, token_budget=args.budget))
+            seconds, the_plan = best_time(plan, packed, num_replicas=replicas, token_budget=args.budget)
             stats = the_plan.stats()
             rows = [("planner", stats["imbalance"], 0, seconds, stats["pieces"], stats["slots"])]
             for method, place in (("lpt", lpt_by_tokens), ("dfs_cuts", dfs_threshold_cuts)):
-                seconds, placement = best_time(lambda: place(sequences, replicas))
+                seconds, placement = best_time(place, sequences, replicas)
                 costs, uniques = zip(*(forest_cost([sequences[i] for i in rows_], cost_model) for rows_ in placement))
                 mean = sum(costs) / len(costs)
                 rows.append((method, max(costs) / mean, sum(uniques) - unique, seconds, "-", "-"))

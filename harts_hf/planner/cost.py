@@ -33,7 +33,7 @@ class CostModel:
         return sum(getattr(self, name) * float(features.get(name, 0.0)) for name in FEATURES)
 
     @classmethod
-    def fit(cls, features: list[dict], seconds: list[float]) -> "CostModel":
+    def fit(cls, features: list[dict], seconds: list[float]) -> CostModel:
         """Non-negative least squares over measured ``(features, seconds)`` pairs."""
         if len(features) != len(seconds) or not features:
             raise ValueError("fit needs one timing per feature dict, and at least one")
@@ -46,7 +46,7 @@ class CostModel:
         Path(path).write_text(json.dumps(asdict(self), indent=2))
 
     @classmethod
-    def load(cls, path) -> "CostModel":
+    def load(cls, path) -> CostModel:
         return cls(**json.loads(Path(path).read_text()))
 
 

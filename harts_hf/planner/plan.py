@@ -12,6 +12,7 @@ run in depth-first order, so a source piece runs before its children there.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
 import numpy as np
 
 from ..trees import CHUNK_SIZE, PackedForest, PrefixForest
