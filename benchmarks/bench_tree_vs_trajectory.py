@@ -1,0 +1,190 @@
+"""Tree execution against per-trajectory execution of the same batch, with the physical limit S_phys.
+
+    python benchmarks/bench_tree_vs_trajectory.py --model qwen3_next_2b --workloads swe tau grpo --scale 0.05 --out results/
+    python benchmarks/bench_tree_vs_trajectory.py --model tiny --workloads swe --scale 0.002 --device cpu   # smoke test
+
+Per workload, in one process (warm-up first; the first fla call compiles for ~100 s):
+- tree: one forward+backward over the prefix forest (harts_hf.tree_logprobs);
+- packed: the strongest per-trajectory path — every trajectory its own tree in ONE packed call (same kernels, no
+  padding, no sharing);
+- loop: every trajectory alone through the unpatched model (transformers' kernels), one call each;
+- padded: TRL-style right-padded micro-batches through the unpatched model with an attention mask.
+Per-token cost ``a`` and per-pair cost ``b`` are fitted from single-trajectory timings of several lengths
+(``t = a L + b L^2 / 2``), giving ``S_phys = (a sum L + b sum L^2/2) / (a U + b sum depth + a replay)``.
+Gradient checkpointing is on. Writes ``<out>/bench_tree_vs_trajectory.json`` and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+MODELS = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                 intermediate_size=128, vocab_size=1024),
+    "qwen3_next_2b": dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2,
+                          head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                          linear_value_head_dim=128, intermediate_size=6144, vocab_size=151936),
+}
+
+
+def build_model(name: str, family: str, device, dtype):
+    import transformers
+
+    spec = dict(MODELS[name])
+    layers = spec["num_hidden_layers"]
+    spec["layer_types"] = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4)
+    spec["max_position_embeddings"] = 1 << 20
+    if family == "qwen3_next":
+        config = transformers.Qwen3NextConfig(**spec, mlp_only_layers=list(range(layers)), router_aux_loss_coef=0.0)
+        model = transformers.Qwen3NextForCausalLM(config)
+    else:
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**spec))
+    model = model.to(device=device, dtype=dtype)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def timed(device, function, repeats: int):
+    """Mean seconds and peak GiB of ``function`` (called once more first as warm-up)."""
+    function()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        function()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / repeats
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return seconds, peak
+
+
+def run_tree(model, forest):
+    from harts_hf import tree_logprobs
+
+    model.zero_grad(set_to_none=True)
+    out = tree_logprobs(model, forest=forest)
+    sum(lp.sum() for lp in out.logprobs).backward()
+    return out.stats
+
+
+def run_loop(model, sequences, device):
+    model.zero_grad(set_to_none=True)
+    for sequence in sequences:
+        ids = torch.tensor(sequence, device=device).unsqueeze(0)
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        model.lm_head(hidden).float().log_softmax(-1).gather(-1, ids[0, 1:, None]).sum().backward()
+
+
+def run_padded(model, sequences, device, micro_batch: int):
+    model.zero_grad(set_to_none=True)
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    for start in range(0, len(order), micro_batch):
+        rows = [sequences[i] for i in order[start:start + micro_batch]]
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        for j, row in enumerate(rows):
+            ids[j, : len(row)] = torch.tensor(row, device=device)
+            mask[j, : len(row)] = 1
+        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state[:, :-1]
+        logprobs = model.lm_head(hidden).float().log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
+        (logprobs * mask[:, 1:]).sum().backward()
+
+
+def fit_costs(model, device, lengths, vocab, repeats):
+    """Least-squares a, b >= 0 from single-trajectory fwd+bwd times: t(L) = a L + b L^2 / 2."""
+    rng = np.random.default_rng(0)
+    rows, times = [], []
+    for length in lengths:
+        sequence = rng.integers(0, vocab, length).tolist()
+        seconds, _ = timed(device, lambda s=sequence: run_loop(model, [s], device), repeats)
+        rows.append([length, length * length / 2])
+        times.append(seconds)
+    from harts_hf.planner import nnls
+
+    a, b = nnls(np.array(rows, dtype=float), np.array(times))
+    return float(a), float(b), dict(zip(lengths, times))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="qwen3_next_2b", choices=list(MODELS))
+    parser.add_argument("--family", default="qwen3_next", choices=["qwen3_next", "qwen3_5"])
+    parser.add_argument("--workloads", nargs="+", default=["swe", "tau", "grpo"])
+    parser.add_argument("--scale", type=float, default=0.05)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=4, help="rows per padded micro-batch (TRL baseline)")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "padded", "packed"])
+    parser.add_argument("--out", default="results")
+    args = parser.parse_args()
+
+    from harts_hf.trees import PrefixForest
+    from harts_hf.workloads import make_workload
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(args.model, args.family, device, dtype)
+    vocab = model.config.vocab_size
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"model": args.model, "family": args.family, "device": str(device), "scale": args.scale,
+               "torch": torch.__version__, "workloads": {}}
+    fit_lengths = [256, 1024, 4096, 8192] if device.type == "cuda" else [64, 128, 256]
+    a, b, fit_times = fit_costs(model, device, fit_lengths, vocab, args.repeats)
+    results["cost_fit"] = {"a_seconds_per_token": a, "b_seconds_per_pair": b, "times": fit_times}
+
+    for name in args.workloads:
+        workload = make_workload(name, scale=args.scale, seed=0)
+        sequences = [[t % vocab for t in s] for s in workload.sequences]
+        forest = PrefixForest.from_sequences(sequences)
+        separate = PrefixForest.from_sequences(sequences, groups=list(range(len(sequences))))
+        row = {}
+        seconds, peak = timed(device, lambda f=forest: run_tree(model, f), args.repeats)
+        stats = run_tree(model, forest)
+        row["tree"] = {"seconds": seconds, "peak_gib": peak}
+        if "packed" not in args.skip:
+            seconds, peak = timed(device, lambda f=separate: run_tree(model, f), args.repeats)
+            row["packed"] = {"seconds": seconds, "peak_gib": peak}
+        if "loop" not in args.skip:
+            seconds, peak = timed(device, lambda s=sequences: run_loop(model, s, device), args.repeats)
+            row["loop"] = {"seconds": seconds, "peak_gib": peak}
+        if "padded" not in args.skip:
+            seconds, peak = timed(device, lambda s=sequences: run_padded(model, s, device, args.micro_batch), args.repeats)
+            row["padded"] = {"seconds": seconds, "peak_gib": peak}
+        lengths = np.array([len(s) for s in sequences], dtype=float)
+        per_trajectory = a * lengths.sum() + b * (lengths ** 2 / 2).sum()
+        tree_work = a * stats["unique_tokens"] + b * stats["tree_attention_pairs"] + a * stats["gdn_replay_tokens"]
+        row["stats"] = stats
+        row["S_phys"] = per_trajectory / tree_work
+        baseline = row.get("packed", row.get("loop", row["tree"]))["seconds"]
+        row["speedup_vs_strongest"] = baseline / row["tree"]["seconds"]
+        row["fraction_of_S_phys"] = row["speedup_vs_strongest"] / row["S_phys"]
+        results["workloads"][name] = row
+        (out / "bench_tree_vs_trajectory.json").write_text(json.dumps(results, indent=2, default=str))
+
+    print(f"\nmodel {args.model} ({args.family}) on {device}, scale {args.scale}; a = {a:.3e} s/token, b = {b:.3e} s/pair")
+    print("| workload | R_tok | R_att | S_phys | tree s | packed s | loop s | padded s | speed-up (vs packed) | "
+          "of S_phys | tree GiB | packed GiB | rounds | replay |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, row in results["workloads"].items():
+        s = row["stats"]
+        get = lambda key, field="seconds": row.get(key, {}).get(field, float("nan"))  # noqa: E731
+        print(f"| {name} | {s['R_tok']:.2f} | {s['R_att']:.2f} | {row['S_phys']:.2f} | {get('tree'):.3f} | "
+              f"{get('packed'):.3f} | {get('loop'):.3f} | {get('padded'):.3f} | {row['speedup_vs_strongest']:.2f} | "
+              f"{row['fraction_of_S_phys']:.2f} | {get('tree', 'peak_gib'):.1f} | {get('packed', 'peak_gib'):.1f} | "
+              f"{s['gdn_rounds']} | {s['gdn_replay_tokens']} |")
+
+
+if __name__ == "__main__":
+    main()
