@@ -179,7 +179,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, row in results["workloads"].items():
         s = row["stats"]
-        get = lambda key, field="seconds": row.get(key, {}).get(field, float("nan"))  # noqa: E731
+        get = lambda key, field="seconds", row=row: row.get(key, {}).get(field, float("nan"))  # noqa: E731
         print(f"| {name} | {s['R_tok']:.2f} | {s['R_att']:.2f} | {row['S_phys']:.2f} | {get('tree'):.3f} | "
               f"{get('packed'):.3f} | {get('loop'):.3f} | {get('padded'):.3f} | {row['speedup_vs_strongest']:.2f} | "
               f"{row['fraction_of_S_phys']:.2f} | {get('tree', 'peak_gib'):.1f} | {get('packed', 'peak_gib'):.1f} | "
