@@ -1,0 +1,17 @@
+"""The quickstart notebook runs headless from top to bottom (so it cannot rot)."""
+
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+NOTEBOOK = Path(__file__).parents[1] / "examples" / "quickstart.ipynb"
+
+
+def test_quickstart_notebook_runs(tmp_path):
+    notebook = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(notebook, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    client.execute()
+    outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.get("outputs", [])]
+    assert not [out for out in outputs if out.get("output_type") == "error"]
