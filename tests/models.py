@@ -44,6 +44,9 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
         moe = {k: v for k, v in MOE.items() if k != "router_aux_loss_coef"}
         config = transformers.Qwen3_5MoeTextConfig(**COMMON, **LINEAR, **moe, layer_types=HYBRID_LAYERS, num_hidden_layers=4)
         model = transformers.Qwen3_5MoeForCausalLM(config)
+    elif name == "qwen3_moe":
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_aux_loss_coef=0.01)
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**COMMON, **moe, num_hidden_layers=2))
     elif name == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, num_hidden_layers=2))
     elif name == "qwen2":
@@ -57,4 +60,5 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
     return model.to(dtype).eval()
 
 
-FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "llama", "qwen2", "qwen3"]
+FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "llama", "qwen2", "qwen3",
+            "qwen3_moe"]

@@ -17,7 +17,7 @@ from harts_hf.reference import per_sequence_logprobs
 from tests.forests import chunk_edge_sequences, random_tree_sequences
 from tests.models import FAMILIES, VOCAB, build
 
-MOE_FAMILIES = {"qwen3_next_moe", "qwen3_5_moe"}
+MOE_FAMILIES = {"qwen3_next_moe", "qwen3_5_moe", "qwen3_moe"}
 
 
 def compare(model, sequences, *, grad_tol, value_tol=1e-5, float64_recurrence=False, entropy=True,
