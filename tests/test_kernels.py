@@ -7,6 +7,7 @@ import torch
 
 from harts_hf.kernels import (
     build_gated_delta_plan,
+    build_varlen_layout,
     tree_attention,
     tree_attention_reference,
     tree_causal_conv1d,
@@ -114,9 +115,12 @@ def test_tree_attention(name, dtype, heads, kv_heads, head_dim):
     q = torch.randn(U, heads, head_dim, dtype=dtype, requires_grad=True)
     k = torch.randn(U, kv_heads, head_dim, dtype=dtype, requires_grad=True)
     v = torch.randn(U, kv_heads, head_dim, dtype=dtype, requires_grad=True)
-    out = tree_attention(q, k, v, packed.subtree_end, scaling=0.2)
     reference = tree_attention_reference(q, k, v, packed, scaling=0.2)
+    out = tree_attention(q, k, v, packed.subtree_end, scaling=0.2)
     assert_paths_match(packed, out, reference, (q, k, v), dtype)
+    by_runs = tree_attention(q, k, v, packed.subtree_end, scaling=0.2, backend="runs",
+                             layout=build_varlen_layout(packed))
+    assert_paths_match(packed, by_runs, tree_attention_reference(q, k, v, packed, scaling=0.2), (q, k, v), dtype)
 
 
 def test_cpu_tensors_never_take_the_triton_backend(monkeypatch):

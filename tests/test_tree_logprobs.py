@@ -127,3 +127,13 @@ def test_deep_copy_of_a_patched_model_runs_its_own_weights():
     reference, _, _ = per_sequence_logprobs(clone, sequences)
     for a, b in zip(out.logprobs, reference):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-6, atol=1e-6)
+
+
+def test_attention_by_runs_in_the_model():
+    """The per-run attention path (used off CUDA for large forests) inside a real model."""
+    model = build("qwen3_next")
+    sequences = random_tree_sequences(random.Random(5), 8, vocab=VOCAB, max_tail=100)
+    dense = tree_logprobs(model, sequences, attention_backend="sdpa")
+    runs = tree_logprobs(model, sequences, attention_backend="runs")
+    for a, b in zip(runs.logprobs, dense.logprobs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -57,9 +57,7 @@ class TreeMetadata:
         return self._cache[key]
 
     def varlen_layout(self):
-        """Runs and gathered ancestor paths for the varlen attention path (CUDA half precision), else None."""
-        if self.attention_backend not in ("auto", "varlen") or self.device.type != "cuda":
-            return None
+        """Runs and their gathered ancestor paths (the varlen and runs attention paths)."""
         if "varlen_layout" not in self._cache:
             from .tree_attention import build_varlen_layout
 

@@ -26,6 +26,7 @@ __all__ = ["PatchHandle", "TreeFamily", "apply_tree_patches", "register_family",
 TREE_ATTENTION_NAME = "harts_tree"
 TREE_KWARG = "harts_tree"  # the keyword argument that carries TreeMetadata through the model
 _PATCH_MARK = "_harts_tree_patch"
+_DENSE_MASK_TOKENS = 8192  # "auto" attention off CUDA: dense mask up to this many packed tokens, then per-run SDPA
 
 
 @dataclass
@@ -180,10 +181,15 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
     if query.shape[0] != 1 or query.shape[2] != tree.num_tokens:
         raise ValueError(f"tree attention expects one packed row of {tree.num_tokens} tokens, got query {tuple(query.shape)}")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    layout = tree.varlen_layout() if q.dtype in (torch.float16, torch.bfloat16) else None
+    backend = tree.attention_backend
+    if backend == "auto":
+        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+            backend = "varlen"
+        else:  # a dense U x U mask (and SDPA's U x U scores) only while they stay small
+            backend = "sdpa" if tree.num_tokens <= _DENSE_MASK_TOKENS else "runs"
+    layout = tree.varlen_layout() if backend in ("varlen", "runs") else None
     out = tree_attention(q, k, v, tree.packed.subtree_end, scaling=scaling,
-                         mask=None if layout is not None else tree.attention_mask(),
-                         backend=tree.attention_backend, layout=layout)
+                         mask=tree.attention_mask() if backend == "sdpa" else None, backend=backend, layout=layout)
     return out.unsqueeze(0), None
 
 

@@ -9,7 +9,7 @@ from trl import GRPOConfig
 __all__ = ["TreeGRPOConfig"]
 
 _GDN_BACKENDS = ("auto", "torch", "fla")
-_ATTENTION_BACKENDS = ("auto", "sdpa", "varlen")
+_ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen")
 
 
 @dataclass

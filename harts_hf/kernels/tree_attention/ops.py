@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 __all__ = ["tree_attention", "tree_attention_mask"]
 
-_BACKENDS = ("auto", "sdpa", "varlen")
+_BACKENDS = ("auto", "sdpa", "runs", "varlen")
 
 
 def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         backend: ``"sdpa"`` (dense mask, any device), ``"varlen"`` (one flash-attention varlen call over runs and
             their gathered ancestor paths; CUDA, half precision; needs ``layout``) or ``"auto"`` (varlen when
             possible).
-        layout: a :class:`VarlenLayout` (``build_varlen_layout(packed)``) for the varlen path.
+            ``"runs"``: the varlen semantics with one SDPA call per run (any device; memory per run, not U x U).
+        layout: a :class:`VarlenLayout` (``build_varlen_layout(packed)``) for the varlen and runs paths.
 
     Returns:
         ``[U, HQ, D]`` in ``q.dtype``.
@@ -55,9 +56,30 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         from .varlen import tree_attention_varlen
 
         return tree_attention_varlen(q, k, v, layout, scaling)
+    if backend == "runs":
+        if layout is None:
+            raise ValueError("tree_attention: backend='runs' needs a VarlenLayout (layout=build_varlen_layout(packed))")
+        return _attention_by_runs(q, k, v, layout, scaling)
     if mask is None:
         mask = tree_attention_mask(subtree_end)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask, scale=scaling, enable_gqa=HQ != k.shape[1])
     return out[0].transpose(0, 1)
+
+
+def _attention_by_runs(q, k, v, layout, scaling):
+    """Each run's queries against its gathered root path, bottom-right causal: one SDPA call per run."""
+    outputs = []
+    cu_q, cu_k = layout.cu_q.tolist(), layout.cu_k.tolist()
+    for run in range(len(cu_q) - 1):
+        queries = q[cu_q[run]:cu_q[run + 1]]
+        index = layout.key_index[cu_k[run]:cu_k[run + 1]]
+        length_q, length_k = queries.shape[0], index.shape[0]
+        visible = torch.ones(length_q, length_k, dtype=torch.bool, device=q.device).tril(length_k - length_q)
+        out = F.scaled_dot_product_attention(
+            queries.transpose(0, 1).unsqueeze(0), k[index].transpose(0, 1).unsqueeze(0),
+            v[index].transpose(0, 1).unsqueeze(0), attn_mask=visible, scale=scaling,
+            enable_gqa=q.shape[1] != k.shape[1])
+        outputs.append(out[0].transpose(0, 1))
+    return torch.cat(outputs)
