@@ -35,6 +35,7 @@ the prompt (``R_tok prompt-only``). ``<out>/history.json`` keeps the per-step va
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import random
@@ -192,6 +193,11 @@ class TurnGrammar:
         return 2 + THINK_MAX + (len("answer()") + ANSWER_MAX if final else len("calc()") + EXPR_MAX) + 1
 
 
+def _cache_keyword(model) -> str:
+    """``cache`` on newer transformers, ``past_key_values`` on 5.17."""
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def sample_turns(model, context: list[int], count: int, final: bool, grammar: TurnGrammar,
                  generator: torch.Generator, temperature: float) -> list[tuple[list[int], list[float], str]]:
@@ -223,7 +229,9 @@ def sample_turns(model, context: list[int], count: int, final: bool, grammar: Tu
                 texts[row] += grammar.id_char[token]
         if all(done):
             break
-        output = model(input_ids=tokens.view(-1, 1).to(device), cache=output.cache, use_cache=True, logits_to_keep=1)
+        cache = output.get("cache", None) or output.get("past_key_values", None)  # renamed in transformers 5.2x
+        output = model(input_ids=tokens.view(-1, 1).to(device), use_cache=True, logits_to_keep=1,
+                       **{_cache_keyword(model): cache})
     if not all(done):
         raise RuntimeError("a turn did not end within the grammar's length bound")
     return list(zip(ids, logps, texts))
@@ -437,7 +445,7 @@ def main(argv=None) -> dict:
         num_generations=rollout.group_size, per_device_train_batch_size=rollout.group_size * args.prompts_per_step,
         max_completion_length=rollout.max_completion_length(), temperature=1.0, beta=0.0, logging_steps=1,
         bf16=False, use_cpu=True, report_to="none", save_strategy="no", seed=args.seed,
-        activation_checkpointing=False, disable_tqdm=True)
+        gradient_checkpointing=False, disable_tqdm=True)
     trainer = TreeGRPOTrainer(model, reward_funcs=tree_reward, args=config, train_dataset=puzzle_dataset(64, args.seed),
                               processing_class=tokenizer, rollout_func=rollout)
     history, start = [], [time.perf_counter()]

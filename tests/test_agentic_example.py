@@ -159,7 +159,7 @@ def test_environment_and_reward():
 # ---------------------------------------------------------------------------------------------- tree vs TRL
 ARGS = dict(per_device_train_batch_size=16, num_generations=8, max_completion_length=96, learning_rate=1e-2,
             optim="sgd", bf16=False, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no", seed=0,
-            disable_dropout=True, temperature=0.9, activation_checkpointing=False, beta=0.0)
+            disable_dropout=True, temperature=0.9, gradient_checkpointing=False, beta=0.0)
 
 
 @pytest.mark.parametrize("options", [
