@@ -13,10 +13,10 @@ from transformers.utils import logging
 
 from .kernels import TreeMetadata
 from .model_patches.core import _PATCH_MARK, apply_tree_patches, model_type_of
-from .model_patches.entry import TREE_REQUEST_KWARG, TreeRequest
+from .model_patches.entry import TREE_REQUEST_KWARG, TreeRequest, text_config
 from .trees import PackedForest, PrefixForest
 
-__all__ = ["TreeLogprobs", "check_tree_inputs", "tree_logprobs", "unwrap_model"]
+__all__ = ["TreeLogprobs", "check_tree_inputs", "run_tree_forward", "tree_logprobs", "unwrap_model"]
 
 logger = logging.get_logger(__name__)
 
@@ -60,7 +60,7 @@ def _ensure_patched(model):
 
 def check_tree_inputs(model, packed: PackedForest) -> None:
     """Token ids inside the vocabulary, depths inside the position limit; raises ValueError otherwise."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    config = text_config(model)
     vocab = model.get_input_embeddings().num_embeddings
     if int(packed.input_ids.max()) >= vocab:
         raise ValueError(f"sequences hold token id {int(packed.input_ids.max())} >= the model's vocabulary size "
@@ -105,22 +105,35 @@ def tree_logprobs(model, sequences=None, *, compute_entropy: bool = False, tempe
     handle = _ensure_patched(base)
     if return_aux_loss and not handle.family.moe:
         raise ValueError(f"return_aux_loss=True but {model_type_of(base)} has no routed experts")
-    packed = forest.pack()
-    check_tree_inputs(base, packed)
-    tree = TreeMetadata(packed, base.get_input_embeddings().weight.device, gdn_backend=gdn_backend,
-                        attention_backend=attention_backend)
+    tree, token_logprobs, token_entropies, output = run_tree_forward(
+        model, forest, base.get_input_embeddings().weight.device, only_loss_tokens=only_loss_tokens,
+        compute_entropy=compute_entropy, temperature=temperature, aux_loss=return_aux_loss, gdn_backend=gdn_backend,
+        attention_backend=attention_backend, float32_head=float32_head, chunk_size=head_chunk_size)
     packed = tree.packed
-    targets = torch.nonzero(packed.parent >= 0).squeeze(1)
+    per_sequence = [x[1:] for x in packed.gather_sequences(token_logprobs)]
+    entropies = [x[1:] for x in packed.gather_sequences(token_entropies)] if compute_entropy else None
+    return TreeLogprobs(per_sequence, entropies, output.aux_loss, token_logprobs, token_entropies, packed, tree.stats())
+
+
+def run_tree_forward(model, forest: PrefixForest, device, *, only_loss_tokens: bool, compute_entropy: bool,
+                     temperature: float, aux_loss: bool, gdn_backend: str, attention_backend: str,
+                     float32_head: bool, chunk_size: int):
+    """One tree request through ``model`` (already patched): returns ``(tree, token_logprobs [U],
+    token_entropies [U] or None, output)``, per-token values 0 where nothing was predicted (roots, and tokens
+    without loss when ``only_loss_tokens``)."""
+    packed = forest.pack()
+    check_tree_inputs(unwrap_model(model), packed)
+    tree = TreeMetadata(packed, device, gdn_backend=gdn_backend, attention_backend=attention_backend)
+    packed = tree.packed
+    predicted = packed.parent >= 0
     if only_loss_tokens:
-        targets = targets[packed.loss_mask[targets]]
+        predicted &= packed.loss_mask
+    targets = torch.nonzero(predicted).squeeze(1)
     request = TreeRequest(tree, targets, temperature=temperature, compute_entropy=compute_entropy,
-                          aux_loss=return_aux_loss, float32_head=float32_head, chunk_size=head_chunk_size)
+                          aux_loss=aux_loss, float32_head=float32_head, chunk_size=chunk_size)
     output = model(**{TREE_REQUEST_KWARG: request})
 
-    token_logprobs = output.logprobs.new_zeros(packed.num_tokens).index_copy(0, targets, output.logprobs)
-    per_sequence = [x[1:] for x in packed.gather_sequences(token_logprobs)]
-    token_entropies = entropies = None
-    if compute_entropy:
-        token_entropies = output.entropies.new_zeros(packed.num_tokens).index_copy(0, targets, output.entropies)
-        entropies = [x[1:] for x in packed.gather_sequences(token_entropies)]
-    return TreeLogprobs(per_sequence, entropies, output.aux_loss, token_logprobs, token_entropies, packed, tree.stats())
+    def per_token(values):
+        return values.new_zeros(packed.num_tokens).index_copy(0, targets, values)
+
+    return tree, per_token(output.logprobs), (per_token(output.entropies) if compute_entropy else None), output

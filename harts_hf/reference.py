@@ -26,17 +26,13 @@ def _chunk_gated_delta_rule_in_input_dtype(query, key, value, g, beta, chunk_siz
                                            output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
     """transformers' chunk_gated_delta_rule contract ([B, T, H, D], zero initial state), computed in the input
     dtype (fp64 stays fp64) by harts_hf's plain per-sequence chunked recurrence."""
-    from .kernels.tree_gated_delta_rule.naive import tree_gated_delta_rule_reference
-    from .trees import PrefixForest
+    from .kernels.tree_gated_delta_rule import gated_delta_rule_chunked
 
     if initial_state is not None or output_final_state:
         raise ValueError("the fp64 reference kernel runs whole sequences from a zero state only")
-    outputs = []
-    for row in range(query.shape[0]):
-        packed = PrefixForest.from_sequences([list(range(query.shape[1]))]).pack()
-        (out,) = tree_gated_delta_rule_reference(query[row], key[row], value[row], g[row], beta[row], packed,
-                                                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
-        outputs.append(out)
+    outputs = [gated_delta_rule_chunked(query[row], key[row], value[row], g[row], beta[row],
+                                        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size)
+               for row in range(query.shape[0])]
     return torch.stack(outputs), None
 
 

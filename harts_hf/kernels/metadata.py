@@ -31,6 +31,8 @@ class TreeMetadata:
                  attention_backend: str = "auto", chunk_size: int = CHUNK_SIZE):
         device = torch.device(device) if device is not None else packed.device
         self.packed = packed if packed.device == device else packed.to(device)
+        # host-side tables (plans, layouts, statistics) are built from the CPU packing: no device round trips
+        self._host = packed if packed.device.type == "cpu" else None
         self.device = device
         self.gdn_backend = gdn_backend
         self.attention_backend = attention_backend
@@ -40,6 +42,12 @@ class TreeMetadata:
     @property
     def num_tokens(self) -> int:
         return self.packed.num_tokens
+
+    def host_packed(self) -> PackedForest:
+        """The packing on the CPU (the one given, or one copy of the device packing)."""
+        if self._host is None:
+            self._host = self.packed.to("cpu")
+        return self._host
 
     def ancestors(self, width: int) -> torch.Tensor:
         """``[U, width]`` ancestor table (see ``PackedForest.ancestor_table``)."""
@@ -52,7 +60,8 @@ class TreeMetadata:
         """The gated-delta-rule plan for ``backend`` (fla needs runs cut where children restart)."""
         key = ("gdn_plan", backend == "fla")
         if key not in self._cache:
-            plan = build_gated_delta_plan(self.packed, chunk_size=self.chunk_size, final_states_only=backend == "fla")
+            plan = build_gated_delta_plan(self.host_packed(), chunk_size=self.chunk_size,
+                                          final_states_only=backend == "fla")
             self._cache[key] = plan.to(self.device)
         return self._cache[key]
 
@@ -61,7 +70,7 @@ class TreeMetadata:
         if "varlen_layout" not in self._cache:
             from .tree_attention import build_varlen_layout
 
-            self._cache["varlen_layout"] = build_varlen_layout(self.packed).to(self.device)
+            self._cache["varlen_layout"] = build_varlen_layout(self.host_packed()).to(self.device)
         return self._cache["varlen_layout"]
 
     def attention_mask(self) -> torch.Tensor:
@@ -72,7 +81,9 @@ class TreeMetadata:
 
     def stats(self) -> dict:
         """Forest statistics plus the plan's rounds and replay tokens (for the backend in use on this device)."""
-        backend = resolve_backend(self.gdn_backend, self.packed.input_ids, "tree_gated_delta_rule")
-        stats = self.packed.stats(self.chunk_size)
-        stats.update({f"gdn_{k}": v for k, v in self.gdn_plan(backend).stats.items()})
-        return stats
+        if "stats" not in self._cache:
+            stats = self.host_packed().stats(self.chunk_size)
+            plan = self.gdn_plan(self.gdn_backend_for(self.packed.input_ids))
+            stats.update({f"gdn_{k}": v for k, v in plan.stats.items()})
+            self._cache["stats"] = stats
+        return dict(self._cache["stats"])

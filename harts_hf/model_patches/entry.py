@@ -72,7 +72,8 @@ def wrap_root_forward(model, original_forward) -> dict:
     return {"_harts_original_forward": original_forward, "forward": bound}
 
 
-def _text_config(model):
+def text_config(model):
+    """The text (language-model) config of ``model``, also inside vision-language models."""
     config = model.config
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
@@ -102,7 +103,7 @@ def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
 
 def load_balancing_loss(model, router_logits, weights: torch.Tensor) -> torch.Tensor:
     """The family's own load-balancing loss with each router row weighted by ``weights`` (multiplicity)."""
-    config = _text_config(model)
+    config = text_config(model)
     loss_function = sys.modules[type(model).__module__].load_balancing_loss_func
     return loss_function(tuple(router_logits), config.num_experts, config.num_experts_per_tok,
                          weights.unsqueeze(0).float())

@@ -8,10 +8,11 @@ A prefix shared by trajectories on different replicas is computed on each of the
 
 from __future__ import annotations
 
-__all__ = ["dfs_threshold_cuts", "lpt_by_tokens", "unique_tokens_of"]
+__all__ = ["common_prefix_length", "dfs_threshold_cuts", "lpt_by_tokens", "unique_tokens_of"]
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
     n = min(len(a), len(b))
     i = 0
     while i < n and a[i] == b[i]:
@@ -22,7 +23,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def unique_tokens_of(sequences: list[list[int]]) -> int:
     """Unique tokens of the prefix forest of ``sequences`` (sorted order: each adds its length minus the LCP)."""
     ordered = sorted(sequences)
-    return sum(len(s) - (_common_prefix(s, ordered[i - 1]) if i else 0) for i, s in enumerate(ordered))
+    return sum(len(s) - (common_prefix_length(s, ordered[i - 1]) if i else 0) for i, s in enumerate(ordered))
 
 
 def lpt_by_tokens(sequences: list[list[int]], num_replicas: int) -> list[list[int]]:
@@ -40,7 +41,7 @@ def dfs_threshold_cuts(sequences: list[list[int]], num_replicas: int) -> list[li
     """Contiguous runs of the depth-first order, the smallest threshold on unique tokens per run that needs at
     most ``num_replicas`` runs."""
     order = sorted(range(len(sequences)), key=lambda i: sequences[i])
-    added = [len(sequences[i]) - (_common_prefix(sequences[i], sequences[order[k - 1]]) if k else 0)
+    added = [len(sequences[i]) - (common_prefix_length(sequences[i], sequences[order[k - 1]]) if k else 0)
              for k, i in enumerate(order)]
 
     def cuts(threshold: int) -> list[list[int]] | None:

@@ -17,10 +17,11 @@ from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from ..kernels import TreeMetadata
-from ..logprobs import check_tree_inputs, unwrap_model
+from ..logprobs import run_tree_forward, unwrap_model
 from ..model_patches import apply_tree_patches
 from ..model_patches.core import _PATCH_MARK
-from ..model_patches.entry import TREE_REQUEST_KWARG, TreeRequest, load_balancing_loss
+from ..model_patches.entry import load_balancing_loss
+from ..planner.baselines import common_prefix_length
 from ..trees import PrefixForest
 from .config import TreeGRPOConfig
 
@@ -92,24 +93,18 @@ class TreeGRPOTrainer(GRPOTrainer):
             forest = PrefixForest.from_sequences(
                 [tokens[i] for i in slice_rows], loss_masks=[scored[i] for i in slice_rows],
                 groups=None if groups is None else [groups[i] for i in slice_rows])
-            packed = forest.pack()
-            check_tree_inputs(base, packed)
-            tree = TreeMetadata(packed, input_ids.device, gdn_backend=self.args.tree_gdn_backend,
-                                attention_backend=self.args.tree_attention_backend)
-            packed = tree.packed
-            targets = torch.nonzero((packed.parent >= 0) & packed.loss_mask).squeeze(1)
-            request = TreeRequest(tree, targets, temperature=self.temperature, compute_entropy=compute_entropy,
-                                  aux_loss=compute_aux_loss, float32_head=self.args.cast_lm_head_to_fp32,
-                                  chunk_size=self.args.tree_head_chunk_size)
             with self.accelerator.autocast():
-                output = model(**{TREE_REQUEST_KWARG: request})
+                tree, token_values, token_entropy, output = run_tree_forward(
+                    model, forest, input_ids.device, only_loss_tokens=True, compute_entropy=compute_entropy,
+                    temperature=self.temperature, aux_loss=compute_aux_loss, gdn_backend=self.args.tree_gdn_backend,
+                    attention_backend=self.args.tree_attention_backend, float32_head=self.args.cast_lm_head_to_fp32,
+                    chunk_size=self.args.tree_head_chunk_size)
+            packed = tree.packed
             # per packed token -> per (row, column); the gather's backward sums shared tokens' gradients
             index_rows = torch.cat([torch.full((lengths[i],), i, device=input_ids.device) for i in slice_rows])
             index_columns = torch.cat([column_of[i] for i in slice_rows])
-            token_values = output.logprobs.new_zeros(packed.num_tokens).index_copy(0, targets, output.logprobs)
             logps = logps.index_put((index_rows, index_columns), token_values[packed.sequence_token_index])
             if compute_entropy:
-                token_entropy = output.entropies.new_zeros(packed.num_tokens).index_copy(0, targets, output.entropies)
                 entropies = entropies.index_put((index_rows, index_columns), token_entropy[packed.sequence_token_index])
             if compute_aux_loss:
                 router_logits.append(output.router_logits)
@@ -136,11 +131,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         slices, current, unique, previous = [], [], 0, []
         for i in order:
             sequence = as_lists[i]
-            common = 0
-            limit = min(len(previous), len(sequence))
-            while common < limit and previous[common] == sequence[common]:
-                common += 1
-            added = len(sequence) - common
+            added = len(sequence) - common_prefix_length(previous, sequence)
             if current and unique + added > budget:
                 slices.append(current)
                 current, unique, added = [], 0, len(sequence)

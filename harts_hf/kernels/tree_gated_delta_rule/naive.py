@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ...trees import PackedForest
 from .chunked import chunk_gated_delta_rule_torch, prepare_inputs
 
-__all__ = ["gated_delta_rule_recurrent", "tree_gated_delta_rule_reference"]
+__all__ = ["gated_delta_rule_chunked", "gated_delta_rule_recurrent", "tree_gated_delta_rule_reference"]
 
 
 def gated_delta_rule_recurrent(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False) -> torch.Tensor:
@@ -29,6 +29,20 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in
     return torch.stack(outputs).to(dtype)
 
 
+def gated_delta_rule_chunked(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False,
+                             chunk_size: int = 64) -> torch.Tensor:
+    """One sequence in chunked form from a zero state (padded at the end to whole chunks); shapes as
+    :func:`gated_delta_rule_recurrent`. Keeps fp64 inputs in fp64."""
+    q_, k_, v_, g_, beta_ = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    L = q_.shape[0]
+    pad = (-L) % chunk_size
+    q_, k_, v_ = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (q_, k_, v_))
+    g_, beta_ = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (g_, beta_))
+    state = q_.new_zeros(1, q_.shape[1], q_.shape[-1], v_.shape[-1])
+    o, _ = chunk_gated_delta_rule_torch(q_, k_, v_, g_, beta_, state, chunk_size)
+    return o[0].transpose(0, 1)[:L].to(q.dtype)
+
+
 def tree_gated_delta_rule_reference(q, k, v, g, beta, packed: PackedForest, *, scale=None,
                                     use_qk_l2norm_in_kernel=False, chunk_size: int = 64,
                                     recurrent: bool = False) -> list[torch.Tensor]:
@@ -42,13 +56,7 @@ def tree_gated_delta_rule_reference(q, k, v, g, beta, packed: PackedForest, *, s
         path = [x[index] for x in (q, k, v, g, beta)]
         if recurrent:
             outputs.append(gated_delta_rule_recurrent(*path, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel))
-            continue
-        pq, pk, pv, pg, pbeta = prepare_inputs(*path, scale, use_qk_l2norm_in_kernel)
-        L = pq.shape[0]
-        pad = (-L) % chunk_size
-        pq, pk, pv = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (pq, pk, pv))
-        pg, pbeta = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (pg, pbeta))
-        state = pq.new_zeros(1, pq.shape[1], pq.shape[-1], pv.shape[-1])
-        o, _ = chunk_gated_delta_rule_torch(pq, pk, pv, pg, pbeta, state, chunk_size)
-        outputs.append(o[0].transpose(0, 1)[:L].to(q.dtype))
+        else:
+            outputs.append(gated_delta_rule_chunked(*path, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                                    chunk_size=chunk_size))
     return outputs
