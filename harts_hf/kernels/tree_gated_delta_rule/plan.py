@@ -27,7 +27,9 @@ class GatedDeltaRound:
     ``cu_seqlens [n + 1]`` (int32): unit boundaries in ``token_index``; ``initial_state [n]``: the key of the
     state each unit starts from (``None`` = zeros); ``output_position [O]`` / ``output_token [O]`` (long): which
     executed positions are the units' own tokens and where their outputs go in the packed layout;
-    ``saved_states``: ``(unit, chunks, key)`` — after ``chunks`` chunks of ``unit``, store the state under ``key``.
+    ``saved_states``: ``(unit, chunks, key)`` — after ``chunks`` chunks of ``unit``, store the state under ``key``;
+    ``chunk_indices [NT, 2]`` (long): (unit, chunk within unit) of every chunk, the varlen kernels' grid, built
+    on the host so the fla backend never reads ``cu_seqlens`` back from the device.
     """
 
     token_index: torch.Tensor
@@ -37,6 +39,7 @@ class GatedDeltaRound:
     output_token: torch.Tensor
     saved_states: list
     unit_ids: list
+    chunk_indices: torch.Tensor | None = None
 
     @property
     def num_units(self) -> int:
@@ -45,7 +48,8 @@ class GatedDeltaRound:
     def to(self, device) -> GatedDeltaRound:
         return GatedDeltaRound(
             self.token_index.to(device), self.cu_seqlens.to(device), self.initial_state,
-            self.output_position.to(device), self.output_token.to(device), self.saved_states, self.unit_ids)
+            self.output_position.to(device), self.output_token.to(device), self.saved_states, self.unit_ids,
+            None if self.chunk_indices is None else self.chunk_indices.to(device))
 
 
 @dataclass
@@ -178,6 +182,7 @@ def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE
             output_token=torch.from_numpy(np.concatenate(output_token).astype(np.int64)),
             saved_states=saved,
             unit_ids=unit_ids,
+            chunk_indices=_chunk_indices(np.diff(cu), chunk_size),
         ))
     stats = {
         "runs": int(num_runs),
@@ -188,6 +193,14 @@ def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE
         "executed_tokens": int(sum(r.token_index.shape[0] for r in rounds)),
     }
     return GatedDeltaPlan(chunk_size, num_tokens, rounds, stats)
+
+
+def _chunk_indices(lengths: np.ndarray, chunk_size: int) -> torch.Tensor:
+    """``[NT, 2]``: (unit, chunk index within the unit) for every chunk of units of ``lengths`` tokens."""
+    counts = (lengths + chunk_size - 1) // chunk_size
+    unit = np.repeat(np.arange(counts.shape[0]), counts)
+    within = np.arange(unit.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
+    return torch.from_numpy(np.stack([unit, within], 1).astype(np.int64))
 
 
 def _replay_index(parent: np.ndarray, run_start: np.ndarray, replay: np.ndarray) -> list[np.ndarray]:
