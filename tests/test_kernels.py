@@ -134,6 +134,24 @@ def test_cpu_tensors_never_take_the_triton_backend(monkeypatch):
         resolve_backend("triton", torch.zeros(1), "op")
 
 
+def test_fla_backward_refusal_is_named_before_it_happens():
+    from harts_hf.kernels._backend import fla_backward_problem
+
+    assert "install tilelang" in fla_backward_problem((9, 0), "3.6.0", has_tilelang=False)
+    assert fla_backward_problem((9, 0), "3.6.0", has_tilelang=True) is None
+    assert fla_backward_problem((9, 0), "3.7.1", has_tilelang=False) is None
+    assert fla_backward_problem((8, 0), "3.6.0", has_tilelang=False) is None  # only Hopper is affected
+    assert fla_backward_problem((10, 0), "3.5.0+git1234", has_tilelang=False) is None
+
+
+def test_chunk_grid_of_plan_rounds_matches_their_units():
+    packed = PrefixForest.from_sequences(random_tree_sequences(random.Random(3), 10, vocab=3, max_tail=150)).pack()
+    for round_ in build_gated_delta_plan(packed, final_states_only=True).rounds:
+        lengths = (round_.cu_seqlens[1:] - round_.cu_seqlens[:-1]).tolist()
+        expected = [(unit, chunk) for unit, length in enumerate(lengths) for chunk in range(-(-length // 64))]
+        assert round_.chunk_indices.tolist() == [list(pair) for pair in expected]
+
+
 def test_bad_shapes():
     packed = PrefixForest.from_sequences([[1, 2, 3]]).pack()
     plan = build_gated_delta_plan(packed)

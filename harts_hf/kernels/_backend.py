@@ -2,11 +2,44 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 
 import torch
 
+logger = logging.getLogger("harts_hf")
+
 _BACKENDS = ("auto", "torch", "fla")
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.warning(message)
+
+
+def fla_backward_problem(capability: tuple[int, int], triton_version: str, has_tilelang: bool) -> str | None:
+    """Why fla's gated-delta-rule backward would refuse to run here, or None.
+
+    Triton 3.4 - 3.7.0 miscompiles one of its backward kernels on Hopper (compute capability 9.x); fla then
+    needs tilelang, which it uses instead.
+    """
+    version = tuple(int(part) for part in triton_version.split("+")[0].split(".")[:3] if part.isdigit())
+    if capability[0] == 9 and (3, 4, 0) <= version < (3, 7, 1) and not has_tilelang:
+        return (f"fla's gated-delta-rule backward is wrong with triton {triton_version} on Hopper (sm_90) and fla "
+                "refuses it; install tilelang (pip install tilelang) or triton >= 3.7.1, or pass "
+                "backend='torch' / tree_gdn_backend='torch' (slow)")
+    return None
+
+
+@functools.cache
+def _check_fla_backward(device_index: int) -> None:
+    import triton
+
+    problem = fla_backward_problem(torch.cuda.get_device_capability(device_index), triton.__version__,
+                                   importlib.util.find_spec("tilelang") is not None)
+    if problem is not None:
+        raise RuntimeError(problem)
 
 
 def fla_available() -> bool:
@@ -19,11 +52,19 @@ def resolve_backend(backend: str, tensor: torch.Tensor, op: str) -> str:
     if backend not in _BACKENDS:
         raise ValueError(f"{op}: backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "fla" if tensor.is_cuda and fla_available() else "torch"
+        if not tensor.is_cuda:
+            return "torch"
+        if not fla_available():
+            _log_once("harts_hf: CUDA tensors but flash-linear-attention/triton are not importable; the tree "
+                      "gated delta rule takes the PyTorch backend (slow). pip install 'flash-linear-attention>=0.6,<0.7'")
+            return "torch"
+        backend = "fla"
     if backend == "fla" and not tensor.is_cuda:
         raise ValueError(f"{op}: backend='fla' runs Triton kernels and needs CUDA tensors; got {tensor.device}. "
                          "Use backend='torch' (or 'auto') on CPU.")
     if backend == "fla" and not fla_available():
         raise ImportError(f"{op}: backend='fla' needs flash-linear-attention (fla-core) and triton: "
                           "pip install 'flash-linear-attention>=0.6,<0.7' triton")
+    if backend == "fla" and tensor.requires_grad and torch.is_grad_enabled():
+        _check_fla_backward(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
     return backend

@@ -1,0 +1,196 @@
+"""Tree kernels on the GPU: correctness of the fused fla backend and the per-op breakdown against plain calls.
+
+    python benchmarks/gpu_kernels.py --out results/          # on the H200 (see ../shared/device/README.md)
+
+1. Parity (bf16 inputs): tree gated delta rule with the fused fla node vs fla's public function once per round
+   vs the fp32 torch backend; outputs and every input gradient.
+2. Timing (fwd+bwd, warm, CUDA-synchronised) at the ~2B Qwen3-Next layer shapes on a workload's forest:
+   - gated delta rule: the fused tree node (all rounds), the per-round autograd version, and ONE varlen fla call
+     over the same unique tokens (the tree's runs as independent sequences, no hand-over): the target is
+     tree <= 1.15x that call;
+   - attention: the varlen tree path vs SDPA causal on one plain sequence, in attended pairs per second
+     (target >= 0.8x);
+   - tree conv1d (ancestor gather) vs a plain depthwise conv over the same number of tokens.
+Writes <out>/gpu_kernels.json and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+
+def bench(function, repeats: int = 5) -> float:
+    """Mean seconds of ``function()`` after one warm-up call."""
+    function()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        function()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def gdn_inputs(U, HK, HV, K, V, seed=0):
+    torch.manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v = make(U, HK, K), make(U, HK, K), make(U, HV, V)
+    g = -torch.rand(U, HV, device="cuda") * 0.2
+    beta = torch.rand(U, HV, device="cuda", dtype=torch.bfloat16)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def parity(results: dict) -> None:
+    from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
+    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import (
+        tree_gated_delta_rule_fla,
+        tree_gated_delta_rule_fla_autograd,
+    )
+    from harts_hf.trees import PrefixForest
+    from tests.forests import random_tree_sequences
+
+    sequences = random_tree_sequences(random.Random(0), 24, vocab=7, max_tail=700)
+    packed = PrefixForest.from_sequences(sequences).pack()
+    inputs = gdn_inputs(packed.num_tokens, 4, 8, 128, 128)
+    weight = torch.randn_like(inputs[2], dtype=torch.float32)
+    fla_plan = build_gated_delta_plan(packed, final_states_only=True).to("cuda")
+    torch_plan = build_gated_delta_plan(packed).to("cuda")
+    outs = {}
+    for name, run in (
+        ("fused", lambda: tree_gated_delta_rule_fla(*inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)),
+        ("per_round", lambda: tree_gated_delta_rule_fla_autograd(*inputs, fla_plan, scale=128 ** -0.5,
+                                                                 use_qk_l2norm_in_kernel=True)),
+        ("torch_fp32", lambda: tree_gated_delta_rule(*(x.float() for x in inputs), torch_plan,
+                                                     use_qk_l2norm_in_kernel=True, backend="torch")),
+    ):
+        out = run()
+        outs[name] = (out.detach(), torch.autograd.grad((out.float() * weight).sum(), inputs))
+    report = {"plan": fla_plan.stats}
+    for name in ("fused", "per_round"):
+        report[f"{name}_vs_fp32_out"] = rel(outs[name][0], outs["torch_fp32"][0])
+        for j, arg in enumerate("q k v g beta".split()):
+            report[f"{name}_vs_fp32_grad_{arg}"] = rel(outs[name][1][j], outs["torch_fp32"][1][j])
+    report["fused_vs_per_round_out"] = rel(outs["fused"][0], outs["per_round"][0])
+    for j, arg in enumerate("q k v g beta".split()):
+        report[f"fused_vs_per_round_grad_{arg}"] = rel(outs["fused"][1][j], outs["per_round"][1][j])
+    results["parity"] = report
+
+
+def timing(results: dict, workload: str, scale: float) -> None:
+    import torch.nn.functional as F
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from harts_hf.kernels import TreeMetadata, tree_attention, tree_causal_conv1d, tree_gated_delta_rule
+    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import tree_gated_delta_rule_fla_autograd
+    from harts_hf.trees import PrefixForest
+    from harts_hf.workloads import make_workload
+
+    forest = PrefixForest.from_sequences(make_workload(workload, scale=scale, seed=0).sequences)
+    packed = forest.pack()
+    start = time.perf_counter()
+    tree = TreeMetadata(packed, "cuda", gdn_backend="fla", attention_backend="varlen")
+    plan, layout = tree.gdn_plan("fla"), tree.varlen_layout()
+    ancestors = tree.ancestors(4)
+    torch.cuda.synchronize()
+    host_seconds = time.perf_counter() - start
+    stats = tree.stats()
+    U = packed.num_tokens
+    row = {"stats": stats, "metadata_seconds": host_seconds}
+
+    # gated delta rule at Qwen3-Next-2B shapes: 16 key heads, 32 value heads, 128 dims
+    inputs = gdn_inputs(U, 16, 32, 128, 128)
+
+    def backward(out):
+        out.float().square().mean().backward()
+
+    run_starts = torch.nonzero(packed.parent != torch.arange(U) - 1)[:, 0]
+    run_lengths = torch.diff(torch.cat([run_starts, torch.tensor([U])]))
+    cu_runs = torch.nn.functional.pad(run_lengths.cumsum(0), (1, 0)).to("cuda")
+    row["gdn_tree_fused_s"] = bench(lambda: backward(tree_gated_delta_rule(*inputs, plan, use_qk_l2norm_in_kernel=True,
+                                                                           backend="fla")))
+    row["gdn_tree_per_round_s"] = bench(lambda: backward(tree_gated_delta_rule_fla_autograd(
+        *inputs, plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)))
+    row["gdn_single_call_s"] = bench(lambda: backward(chunk_gated_delta_rule(
+        *(x.unsqueeze(0) for x in inputs), cu_seqlens=cu_runs, use_qk_l2norm_in_kernel=True)[0]))
+    row["gdn_single_call_runs"] = int(run_lengths.numel())
+    row["gdn_tree_over_single"] = row["gdn_tree_fused_s"] / row["gdn_single_call_s"]
+    inputs = None  # free before the next op
+
+    # attention: 16 query heads, 2 KV heads, head_dim 256
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
+    q, k, v = make(U, 16, 256), make(U, 2, 256), make(U, 2, 256)
+    tree_pairs = stats["tree_attention_pairs"]
+    row["attention_tree_s"] = bench(lambda: backward(tree_attention(q, k, v, packed.subtree_end.cuda(), backend="varlen",
+                                                                    layout=layout)))
+    L = 16384
+    qs, ks, vs = make(1, 16, L, 256), make(1, 2, L, 256), make(1, 2, L, 256)
+    row["attention_sdpa_causal_s"] = bench(lambda: backward(F.scaled_dot_product_attention(
+        qs, ks, vs, is_causal=True, enable_gqa=True)))
+    tree_rate = tree_pairs / row["attention_tree_s"]
+    plain_rate = L * (L + 1) / 2 / row["attention_sdpa_causal_s"]
+    row["attention_pairs_per_s_tree"], row["attention_pairs_per_s_sdpa_causal"] = tree_rate, plain_rate
+    row["attention_tree_over_sdpa_rate"] = tree_rate / plain_rate
+    q = k = v = qs = ks = vs = None
+
+    # conv: conv_dim of the 2B model = 2 * 16 * 128 + 32 * 128
+    C = 8192
+    x = torch.randn(U, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(C, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    row["conv_tree_s"] = bench(lambda: backward(tree_causal_conv1d(x, weight, None, ancestors, activation="silu")))
+    row["conv_plain_s"] = bench(lambda: backward(F.silu(F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), padding=3,
+                                                                  groups=C)[..., :U])))
+    results.setdefault("timing", {})[f"{workload}@{scale}"] = row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--workloads", nargs="+", default=["swe:0.1", "tau:0.1", "grpo:0.1"],
+                        help="name:scale pairs")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+
+    def save():
+        (out / "gpu_kernels.json").write_text(json.dumps(results, indent=2, default=str))
+
+    steps = [("parity", parity)] + [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1])))
+                                    for spec in args.workloads]
+    for name, step in steps:
+        start = time.perf_counter()
+        try:
+            step(results)
+        except Exception:  # keep going: report what broke and where
+            import traceback
+
+            results[f"{name}_error"] = traceback.format_exc()
+            print(results[f"{name}_error"], flush=True)
+        results[f"{name}_wall_s"] = time.perf_counter() - start
+        save()
+        print(f"done {name} in {results[f'{name}_wall_s']:.0f} s", flush=True)
+    print(json.dumps(results.get("parity", {}), indent=1))
+    print("| workload | U | rounds | GDN tree fused ms | per-round ms | single call ms | tree/single | attn tree ms | "
+          "attn rate vs SDPA causal | conv tree ms | conv plain ms | metadata ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, row in results.get("timing", {}).items():
+        s = row["stats"]
+        print(f"| {name} | {s['unique_tokens']} | {s['gdn_rounds']} | {1e3 * row['gdn_tree_fused_s']:.1f} | "
+              f"{1e3 * row['gdn_tree_per_round_s']:.1f} | {1e3 * row['gdn_single_call_s']:.1f} | "
+              f"{row['gdn_tree_over_single']:.2f} | {1e3 * row['attention_tree_s']:.1f} | "
+              f"{row['attention_tree_over_sdpa_rate']:.2f} | {1e3 * row['conv_tree_s']:.1f} | "
+              f"{1e3 * row['conv_plain_s']:.1f} | {1e3 * row['metadata_seconds']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
