@@ -35,6 +35,7 @@ MODELS = {
                           head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                           linear_value_head_dim=128, intermediate_size=6144, vocab_size=151936),
 }
+MODELS["qwen3_next_2b_4layers"] = dict(MODELS["qwen3_next_2b"], num_hidden_layers=4)  # same layer shapes
 
 
 def build_model(name: str, family: str, device, dtype):
@@ -119,6 +120,41 @@ def fit_costs(model, device, lengths, vocab, repeats):
     return float(c), float(a), float(b), dict(zip(lengths, times))
 
 
+def bench_workload(model, device, name, scale, c, a, b, repeats, micro_batch, skip=()) -> dict:
+    """One workload: tree, packed, loop and padded fwd+bwd times, peak memory, statistics and S_phys."""
+    from harts_hf.trees import PrefixForest
+    from harts_hf.workloads import make_workload
+
+    vocab = model.config.vocab_size
+    workload = make_workload(name, scale=scale, seed=0)
+    sequences = [[t % vocab for t in s] for s in workload.sequences]
+    forest = PrefixForest.from_sequences(sequences)
+    separate = PrefixForest.from_sequences(sequences, groups=list(range(len(sequences))))
+    row = {}
+    seconds, peak = timed(device, lambda f=forest: run_tree(model, f), repeats)
+    stats = run_tree(model, forest)
+    row["tree"] = {"seconds": seconds, "peak_gib": peak}
+    if "packed" not in skip:
+        seconds, peak = timed(device, lambda f=separate: run_tree(model, f), repeats)
+        row["packed"] = {"seconds": seconds, "peak_gib": peak}
+    if "loop" not in skip:
+        seconds, peak = timed(device, lambda s=sequences: run_loop(model, s, device), repeats)
+        row["loop"] = {"seconds": seconds, "peak_gib": peak}
+    if "padded" not in skip:
+        seconds, peak = timed(device, lambda s=sequences: run_padded(model, s, device, micro_batch), repeats)
+        row["padded"] = {"seconds": seconds, "peak_gib": peak}
+    lengths = np.array([len(s) for s in sequences], dtype=float)
+    per_trajectory = a * lengths.sum() + b * (lengths ** 2 / 2).sum()
+    tree_work = a * stats["unique_tokens"] + b * stats["tree_attention_pairs"]
+    row["stats"] = stats
+    row["S_phys"] = per_trajectory / tree_work
+    baseline = min(row[key]["seconds"] for key in ("packed", "loop") if key in row) \
+        if ("packed" in row or "loop" in row) else row["tree"]["seconds"]
+    row["speedup_vs_strongest"] = baseline / row["tree"]["seconds"]
+    row["fraction_of_S_phys"] = row["speedup_vs_strongest"] / row["S_phys"]
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="qwen3_next_2b", choices=list(MODELS))
@@ -131,9 +167,6 @@ def main():
     parser.add_argument("--skip", nargs="*", default=[], choices=["loop", "padded", "packed"])
     parser.add_argument("--out", default="results")
     args = parser.parse_args()
-
-    from harts_hf.trees import PrefixForest
-    from harts_hf.workloads import make_workload
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -149,46 +182,26 @@ def main():
                            "times": fit_times}
 
     for name in args.workloads:
-        workload = make_workload(name, scale=args.scale, seed=0)
-        sequences = [[t % vocab for t in s] for s in workload.sequences]
-        forest = PrefixForest.from_sequences(sequences)
-        separate = PrefixForest.from_sequences(sequences, groups=list(range(len(sequences))))
-        row = {}
-        seconds, peak = timed(device, lambda f=forest: run_tree(model, f), args.repeats)
-        stats = run_tree(model, forest)
-        row["tree"] = {"seconds": seconds, "peak_gib": peak}
-        if "packed" not in args.skip:
-            seconds, peak = timed(device, lambda f=separate: run_tree(model, f), args.repeats)
-            row["packed"] = {"seconds": seconds, "peak_gib": peak}
-        if "loop" not in args.skip:
-            seconds, peak = timed(device, lambda s=sequences: run_loop(model, s, device), args.repeats)
-            row["loop"] = {"seconds": seconds, "peak_gib": peak}
-        if "padded" not in args.skip:
-            seconds, peak = timed(device, lambda s=sequences: run_padded(model, s, device, args.micro_batch), args.repeats)
-            row["padded"] = {"seconds": seconds, "peak_gib": peak}
-        lengths = np.array([len(s) for s in sequences], dtype=float)
-        per_trajectory = a * lengths.sum() + b * (lengths ** 2 / 2).sum()
-        tree_work = a * stats["unique_tokens"] + b * stats["tree_attention_pairs"]
-        row["stats"] = stats
-        row["S_phys"] = per_trajectory / tree_work
-        baseline = min(row[key]["seconds"] for key in ("packed", "loop") if key in row) \
-            if ("packed" in row or "loop" in row) else row["tree"]["seconds"]
-        row["speedup_vs_strongest"] = baseline / row["tree"]["seconds"]
-        row["fraction_of_S_phys"] = row["speedup_vs_strongest"] / row["S_phys"]
-        results["workloads"][name] = row
+        results["workloads"][name] = bench_workload(model, device, name, args.scale, c, a, b, args.repeats,
+                                                    args.micro_batch, args.skip)
         (out / "bench_tree_vs_trajectory.json").write_text(json.dumps(results, indent=2, default=str))
+    print_table(results)
 
-    print(f"\nmodel {args.model} ({args.family}) on {device}, scale {args.scale}; c = {c:.3e} s/call, "
-          f"a = {a:.3e} s/token, b = {b:.3e} s/pair")
+
+def print_table(results: dict) -> None:
+    fit = results["cost_fit"]
+    print(f"\nmodel {results['model']} ({results['family']}) on {results['device']}, scale {results['scale']}; "
+          f"c = {fit['c_seconds_per_call']:.3e} s/call, a = {fit['a_seconds_per_token']:.3e} s/token, "
+          f"b = {fit['b_seconds_per_pair']:.3e} s/pair")
     print("| workload | R_tok | R_att | S_phys | tree s | packed s | loop s | padded s | speed-up (vs best per-traj.) | "
-          "of S_phys | tree GiB | packed GiB | rounds | replay |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "of S_phys | tree GiB | packed GiB | loop GiB | rounds | replay |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, row in results["workloads"].items():
         s = row["stats"]
         get = lambda key, field="seconds", row=row: row.get(key, {}).get(field, float("nan"))  # noqa: E731
         print(f"| {name} | {s['R_tok']:.2f} | {s['R_att']:.2f} | {row['S_phys']:.2f} | {get('tree'):.3f} | "
               f"{get('packed'):.3f} | {get('loop'):.3f} | {get('padded'):.3f} | {row['speedup_vs_strongest']:.2f} | "
-              f"{row['fraction_of_S_phys']:.2f} | {get('tree', 'peak_gib'):.1f} | {get('packed', 'peak_gib'):.1f} | "
+              f"{row['fraction_of_S_phys']:.2f} | {get('tree', 'peak_gib'):.1f} | {get('packed', 'peak_gib'):.1f} | {get('loop', 'peak_gib'):.1f} | "
               f"{s['gdn_rounds']} | {s['gdn_replay_tokens']} |")
 
 

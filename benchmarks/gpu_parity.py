@@ -135,10 +135,10 @@ def tree_path(model, sequences, weights, share=True):
         {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}, out.stats
 
 
-def model_parity(results: dict, scale: float, save=lambda: None) -> None:
+def model_parity(results: dict, scale: float, save=lambda: None, model=None, timing: bool = True) -> None:
     from harts_hf.workloads import make_workload
 
-    model = build_model()
+    model = build_model() if model is None else model
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     workload = make_workload("swe", scale=scale, seed=0)
@@ -173,7 +173,7 @@ def model_parity(results: dict, scale: float, save=lambda: None) -> None:
         return torch.tensor([torch.nn.functional.cosine_similarity(x[n].flatten().float(), y[n].flatten().float(), 0).item()
                              for n in x])
 
-    results["model"] = {
+    results["model_parity"] = {
         "stats": stats,
         "logprob_absdiff_tree_vs_baseline": quantiles((tree - base_a).abs()),
         "logprob_absdiff_baseline_rerun": quantiles((base_b - base_a).abs()),
@@ -185,6 +185,8 @@ def model_parity(results: dict, scale: float, save=lambda: None) -> None:
         "grad_one_minus_cosine_tree_vs_baseline": quantiles(1 - cosines(grads_t, grads_a)),
         "grad_one_minus_cosine_rerun": quantiles(1 - cosines(grads_b, grads_a)),
     }
+    if not timing:
+        return
     # timing (fwd + bwd), warm
     timings = {}
     for name, run in (("per_trajectory", lambda: per_trajectory(model, sequences, weights)),

@@ -1,0 +1,100 @@
+"""Everything the GPU issue measures, in ONE process (fla compiles and autotunes once per shape and process).
+
+    python benchmarks/gpu_suite.py --out results/ --budget 540     # on the H200 (see ../shared/device/README.md)
+
+Stages, in priority order, each saved as it finishes and skipped once ``--budget`` seconds are spent:
+cost fit (c, a, b) and tree / packed / loop / padded fwd+bwd on the first workload with the ~2B model
+(bench_tree_vs_trajectory.py), bf16 parity against an fp32 reference on a 4-layer model with the same layer
+shapes (gpu_parity.py), the other workloads, then the kernel breakdown (gpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import bench_tree_vs_trajectory as bench  # noqa: E402
+import gpu_kernels as kernels  # noqa: E402
+import gpu_parity as parity  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="results")
+    parser.add_argument("--family", default="qwen3_next", choices=["qwen3_next", "qwen3_5"])
+    parser.add_argument("--workloads", nargs="+", default=["swe:0.05", "tau:0.05", "grpo:0.1"])
+    parser.add_argument("--parity-scale", type=float, default=0.01)
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds; later stages are skipped past it")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["parity", "kernels", "padded", "loop", "packed"])
+    args = parser.parse_args()
+    began = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    import transformers
+
+    results = {"model": "qwen3_next_2b", "family": args.family, "device": torch.cuda.get_device_name(),
+               "torch": torch.__version__, "transformers": transformers.__version__, "scale": "per workload",
+               "workloads": {}, "stages": []}
+
+    def save():
+        (out / "gpu_suite.json").write_text(json.dumps(results, indent=2, default=str))
+
+    model = bench.build_model("qwen3_next_2b", args.family, device, torch.bfloat16)
+    specs = [(spec.split(":")[0], float(spec.split(":")[1])) for spec in args.workloads]
+    fit = {}
+
+    def fit_costs(r):
+        c, a, b, times = bench.fit_costs(model, device, [256, 1024, 2048, 4096, 8192], model.config.vocab_size, 1)
+        fit.update(c=c, a=a, b=b)
+        r["cost_fit"] = {"c_seconds_per_call": c, "a_seconds_per_token": a, "b_seconds_per_pair": b, "times": times}
+
+    def workload(r, name, scale):
+        r["workloads"][f"{name}@{scale}"] = bench.bench_workload(
+            model, device, name, scale, fit["c"], fit["a"], fit["b"], 1, 4, args.skip)
+
+    def model_parity(r):
+        small = bench.build_model("qwen3_next_2b_4layers", args.family, device, torch.bfloat16)
+        with torch.no_grad():  # decays in [0.01, 1] as in the CPU tests (transformers' init reaches 16)
+            for module in small.modules():
+                if hasattr(module, "A_log"):
+                    module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 1.0).log())
+        parity.model_parity(r, args.parity_scale, save, model=small, timing=False)
+
+    stages = [("cost_fit", fit_costs), (f"{specs[0][0]}", lambda r: workload(r, *specs[0]))]
+    if "parity" not in args.skip:
+        stages.append(("parity", model_parity))
+    stages += [(name, lambda r, s=(name, scale): workload(r, *s)) for name, scale in specs[1:]]
+    if "kernels" not in args.skip:
+        stages.append(("kernel_parity", kernels.parity))
+        stages += [(f"kernels_{name}", lambda r, s=(name, scale): kernels.timing(r, *s)) for name, scale in specs]
+    for name, stage in stages:
+        if time.perf_counter() - began > args.budget:
+            results["stages"].append(f"{name}: skipped (budget)")
+            continue
+        start = time.perf_counter()
+        try:
+            stage(results)
+            results["stages"].append(f"{name}: {time.perf_counter() - start:.0f} s")
+        except Exception:  # keep going: report what broke and where
+            results[f"{name}_error"] = traceback.format_exc()
+            results["stages"].append(f"{name}: failed")
+            print(results[f"{name}_error"], flush=True)
+        save()
+        print(results["stages"][-1], flush=True)
+        torch.cuda.empty_cache()
+    if "cost_fit" in results:
+        bench.print_table(results)
+    print(json.dumps({k: results[k] for k in ("model_parity", "parity") if k in results}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
