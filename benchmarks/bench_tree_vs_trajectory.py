@@ -112,6 +112,7 @@ def fit_costs(model, device, lengths, vocab, repeats):
     for length in lengths:
         sequence = rng.integers(0, vocab, length).tolist()
         seconds, _ = timed(device, lambda s=sequence: run_loop(model, [s], device), repeats)
+        print(f"  fit: L={length}: {seconds:.3f} s", flush=True)
         rows.append([1.0, length, length * length / 2])
         times.append(seconds)
     from harts_hf.planner import nnls
@@ -134,15 +135,19 @@ def bench_workload(model, device, name, scale, c, a, b, repeats, micro_batch, sk
     seconds, peak = timed(device, lambda f=forest: run_tree(model, f), repeats)
     stats = run_tree(model, forest)
     row["tree"] = {"seconds": seconds, "peak_gib": peak}
+    print(f"  {name}@{scale}: tree {seconds:.3f} s, {peak:.1f} GiB, {stats['unique_tokens']} unique tokens", flush=True)
     if "packed" not in skip:
         seconds, peak = timed(device, lambda f=separate: run_tree(model, f), repeats)
         row["packed"] = {"seconds": seconds, "peak_gib": peak}
+        print(f"  {name}@{scale}: packed {seconds:.3f} s, {peak:.1f} GiB", flush=True)
     if "loop" not in skip:
         seconds, peak = timed(device, lambda s=sequences: run_loop(model, s, device), repeats)
         row["loop"] = {"seconds": seconds, "peak_gib": peak}
+        print(f"  {name}@{scale}: loop {seconds:.3f} s, {peak:.1f} GiB", flush=True)
     if "padded" not in skip:
         seconds, peak = timed(device, lambda s=sequences: run_padded(model, s, device, micro_batch), repeats)
         row["padded"] = {"seconds": seconds, "peak_gib": peak}
+        print(f"  {name}@{scale}: padded {seconds:.3f} s, {peak:.1f} GiB", flush=True)
     lengths = np.array([len(s) for s in sequences], dtype=float)
     per_trajectory = a * lengths.sum() + b * (lengths ** 2 / 2).sum()
     tree_work = a * stats["unique_tokens"] + b * stats["tree_attention_pairs"]

@@ -41,6 +41,8 @@ def main():
     device = torch.device("cuda")
     import transformers
 
+    from harts_hf.workloads import make_workload
+
     results = {"model": "qwen3_next_2b", "family": args.family, "device": torch.cuda.get_device_name(),
                "torch": torch.__version__, "transformers": transformers.__version__, "scale": "per workload",
                "workloads": {}, "stages": []}
@@ -53,13 +55,23 @@ def main():
     fit = {}
 
     def fit_costs(r):
-        c, a, b, times = bench.fit_costs(model, device, [256, 1024, 2048, 4096, 8192], model.config.vocab_size, 1)
+        c, a, b, times = bench.fit_costs(model, device, [512, 2048, 4096, 8192], model.config.vocab_size, 1)
         fit.update(c=c, a=a, b=b)
         r["cost_fit"] = {"c_seconds_per_call": c, "a_seconds_per_token": a, "b_seconds_per_pair": b, "times": times}
 
     def workload(r, name, scale):
         r["workloads"][f"{name}@{scale}"] = bench.bench_workload(
-            model, device, name, scale, fit["c"], fit["a"], fit["b"], 1, 4, args.skip)
+            model, device, name, scale, fit["c"], fit["a"], fit["b"], 1, 4, [*args.skip, "padded"])
+
+    def padded(r):
+        for key, row in r["workloads"].items():
+            name, scale = key.split("@")
+            sequences = [[t % model.config.vocab_size for t in s]
+                         for s in make_workload(name, scale=float(scale), seed=0).sequences]
+            seconds, peak = bench.timed(device, lambda s=sequences: bench.run_padded(model, s, device, 4), 1)
+            row["padded"] = {"seconds": seconds, "peak_gib": peak}
+            print(f"  {key}: padded {seconds:.3f} s, {peak:.1f} GiB", flush=True)
+            save()
 
     def model_parity(r):
         small = bench.build_model("qwen3_next_2b_4layers", args.family, device, torch.bfloat16)
@@ -73,6 +85,8 @@ def main():
     if "parity" not in args.skip:
         stages.append(("parity", model_parity))
     stages += [(name, lambda r, s=(name, scale): workload(r, *s)) for name, scale in specs[1:]]
+    if "padded" not in args.skip:  # TRL's padded batches: last, its batch shapes compile fla's kernels again
+        stages.append(("padded", padded))
     if "kernels" not in args.skip:
         stages.append(("kernel_parity", kernels.parity))
         stages += [(f"kernels_{name}", lambda r, s=(name, scale): kernels.timing(r, *s)) for name, scale in specs]
