@@ -55,7 +55,7 @@ def main():
     fit = {}
 
     def fit_costs(r):
-        c, a, b, times = bench.fit_costs(model, device, [512, 2048, 4096, 8192], model.config.vocab_size, 1)
+        c, a, b, times = bench.fit_costs(model, device, [2048, 8192, 16384, 32768], model.config.vocab_size, 1)
         fit.update(c=c, a=a, b=b)
         r["cost_fit"] = {"c_seconds_per_call": c, "a_seconds_per_token": a, "b_seconds_per_pair": b, "times": times}
 

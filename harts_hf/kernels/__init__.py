@@ -1,5 +1,6 @@
 """Tree ops, each in its own folder with a per-path reference; no transformers or trl imports here."""
 
+from .context import TreeContext, TreeExport
 from .metadata import TreeMetadata
 from .tree_attention import (
     build_varlen_layout,
@@ -17,6 +18,8 @@ from .tree_gated_delta_rule import (
 
 __all__ = [
     "build_varlen_layout",
+    "TreeContext",
+    "TreeExport",
     "TreeMetadata",
     "GatedDeltaPlan",
     "build_gated_delta_plan",

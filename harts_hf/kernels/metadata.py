@@ -2,7 +2,8 @@
 
 It travels through a model as a keyword argument, so gradient checkpointing recomputes a layer with the
 very same plan; derived tables (ancestor windows, gated-delta-rule plans, attention masks) are built once
-per forward and shared by all layers.
+per forward and shared by all layers. A planner piece cut out below a branch point carries the hand-off
+from its source (``context``) and collects the hand-offs of its own cut-off children (``exports``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 
 from ..trees import CHUNK_SIZE, PackedForest
 from ._backend import resolve_backend
+from .context import TreeContext, TreeExport
 from .tree_attention import tree_attention_mask
 from .tree_gated_delta_rule import GatedDeltaPlan, build_gated_delta_plan
 
@@ -25,10 +27,14 @@ class TreeMetadata:
         device: where the model runs.
         gdn_backend / attention_backend: ``"auto"``, ``"torch"``/``"sdpa"`` or a fast path (see the kernels).
         chunk_size: chunk length of the linear-attention kernels (64 for fla and transformers).
+        context: the hand-off of a piece whose (single) root sits at depth ``d0 = context.ancestor_tokens``.
+        exports: one :class:`TreeExport` per cut-off child (its branch token in this packing), filled by the
+            forward.
     """
 
     def __init__(self, packed: PackedForest, device=None, *, gdn_backend: str = "auto",
-                 attention_backend: str = "auto", chunk_size: int = CHUNK_SIZE):
+                 attention_backend: str = "auto", chunk_size: int = CHUNK_SIZE, context: TreeContext | None = None,
+                 exports=()):
         device = torch.device(device) if device is not None else packed.device
         self.packed = packed if packed.device == device else packed.to(device)
         # host-side tables (plans, layouts, statistics) are built from the CPU packing: no device round trips
@@ -37,7 +43,10 @@ class TreeMetadata:
         self.gdn_backend = gdn_backend
         self.attention_backend = attention_backend
         self.chunk_size = chunk_size
+        self.context = context
+        self.exports: list[TreeExport] = list(exports)
         self._cache: dict = {}
+        self._check_handoff()
 
     @property
     def num_tokens(self) -> int:
@@ -49,9 +58,50 @@ class TreeMetadata:
             self._host = self.packed.to("cpu")
         return self._host
 
+    @property
+    def context_tokens(self) -> int:
+        """``d0``: ancestors of the root outside this forest (0 without a hand-off)."""
+        return 0 if self.context is None else self.context.ancestor_tokens
+
+    def _check_handoff(self) -> None:
+        host = self.host_packed()
+        roots = torch.nonzero(host.parent < 0).squeeze(1)
+        root_depth = int(host.position_ids[roots].max())
+        if self.context is None and root_depth > 0:
+            raise ValueError(f"the packed forest has a root at depth {root_depth} (a piece cut out below a branch "
+                             "point); pass context=export.as_context() from the TreeExport of its source piece")
+        if self.context is not None and (roots.numel() != 1 or root_depth != self.context.ancestor_tokens):
+            raise ValueError(f"context.ancestor_tokens={self.context.ancestor_tokens} needs a forest of one tree whose "
+                             f"root sits at that depth; got {roots.numel()} roots, deepest at depth {root_depth}")
+        for export in self.exports:
+            if not 0 <= export.branch_token < host.num_tokens or \
+                    export.ancestor_tokens != int(host.position_ids[export.branch_token]) + 1:
+                raise ValueError(f"TreeExport(branch_token={export.branch_token}, ancestor_tokens="
+                                 f"{export.ancestor_tokens}): the branch token must be a packed index of this forest "
+                                 "and ancestor_tokens its depth + 1")
+
     def ancestors(self, width: int) -> torch.Tensor:
-        """``[U, width]`` ancestor table (see ``PackedForest.ancestor_table``)."""
-        return self.packed.ancestor_table(width)
+        """``[U, width]`` ancestor table (see ``PackedForest.ancestor_table``); with a hand-off, the root's last
+        ``min(width - 1, d0)`` ancestors are rows ``U ..`` (the conv context)."""
+        return self.packed.ancestor_table(width, min(width - 1, self.context_tokens))
+
+    def export_index(self, branch_token: int, count: int, context_rows: int) -> torch.Tensor:
+        """``[count]`` long: the last ``count`` tokens of the path ending at ``branch_token``, oldest first, as rows
+        of ``[this forest's U rows; context_rows rows of the root's nearest ancestors, oldest first]``."""
+        key = ("export_index", branch_token, count, context_rows)
+        if key not in self._cache:
+            parent = self.host_packed().parent.numpy()
+            own, token = [], branch_token
+            while token >= 0 and len(own) < count:
+                own.append(token)
+                token = int(parent[token])
+            missing = count - len(own)
+            if missing > context_rows:
+                raise ValueError(f"a hand-off needs {missing} rows above the root but the context holds {context_rows}")
+            first = self.num_tokens + context_rows - missing
+            index = list(range(first, first + missing)) + own[::-1]
+            self._cache[key] = torch.tensor(index, dtype=torch.long, device=self.device)
+        return self._cache[key]
 
     def gdn_backend_for(self, tensor: torch.Tensor) -> str:
         return resolve_backend(self.gdn_backend, tensor, "tree_gated_delta_rule")
@@ -61,7 +111,8 @@ class TreeMetadata:
         key = ("gdn_plan", backend == "fla")
         if key not in self._cache:
             plan = build_gated_delta_plan(self.host_packed(), chunk_size=self.chunk_size,
-                                          final_states_only=backend == "fla")
+                                          final_states_only=backend == "fla",
+                                          state_requests=[export.branch_token for export in self.exports])
             self._cache[key] = plan.to(self.device)
         return self._cache[key]
 
@@ -70,13 +121,13 @@ class TreeMetadata:
         if "varlen_layout" not in self._cache:
             from .tree_attention import build_varlen_layout
 
-            self._cache["varlen_layout"] = build_varlen_layout(self.host_packed()).to(self.device)
+            self._cache["varlen_layout"] = build_varlen_layout(self.host_packed(), self.context_tokens).to(self.device)
         return self._cache["varlen_layout"]
 
     def attention_mask(self) -> torch.Tensor:
-        """Dense ``[U, U]`` ancestor-or-self mask (the sdpa path)."""
+        """Dense ``[U, U + d0]`` ancestor-or-self mask (the sdpa path; context keys last)."""
         if "attention_mask" not in self._cache:
-            self._cache["attention_mask"] = tree_attention_mask(self.packed.subtree_end)
+            self._cache["attention_mask"] = tree_attention_mask(self.packed.subtree_end, self.context_tokens)
         return self._cache["attention_mask"]
 
     def stats(self) -> dict:

@@ -181,6 +181,18 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
     if query.shape[0] != 1 or query.shape[2] != tree.num_tokens:
         raise ValueError(f"tree attention expects one packed row of {tree.num_tokens} tokens, got query {tuple(query.shape)}")
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    context_k = context_v = None
+    if tree.context is not None or tree.exports:
+        layer = layer_key(module)
+        if tree.context is not None:
+            context_k, context_v = tree.context.get(layer, "key"), tree.context.get(layer, "value")
+        if tree.exports:  # a child sees every ancestor: this forest's context rows and the path to its branch
+            keys = k if context_k is None else torch.cat([k, context_k.to(k.dtype)])
+            values = v if context_v is None else torch.cat([v, context_v.to(v.dtype)])
+            for export in tree.exports:
+                index = tree.export_index(export.branch_token, export.ancestor_tokens, tree.context_tokens)
+                export.record((layer, "key"), keys[index])
+                export.record((layer, "value"), values[index])
     backend = tree.attention_backend
     if backend == "auto":
         if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
@@ -189,8 +201,17 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
             backend = "sdpa" if tree.num_tokens <= _DENSE_MASK_TOKENS else "runs"
     layout = tree.varlen_layout() if backend in ("varlen", "runs") else None
     out = tree_attention(q, k, v, tree.packed.subtree_end, scaling=scaling,
-                         mask=tree.attention_mask() if backend == "sdpa" else None, backend=backend, layout=layout)
+                         mask=tree.attention_mask() if backend == "sdpa" else None, backend=backend, layout=layout,
+                         context_k=context_k, context_v=context_v)
     return out.unsqueeze(0), None
+
+
+def layer_key(module) -> int:
+    """The layer index that keys a mixer's hand-off tensors (transformers' ``layer_idx``)."""
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        raise ValueError(f"{type(module).__name__} has no layer_idx; planner hand-offs key their tensors by it")
+    return layer
 
 
 AttentionInterface.register(TREE_ATTENTION_NAME, tree_attention_function)

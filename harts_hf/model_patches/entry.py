@@ -79,7 +79,8 @@ def text_config(model):
 
 
 def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
-    """One decoder pass over the forest, then the LM head on the parents of ``request.targets``."""
+    """One decoder pass over the forest, then the LM head on the parents of ``request.targets``; a piece with a
+    hand-off predicts its root from the handed-in hidden row and exports its branch tokens' rows."""
     packed = request.tree.packed
     kwargs = {"output_router_logits": True} if request.aux_loss else {}
     outputs = model.get_decoder()(
@@ -90,7 +91,14 @@ def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
         **{TREE_KWARG: request.tree},
         **kwargs,
     )
-    hidden = outputs.last_hidden_state[0].index_select(0, packed.parent[request.targets])
+    hidden_rows, parents = outputs.last_hidden_state[0], packed.parent[request.targets]
+    tree = request.tree
+    for export in tree.exports:
+        export.record(("hidden",), hidden_rows[export.branch_token])
+    if tree.context is not None:  # the root's token is predicted from the branch token's row, handed in as row U
+        hidden_rows = torch.cat([hidden_rows, tree.context.hidden().to(hidden_rows.dtype).unsqueeze(0)])
+        parents = torch.where(parents >= 0, parents, packed.num_tokens)
+    hidden = hidden_rows.index_select(0, parents)
     logprobs, entropies = chunked_logprobs(
         model.get_output_embeddings(), hidden, packed.input_ids[request.targets], temperature=request.temperature,
         chunk_size=request.chunk_size, compute_entropy=request.compute_entropy, float32_head=request.float32_head)

@@ -1,5 +1,6 @@
 """Tree forward for Gated DeltaNet mixers (Qwen3-Next, Qwen3.5): projections once per unique token,
 tree conv1d over ancestor windows, tree gated delta rule, then the layer's own gated norm and output.
+Planner pieces take their root's conv window, state and replay rows from a hand-off and export their own.
 
 Families differ only in how the input projections are laid out; each passes a ``project`` function.
 """
@@ -14,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import TreeMetadata, tree_causal_conv1d, tree_gated_delta_rule
-from .core import TREE_KWARG
+from ..kernels.context import GDN_REPLAY_NAMES
+from .core import TREE_KWARG, layer_key
 
 __all__ = ["make_tree_gdn_forward"]
 
@@ -53,8 +55,14 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
                          f"got hidden_states {tuple(hidden_states.shape)}")
     mixed_qkv, z, b, a = project(module, hidden_states)
     weight = module.conv1d.weight.squeeze(1)  # [conv_dim, W]
+    handoff = tree.context is not None or bool(tree.exports)
+    layer = layer_key(module) if handoff else None
+    conv_context = None if tree.context is None else tree.context.get(layer, "conv")
+    if tree.exports:
+        _export_rows(tree, layer, {"conv": mixed_qkv}, {"conv": conv_context},
+                     lambda export: min(weight.shape[1] - 1, export.ancestor_tokens))
     mixed_qkv = tree_causal_conv1d(mixed_qkv, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
-                                   activation=module.activation)
+                                   activation=module.activation, context=conv_context)
     U = mixed_qkv.shape[0]
     query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(U, -1, module.head_k_dim)
@@ -63,7 +71,36 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     backend = tree.gdn_backend_for(query)
-    core = tree_gated_delta_rule(query, key, value, g, beta, tree.gdn_plan(backend),
-                                 use_qk_l2norm_in_kernel=True, backend=backend)
+    plan = tree.gdn_plan(backend)
+    if not handoff:
+        core = tree_gated_delta_rule(query, key, value, g, beta, plan, use_qk_l2norm_in_kernel=True, backend=backend)
+    else:
+        own = dict(zip(GDN_REPLAY_NAMES, (query, key, value, g, beta)))
+        replay = None
+        if tree.context is not None and plan.context_tokens:
+            replay = {name: tree.context.get(layer, name) for name in GDN_REPLAY_NAMES}
+        initial_state = None if tree.context is None else tree.context.get_optional(layer, "state")
+        core, states = tree_gated_delta_rule(
+            query, key, value, g, beta, plan, use_qk_l2norm_in_kernel=True, backend=backend,
+            initial_state=initial_state, context=None if replay is None else tuple(replay.values()),
+            output_requested_states=True)
+        for export, state in zip(tree.exports, states):
+            if state is not None:
+                export.record((layer, "state"), state)
+        _export_rows(tree, layer, own, replay or dict.fromkeys(GDN_REPLAY_NAMES),
+                     lambda export: export.ancestor_tokens % plan.chunk_size)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(1, U, -1))
+
+
+def _export_rows(tree: TreeMetadata, layer: int, own: dict, context: dict, count) -> None:
+    """For every export, the last ``count(export)`` rows of its branch token's path from ``own`` ``[U, ...]``
+    tensors continued upwards by the ``context`` rows (None: no context rows)."""
+    rows = {name: tensor if context[name] is None else torch.cat([tensor, context[name].to(tensor.dtype)])
+            for name, tensor in own.items()}
+    for export in tree.exports:
+        if count(export) == 0:
+            continue
+        for name, tensor in own.items():
+            index = tree.export_index(export.branch_token, count(export), rows[name].shape[0] - tensor.shape[0])
+            export.record((layer, name), rows[name][index])

@@ -1,7 +1,17 @@
 """Planner: cut a batch's prefix forest into pieces within a token budget and place them on microbatches,
-data-parallel replicas and gradient-accumulation slots (pure python over plain dataclasses)."""
+data-parallel replicas and gradient-accumulation slots (pure python over plain dataclasses); ``execute_plan``
+runs a plan's pieces on a model (imported on first use: it needs transformers)."""
 
 from .cost import FEATURES, CostModel, nnls
 from .plan import Handoff, Microbatch, Piece, Plan, plan
 
-__all__ = ["FEATURES", "CostModel", "Handoff", "Microbatch", "Piece", "Plan", "nnls", "plan"]
+__all__ = ["FEATURES", "CostModel", "Handoff", "Microbatch", "PieceLogprobs", "Piece", "Plan", "PlanExecution",
+           "execute_plan", "nnls", "plan"]
+
+
+def __getattr__(name):
+    if name in ("PieceLogprobs", "PlanExecution", "execute_plan"):
+        from . import execute
+
+        return getattr(execute, name)
+    raise AttributeError(f"module 'harts_hf.planner' has no attribute {name!r}")

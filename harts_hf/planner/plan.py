@@ -196,6 +196,8 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
     pieces = []
     for index, segments in enumerate(members):
         root = segments[0]
+        # one connected subtree below one branch token: hand-offs carry a single root path (execute_plan relies on it)
+        assert all(piece_of[parent[s]] == index for s in segments[1:]), f"piece {index} is not connected"
         handoff = None
         if parent[root] >= 0:
             start = int(depth0[root])

@@ -73,6 +73,54 @@ class PackedForest:
         values = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "_cache"}
         return PackedForest(**values)
 
+    def select(self, segments) -> PackedForest:
+        """The sub-forest made of ``segments`` (packed segment ids, increasing), e.g. one planner piece.
+
+        Tokens keep their order and their global depths (``position_ids``); a parent outside the selection
+        becomes -1, so a piece cut out below a branch point has a root at depth > 0. Every sequence keeps
+        its index; its entries are the tokens it has inside the selection (possibly none).
+        """
+        segments = np.asarray(segments, dtype=np.int64)
+        if segments.ndim != 1 or segments.size == 0 or (np.diff(segments) <= 0).any():
+            raise ValueError("select: segments must be a non-empty, strictly increasing list of segment ids")
+        if segments[0] < 0 or segments[-1] >= self.num_segments:
+            raise ValueError(f"select: segment ids must lie in [0, {self.num_segments}); got {segments.tolist()}")
+        if self.device.type != "cpu":
+            return self.to("cpu").select(segments).to(self.device)
+        cu = self.cu_seqlens.numpy().astype(np.int64)
+        lengths = cu[segments + 1] - cu[segments]
+        tokens = np.repeat(cu[segments] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(
+            int(lengths.sum()))
+        local = np.full(self.num_tokens + 1, -1, dtype=np.int64)  # global -> local; entry -1 maps -1 to -1
+        local[tokens] = np.arange(tokens.shape[0])
+        local_segment = np.full(self.num_segments + 1, -1, dtype=np.int64)
+        local_segment[segments] = np.arange(segments.shape[0])
+        sequence_tokens = local[self.sequence_token_index.numpy()]
+        inside = sequence_tokens >= 0
+        sequence_of = np.repeat(np.arange(self.num_sequences), self.sequence_lengths.numpy())
+        sequence_lengths = np.bincount(sequence_of[inside], minlength=self.num_sequences)
+        sequence_offsets = np.zeros(self.num_sequences + 1, dtype=np.int64)
+        np.cumsum(sequence_lengths, out=sequence_offsets[1:])
+        cu_local = np.zeros(segments.shape[0] + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu_local[1:])
+        as_long = lambda array: torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))  # noqa: E731
+        index = torch.from_numpy(tokens)
+        return PackedForest(
+            input_ids=self.input_ids[index],
+            position_ids=self.position_ids[index],
+            parent=as_long(local[self.parent.numpy()[tokens]]),
+            subtree_end=as_long(np.searchsorted(tokens, self.subtree_end.numpy()[tokens])),
+            multiplicity=self.multiplicity[index],
+            loss_mask=self.loss_mask[index],
+            loss_count=self.loss_count[index],
+            cu_seqlens=torch.from_numpy(cu_local.astype(np.int32)),
+            segment_parent=as_long(local_segment[self.segment_parent.numpy()[segments]]),
+            segment_depth=self.segment_depth[torch.from_numpy(segments)],
+            sequence_lengths=as_long(sequence_lengths),
+            sequence_offsets=as_long(sequence_offsets),
+            sequence_token_index=as_long(sequence_tokens[inside]),
+        )
+
     # ------------------------------------------------------------------ sequences
     def sequence_index(self, i: int) -> torch.Tensor:
         """Packed index ``[L_i]`` of every token of sequence ``i``, in order."""
@@ -136,15 +184,30 @@ class PackedForest:
             raise ValueError(f"values has {values.shape[0]} rows; expected one per packed token ({self.num_tokens}).")
 
     # ------------------------------------------------------------------ derived tables
-    def ancestor_table(self, width: int) -> torch.Tensor:
-        """``[U, width]`` long: column j holds the j-th ancestor of every token (0 = itself), -1 past a root."""
-        key = ("ancestors", width)
+    def ancestor_table(self, width: int, context_rows: int = 0) -> torch.Tensor:
+        """``[U, width]`` long: column j holds the j-th ancestor of every token (0 = itself), -1 past a root.
+
+        ``context_rows = M``: the forest is one tree whose root (depth ``d0``) has ``M`` ancestors outside it
+        as rows ``U .. U + M - 1`` (depths ``d0 - M .. d0 - 1``); ancestors there get those row numbers.
+        """
+        key = ("ancestors", width, context_rows)
         if key not in self._cache:
             table = torch.empty(self.num_tokens, width, dtype=torch.long, device=self.device)
             current = torch.arange(self.num_tokens, device=self.device)
             for j in range(width):
                 table[:, j] = current
                 current = torch.where(current >= 0, self.parent[current.clamp_min(0)], current)
+            if context_rows:
+                roots = torch.nonzero(self.parent < 0).squeeze(1)
+                if roots.numel() != 1:
+                    raise ValueError(f"ancestor_table: context rows need a forest of one tree, got {roots.numel()} roots")
+                first = int(self.position_ids[roots[0]]) - context_rows  # depth of context row 0
+                if first < 0:
+                    raise ValueError(f"ancestor_table: {context_rows} context rows but the root has only "
+                                     f"{first + context_rows} ancestors")
+                depth = self.position_ids[:, None] - torch.arange(width, device=self.device)
+                outside = (table < 0) & (depth >= first)
+                table = torch.where(outside, self.num_tokens + depth - first, table)
             self._cache[key] = table
         return self._cache[key]
 

@@ -15,16 +15,21 @@ __all__ = ["tree_attention", "tree_attention_mask"]
 _BACKENDS = ("auto", "sdpa", "runs", "varlen")
 
 
-def tree_attention_mask(subtree_end: torch.Tensor) -> torch.Tensor:
-    """``[U, U]`` bool, ``mask[q, k] = k <= q < subtree_end[k]`` (True = may attend)."""
+def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0) -> torch.Tensor:
+    """``[U, U + C]`` bool, ``mask[q, k] = k <= q < subtree_end[k]`` (True = may attend) for the ``U`` packed keys,
+    then ``C = context_tokens`` columns of True: context keys (ancestors outside the forest) every query sees."""
     positions = torch.arange(subtree_end.shape[0], device=subtree_end.device)
     query, key = positions[:, None], positions[None, :]
-    return (key <= query) & (query < subtree_end[None, :])
+    mask = (key <= query) & (query < subtree_end[None, :])
+    if context_tokens:
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], context_tokens)], dim=1)
+    return mask
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
                    scaling: float | None = None, mask: torch.Tensor | None = None,
-                   backend: str = "auto", layout=None) -> torch.Tensor:
+                   backend: str = "auto", layout=None, context_k: torch.Tensor | None = None,
+                   context_v: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention over a packed forest.
 
     Args:
@@ -36,6 +41,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
             possible).
             ``"runs"``: the varlen semantics with one SDPA call per run (any device; memory per run, not U x U).
         layout: a :class:`VarlenLayout` (``build_varlen_layout(packed)``) for the varlen and runs paths.
+        context_k, context_v: ``[C, HKV, D]`` keys/values of ``C`` ancestors outside the forest that every query
+            sees (a planner piece below a branch point: one tree, its root's ancestors). The mask and layout must
+            then be built with ``context_tokens=C``.
 
     Returns:
         ``[U, HQ, D]`` in ``q.dtype``.
@@ -48,6 +56,16 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if subtree_end.shape != (U,):
         raise ValueError(f"tree_attention: subtree_end must be [U={U}], got {tuple(subtree_end.shape)}")
+    if (context_k is None) != (context_v is None):
+        raise ValueError("tree_attention: pass both context_k and context_v, or neither")
+    if context_k is not None:
+        if context_k.shape[1:] != k.shape[1:] or context_v.shape != context_k.shape[:2] + v.shape[2:]:
+            raise ValueError(f"tree_attention: context_k and context_v must be [C, HKV, D] like k and v; got "
+                             f"{tuple(context_k.shape)} and {tuple(context_v.shape)} for k {tuple(k.shape)}")
+        k, v = torch.cat([k, context_k.to(k.dtype)]), torch.cat([v, context_v.to(v.dtype)])
+    if layout is not None and layout.context_tokens != k.shape[0] - U:
+        raise ValueError(f"tree_attention: the layout was built for {layout.context_tokens} context tokens but "
+                         f"{k.shape[0] - U} were given; build_varlen_layout(packed, context_tokens=...) to match")
     use_varlen = backend == "varlen" or (
         backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))
     if use_varlen:
@@ -61,7 +79,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
             raise ValueError("tree_attention: backend='runs' needs a VarlenLayout (layout=build_varlen_layout(packed))")
         return _attention_by_runs(q, k, v, layout, scaling)
     if mask is None:
-        mask = tree_attention_mask(subtree_end)
+        mask = tree_attention_mask(subtree_end, k.shape[0] - U)
+    if mask.shape != (U, k.shape[0]):
+        raise ValueError(f"tree_attention: mask must be [U={U}, U + context = {k.shape[0]}], got {tuple(mask.shape)}; "
+                         "build it with tree_attention_mask(subtree_end, context_tokens)")
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask, scale=scaling, enable_gqa=HQ != k.shape[1])

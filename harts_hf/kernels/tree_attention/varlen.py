@@ -21,21 +21,27 @@ __all__ = ["VarlenLayout", "build_varlen_layout", "tree_attention_varlen", "varl
 
 @dataclass
 class VarlenLayout:
-    """``key_index [Tk]`` (long): packed index of every key row; ``cu_q``/``cu_k`` (int32, ``R + 1``);
-    ``max_q``/``max_k``: longest run / path."""
+    """``key_index [Tk]`` (long): packed index of every key row (``U + i`` = context row ``i``); ``cu_q``/``cu_k``
+    (int32, ``R + 1``); ``max_q``/``max_k``: longest run / path; ``context_tokens``: context rows every path starts
+    with."""
 
     key_index: torch.Tensor
     cu_q: torch.Tensor
     cu_k: torch.Tensor
     max_q: int
     max_k: int
+    context_tokens: int = 0
 
     def to(self, device) -> VarlenLayout:
-        return VarlenLayout(self.key_index.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q, self.max_k)
+        return VarlenLayout(self.key_index.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q,
+                            self.max_k, self.context_tokens)
 
 
-def build_varlen_layout(packed: PackedForest) -> VarlenLayout:
-    """Runs and their root-to-run key paths (numpy, linear in the gathered key rows)."""
+def build_varlen_layout(packed: PackedForest, context_tokens: int = 0) -> VarlenLayout:
+    """Runs and their root-to-run key paths (numpy, linear in the gathered key rows).
+
+    ``context_tokens``: ``C`` ancestors outside the forest (keys ``U .. U + C - 1``, appended after the packed
+    keys) that start every root's path."""
     parent = packed.parent.cpu().numpy()
     depth = packed.position_ids.cpu().numpy()
     num_tokens = parent.shape[0]
@@ -47,7 +53,7 @@ def build_varlen_layout(packed: PackedForest) -> VarlenLayout:
         own = np.arange(start, end)
         p = parent[start]
         if p < 0:
-            paths.append(own)
+            paths.append(np.concatenate([np.arange(num_tokens, num_tokens + context_tokens), own]))
             continue
         ancestors = paths[run_of_token[p]][: depth[p] + 1]  # the parent run's path up to the branch point
         paths.append(np.concatenate([ancestors, own]))
@@ -58,7 +64,7 @@ def build_varlen_layout(packed: PackedForest) -> VarlenLayout:
     np.cumsum(lengths_q, out=cu_q[1:])
     np.cumsum(lengths_k, out=cu_k[1:])
     return VarlenLayout(torch.from_numpy(np.concatenate(paths).astype(np.int64)), torch.from_numpy(cu_q),
-                        torch.from_numpy(cu_k), int(lengths_q.max()), int(lengths_k.max()))
+                        torch.from_numpy(cu_k), int(lengths_q.max()), int(lengths_k.max()), context_tokens)
 
 
 def varlen_available() -> bool:

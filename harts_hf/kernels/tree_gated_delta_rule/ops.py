@@ -2,7 +2,9 @@
 
 Executes a :class:`GatedDeltaPlan` round by round; states handed between rounds stay fp32 and in the
 autograd graph, so gradients of a child's initial state flow into its parent's recurrence and the
-gradients of replayed inputs flow back to the parent's tokens (they are gathered, not copied).
+gradients of replayed inputs flow back to the parent's tokens (they are gathered, not copied). A forest cut
+out below a branch point takes its root's state and replay rows from outside (``initial_state``,
+``context``) and can hand states to its own cut-off children (``output_requested_states``).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 
 from .._backend import resolve_backend
 from .chunked import chunk_gated_delta_rule_torch, prepare_inputs
-from .plan import GatedDeltaPlan, GatedDeltaRound
+from .plan import CONTEXT_STATE, GatedDeltaPlan, GatedDeltaRound
 
 __all__ = ["tree_gated_delta_rule"]
 
@@ -27,7 +29,10 @@ def tree_gated_delta_rule(
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "auto",
-) -> torch.Tensor:
+    initial_state: torch.Tensor | None = None,
+    context: tuple | None = None,
+    output_requested_states: bool = False,
+):
     """Gated delta rule over a packed forest.
 
     Args:
@@ -37,9 +42,15 @@ def tree_gated_delta_rule(
         scale: query scale, default ``K ** -0.5``.
         use_qk_l2norm_in_kernel: L2-normalise q and k first (in fp32), as Qwen3-Next / Qwen3.5 do.
         backend: ``"auto"`` (fla on CUDA when installed, else torch), ``"torch"`` or ``"fla"``.
+        initial_state: ``[HV, K, V]`` fp32, the state at the plan's :data:`CONTEXT_STATE` (a forest whose root sits
+            at depth ``d0 > 0``: the state on its root path after ``C * (d0 // C)`` tokens); None = zeros.
+        context: ``(q, k, v, g, beta)`` of the ``plan.context_tokens`` ancestors the root replays (depths
+            ``C * (d0 // C) .. d0 - 1``, oldest first; shapes as above with ``R`` rows), or None when there are none.
+        output_requested_states: also return the states of the plan's ``state_requests``.
 
     Returns:
-        ``o [U, HV, V]`` in ``q.dtype``.
+        ``o [U, HV, V]`` in ``q.dtype``; with ``output_requested_states``, ``(o, states)``: one ``[HV, K, V]`` fp32
+        state (or None for zeros) per state request, in the autograd graph.
     """
     U, HK, K = k.shape
     HV = v.shape[1]
@@ -52,31 +63,59 @@ def tree_gated_delta_rule(
     if plan.num_tokens != U:
         raise ValueError(f"tree_gated_delta_rule: the plan covers {plan.num_tokens} tokens but the inputs have {U}; "
                          "build the plan from the same packed forest.")
+    context_rows = 0 if context is None else context[0].shape[0]
+    if context_rows != plan.context_tokens:
+        raise ValueError(f"tree_gated_delta_rule: the plan replays {plan.context_tokens} context rows but "
+                         f"{context_rows} were given; pass context=(q, k, v, g, beta) of the root's ancestors at "
+                         "depths C * (d0 // C) .. d0 - 1")
+    if context is not None:
+        if len(context) != 5 or any(c.shape[1:] != x.shape[1:] or c.shape[0] != context_rows
+                                    for c, x in zip(context, (q, k, v, g, beta))):
+            raise ValueError("tree_gated_delta_rule: context must be (q, k, v, g, beta) with R rows each, shaped as "
+                             f"the packed inputs; got {[tuple(c.shape) for c in context]}")
+        q, k, v, g, beta = (torch.cat([x, c.to(x.dtype)]) for x, c in zip((q, k, v, g, beta), context))
+    if initial_state is not None and initial_state.shape != (HV, K, v.shape[-1]):
+        raise ValueError(f"tree_gated_delta_rule: initial_state must be [HV={HV}, K={K}, V={v.shape[-1]}], got "
+                         f"{tuple(initial_state.shape)}")
+    if initial_state is None and any(key == CONTEXT_STATE for r in plan.rounds for key in r.initial_state):
+        raise ValueError("tree_gated_delta_rule: the forest's root starts past a chunk boundary of its path; pass "
+                         "initial_state, the state on its root path at that boundary (from its source's hand-off)")
     scale = K ** -0.5 if scale is None else scale
     if resolve_backend(backend, q, "tree_gated_delta_rule") == "fla":
+        if plan.needs_context or output_requested_states or initial_state is not None:
+            raise NotImplementedError(
+                "tree_gated_delta_rule: the fla backend does not run planner hand-offs yet (context rows, an "
+                "initial state or requested states); use backend='torch' for cut-off pieces")
         from .fla_backend import tree_gated_delta_rule_fla
 
         return tree_gated_delta_rule_fla(q, k, v, g, beta, plan, scale=scale,
                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel)
+    out, states = _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel,
+                                               initial_state)
+    if not output_requested_states:
+        return out
+    return out, [None if key is None else states[key] for key in plan.requested_states]
 
 
-def _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel):
+def _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel, initial_state=None):
+    """``[U + R]`` rows (packed, then context) -> ``(o [U, HV, V], states by key)``."""
     dtype = q.dtype
-    U, HV = v.shape[0], v.shape[1]
+    U, rows, HV = plan.num_tokens, v.shape[0], v.shape[1]
     q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    # one zero row at index U: padding that leaves the state unchanged (k = v = beta = g = 0)
+    # one zero row at index U + R: padding that leaves the state unchanged (k = v = beta = g = 0)
     q, k, v, g, beta = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v, g, beta))
 
     states: dict = {}
+    if initial_state is not None:
+        states[CONTEXT_STATE] = initial_state.to(q.dtype)
     out_tokens, out_values = [], []
     for round_ in plan.rounds:
-        tokens, values = _run_round(round_, q, k, v, g, beta, states, plan.chunk_size, U)
+        tokens, values = _run_round(round_, q, k, v, g, beta, states, plan.chunk_size, rows)
         out_tokens.append(tokens)
         out_values.append(values)
     out = v.new_zeros(U, HV, v.shape[-1])
     out = out.index_copy(0, torch.cat(out_tokens), torch.cat(out_values))
-    return out.to(dtype)
+    return out.to(dtype), states
 
 
 def _run_round(round_: GatedDeltaRound, q, k, v, g, beta, states, chunk_size, pad_row):

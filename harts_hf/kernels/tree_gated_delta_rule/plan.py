@@ -5,6 +5,11 @@ parent's run). A run whose first token sits at depth d
 restarts from the state at the chunk boundary ``c = C * (d // C)`` of its path and replays the
 ``d - c`` (< C) ancestor tokens before it, so every path keeps the chunk grid of per-trajectory
 training. Runs are grouped into rounds: a round only needs states produced in earlier rounds.
+
+A forest cut out below a branch point (a planner piece: one tree whose root sits at depth ``d0 > 0``) starts
+its root run at ``c = C * (d0 // C)`` from an external state (key :data:`CONTEXT_STATE`, zeros when ``c = 0``)
+and replays ``d0 - c`` context rows appended after its ``U`` tokens. ``state_requests`` ask for the states
+cut-off children of a forest restart from (the state hand-off of the planner).
 """
 
 from __future__ import annotations
@@ -16,7 +21,10 @@ import torch
 
 from ...trees import CHUNK_SIZE, PackedForest
 
-__all__ = ["GatedDeltaPlan", "GatedDeltaRound", "build_gated_delta_plan"]
+__all__ = ["CONTEXT_STATE", "GatedDeltaPlan", "GatedDeltaRound", "build_gated_delta_plan"]
+
+CONTEXT_STATE = ("context",)  # key of the state handed in from outside the forest (see build_gated_delta_plan)
+_EXTERNAL = -2  # source_run of runs that start from CONTEXT_STATE
 
 
 @dataclass
@@ -25,7 +33,7 @@ class GatedDeltaRound:
 
     ``token_index [T]`` (long): packed index of every executed token, replayed ancestors included;
     ``cu_seqlens [n + 1]`` (int32): unit boundaries in ``token_index``; ``initial_state [n]``: the key of the
-    state each unit starts from (``None`` = zeros); ``output_position [O]`` / ``output_token [O]`` (long): which
+    state each unit starts from (``None`` = zeros, :data:`CONTEXT_STATE` = handed in); ``output_position [O]`` / ``output_token [O]`` (long): which
     executed positions are the units' own tokens and where their outputs go in the packed layout;
     ``saved_states``: ``(unit, chunks, key)`` — after ``chunks`` chunks of ``unit``, store the state under ``key``;
     ``chunk_indices [NT, 2]`` (long): (unit, chunk within unit) of every chunk, the varlen kernels' grid, built
@@ -54,30 +62,62 @@ class GatedDeltaRound:
 
 @dataclass
 class GatedDeltaPlan:
-    """Rounds of execution units for one packed forest; see :func:`build_gated_delta_plan`."""
+    """Rounds of execution units for one packed forest; see :func:`build_gated_delta_plan`.
+
+    ``context_tokens``: replayed context rows expected after the ``num_tokens`` packed rows; ``requested_states``:
+    one state key per ``state_requests`` entry (``None`` = zeros)."""
 
     chunk_size: int
     num_tokens: int
     rounds: list[GatedDeltaRound]
     stats: dict = field(default_factory=dict)
+    context_tokens: int = 0
+    requested_states: list = field(default_factory=list)
+
+    @property
+    def needs_context(self) -> bool:
+        """True when some unit starts from :data:`CONTEXT_STATE` or replays context rows."""
+        return self.context_tokens > 0 or any(key == CONTEXT_STATE for r in self.rounds for key in r.initial_state)
 
     def to(self, device) -> GatedDeltaPlan:
-        return GatedDeltaPlan(self.chunk_size, self.num_tokens, [r.to(device) for r in self.rounds], dict(self.stats))
+        return GatedDeltaPlan(self.chunk_size, self.num_tokens, [r.to(device) for r in self.rounds], dict(self.stats),
+                              self.context_tokens, list(self.requested_states))
 
 
 def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE,
-                           final_states_only: bool = False) -> GatedDeltaPlan:
+                           final_states_only: bool = False, state_requests=()) -> GatedDeltaPlan:
     """Plan the gated delta rule over ``packed`` (host-side, linear in runs + replay tokens).
 
     ``final_states_only``: a backend that only returns the final state of each sequence (fla's varlen call)
     gets runs cut at every chunk boundary a child restarts from; otherwise intermediate chunk states are
     read out of one longer unit.
+
+    A root at depth ``d0 > 0`` (a piece cut out below a branch point; the forest must then be that one tree)
+    restarts at ``c = C * (d0 // C)`` from :data:`CONTEXT_STATE` and replays context rows ``U .. U + d0 - c - 1``
+    (the post-conv inputs of its ancestors at depths ``c .. d0 - 1``, appended after the packed rows).
+
+    ``state_requests``: packed tokens ``b``; for each, the state a run starting right below ``b`` would restart
+    from (at ``C * ((depth[b] + 1) // C)`` on ``b``'s path) is kept; its key is in ``plan.requested_states``.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     parent = packed.parent.cpu().numpy()
     depth = packed.position_ids.cpu().numpy()
     num_tokens = parent.shape[0]
+    roots = np.flatnonzero(parent < 0)
+    root_depth = int(depth[roots].max()) if roots.size else 0
+    if root_depth > 0 and roots.size != 1:
+        raise ValueError(f"a forest with a root at depth {root_depth} (a piece cut out below a branch point) must be "
+                         f"one tree; got {roots.size} roots. Plan each cut-off piece on its own.")
+    context_tokens = root_depth % chunk_size
+    walk_parent = parent  # parents for replay walks: the context rows continue the root's path upwards
+    if context_tokens:
+        walk_parent = np.concatenate([parent, np.arange(num_tokens - 1, num_tokens + context_tokens - 1)])
+        walk_parent[num_tokens] = -1
+        walk_parent[roots[0]] = num_tokens + context_tokens - 1
+    state_requests = [int(b) for b in state_requests]
+    if any(not 0 <= b < num_tokens for b in state_requests):
+        raise ValueError(f"state_requests must be packed token indices in [0, {num_tokens}), got {state_requests}")
 
     # runs: contiguous chains in the DFS layout; a branch point's first child continues its parent's run,
     # every other child (and every root) starts a run of its own
@@ -101,6 +141,8 @@ def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE
     for r in range(num_runs):  # preorder: a parent run is resolved before its children
         a = parent_run[r]
         if a < 0:
+            if exec_start[r] > 0:
+                source_run[r] = _EXTERNAL
             continue
         if exec_start[r] == exec_start[a]:
             source_run[r], source_chunks[r] = source_run[a], source_chunks[a]
@@ -108,6 +150,16 @@ def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE
             chunks = (exec_start[r] - exec_start[a]) // chunk_size
             source_run[r], source_chunks[r] = a, chunks
             requests[a].append(int(chunks))
+    requested_sources = []  # per state request: (source run, chunks) as for a run starting below b
+    for b in state_requests:
+        a = run_of_token[b]
+        boundary = ((depth[b] + 1) // chunk_size) * chunk_size
+        if boundary == exec_start[a]:
+            requested_sources.append((int(source_run[a]), int(source_chunks[a])))
+        else:
+            chunks = int((boundary - exec_start[a]) // chunk_size)
+            requested_sources.append((int(a), chunks))
+            requests[a].append(chunks)
 
     # execution units: a run, or with final_states_only the pieces of a run cut at requested boundaries;
     # a state is named by (unit, whole chunks executed in it), with None for the unit's final state
@@ -144,10 +196,20 @@ def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE
             source, chunks = unit_init[u]
             unit_round[u] = unit_round[source] + 1
             saved_by_unit.setdefault(source, set()).add(chunks)
+    requested_states = []
+    for source_of_state, chunks in requested_sources:
+        if source_of_state == _EXTERNAL:
+            requested_states.append(CONTEXT_STATE)
+        elif source_of_state < 0:
+            requested_states.append(None)
+        else:
+            unit, unit_chunks = state_of_request[(source_of_state, chunks)]
+            saved_by_unit.setdefault(unit, set()).add(unit_chunks)
+            requested_states.append(("state", unit, unit_chunks))
 
     # per unit: executed packed tokens = replayed ancestors (only in a run's first unit) + own tokens
     replay = start_depth - exec_start
-    replay_index = _replay_index(parent, run_start, replay)
+    replay_index = _replay_index(walk_parent, run_start, replay)
     rounds_units: dict[int, list[int]] = {}
     for u in range(len(units)):
         rounds_units.setdefault(int(unit_round[u]), []).append(u)
@@ -170,7 +232,10 @@ def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE
             output_token.append(np.arange(own_from, own_to))
             token_parts.append(executed)
             cu.append(cu[-1] + executed.shape[0])
-            initial.append(None if unit_init[u] is None else ("state",) + tuple(unit_init[u]))
+            if first == 0 and source_run[r] == _EXTERNAL:
+                initial.append(CONTEXT_STATE)
+            else:
+                initial.append(None if unit_init[u] is None else ("state",) + tuple(unit_init[u]))
             for chunks in sorted(saved_by_unit.get(u, ()), key=lambda c: -1 if c is None else c):
                 saved.append((slot, chunks, ("state", u, chunks)))
             unit_ids.append(u)
@@ -192,7 +257,7 @@ def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE
         "max_replay": int(replay.max()) if num_runs else 0,
         "executed_tokens": int(sum(r.token_index.shape[0] for r in rounds)),
     }
-    return GatedDeltaPlan(chunk_size, num_tokens, rounds, stats)
+    return GatedDeltaPlan(chunk_size, num_tokens, rounds, stats, context_tokens, requested_states)
 
 
 def _chunk_indices(lengths: np.ndarray, chunk_size: int) -> torch.Tensor:
