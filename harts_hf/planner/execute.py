@@ -1,0 +1,317 @@
+"""execute_plan: run a plan's pieces, each its own forward and backward, with the gradient of one tree forward.
+
+A cut-off piece receives its root's ancestors from its source piece as leaf tensors (attention keys/values,
+the Gated DeltaNet conv window, chunk-boundary state and replay rows, the branch token's final hidden row;
+see ``harts_hf.kernels.context``). Per tree, sources first: a no-grad forward of the source produces the
+hand-off; each child runs forward + backward and leaves the hand-off's gradients in the leaves' ``.grad``;
+the source then runs again with gradient and backpropagates its own loss together with those gradients.
+Chains recurse. Only the with-gradient forwards build graphs, and they cover every unique token exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..kernels import TreeContext, TreeExport, TreeMetadata
+from ..logprobs import _ensure_patched, check_tree_inputs, unwrap_model
+from ..model_patches.entry import TREE_REQUEST_KWARG, TreeRequest
+from .plan import Piece, Plan
+
+__all__ = ["PieceLogprobs", "PlanExecution", "execute_plan"]
+
+
+@dataclass
+class PieceLogprobs:
+    """What a per-piece loss sees: the tokens predicted in piece ``piece`` and their values.
+
+    ``tokens [n]`` (long): packed indices in ``plan.packed``; ``logprobs [n]`` fp32, differentiable;
+    ``entropies [n]`` or None. Every scored place of those tokens in the batch, TRL's per-token layout:
+    ``sequence [m]``, ``position [m]`` (index into sequence's ``len - 1`` log-probs) and ``occurrence [m]`` (its
+    token in ``tokens``), so ``logprobs[occurrence]`` are the per-sequence values (a shared token appears once
+    per sequence through it).
+    """
+
+    piece: int
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    entropies: torch.Tensor | None
+    sequence: torch.Tensor
+    position: torch.Tensor
+    occurrence: torch.Tensor
+
+
+@dataclass
+class PlanExecution:
+    """Result of :func:`execute_plan`, laid out as :class:`harts_hf.logprobs.TreeLogprobs`, detached.
+
+    ``logprobs[i]`` ``[len(s_i) - 1]``; ``entropies`` likewise (or None); ``token_logprobs`` / ``token_entropies``
+    ``[U]`` per packed token (0 at roots); ``loss``: the sum of the pieces' losses (None without a loss);
+    ``stats``: ``pieces``, ``handoffs``, ``grad_forwards`` / ``grad_tokens`` (forwards with gradient and the
+    tokens they computed: every unique token once) and ``nograd_forwards`` / ``nograd_tokens`` (forwards without
+    gradient: the sources' hand-off passes, or every piece in a forward-only pass).
+    """
+
+    logprobs: list[torch.Tensor]
+    entropies: list[torch.Tensor] | None
+    token_logprobs: torch.Tensor
+    token_entropies: torch.Tensor | None
+    loss: torch.Tensor | None
+    stats: dict
+
+
+def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=None,
+                 loss_fn: Callable[[PieceLogprobs], torch.Tensor] | None = None, compute_entropy: bool = False,
+                 temperature: float = 1.0, replica: int | None = None, recompute: bool = True,
+                 gdn_backend: str = "auto", attention_backend: str = "auto", float32_head: bool = False,
+                 head_chunk_size: int = 4096) -> PlanExecution:
+    """Run ``plan``'s pieces (one forward + backward each) and accumulate parameter gradients into ``.grad``,
+    equal to the gradient of the same loss over one tree forward (:func:`harts_hf.tree_logprobs`).
+
+    The loss must be a sum over tokens, given as one of:
+        logprob_weights (and entropy_weights): one ``[len(s_i) - 1]`` tensor per sequence of ``plan.packed``;
+            loss = sum of weight * log-prob (+ entropy weight * entropy). TRL's token-level losses linearise to
+            this only at fixed ratios; for them use ``loss_fn``.
+        loss_fn: called once per piece with a :class:`PieceLogprobs`; returns that piece's scalar loss. The
+            total loss is the sum over pieces, so per-token terms (advantages, old/reference log-probs, masks,
+            normalisers known before the pass) index their ``(B, T)`` tensors with ``sequence``/``position``.
+            Sequence-level ratios (GSPO) need every piece's log-probs first: run :func:`execute_plan` without a
+            loss (a forward-only pass), then the gradient pass with the sums known.
+    Without either, the pass runs forward only under ``torch.no_grad`` (each piece once) and returns log-probs.
+
+    Args:
+        model: a transformers causal LM of a supported family (patched on first use), possibly wrapped.
+        plan: from :func:`harts_hf.planner.plan`.
+        compute_entropy: also compute entropies (implied by ``entropy_weights``).
+        temperature: logits are divided by it before the softmax.
+        replica: run only the pieces placed on this replica (None: all); their sources must be there too
+            (``plan(..., cross_replica=False)``).
+        recompute: True: sources run a no-grad forward for the hand-off and again with gradient after their
+            children (activations of one piece alive at a time). False: one forward with gradient, its graph kept
+            while the children run (less compute, a chain's activations in memory).
+        gdn_backend / attention_backend / float32_head / head_chunk_size: as in :func:`harts_hf.tree_logprobs`;
+            cut-off pieces need the torch gated-delta-rule backend for now.
+
+    Returns:
+        :class:`PlanExecution`.
+    """
+    if logprob_weights is not None and loss_fn is not None:
+        raise ValueError("pass logprob_weights (with optional entropy_weights) or loss_fn, not both")
+    if entropy_weights is not None and logprob_weights is None:
+        raise ValueError("entropy_weights needs logprob_weights too (pass zeros for a pure entropy loss)")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan is a {type(plan).__name__}; pass the Plan returned by harts_hf.planner.plan(...)")
+    runner = _PlanRunner(model, plan, compute_entropy=compute_entropy or entropy_weights is not None,
+                         temperature=temperature, recompute=recompute, gdn_backend=gdn_backend,
+                         attention_backend=attention_backend, float32_head=float32_head,
+                         head_chunk_size=head_chunk_size)
+    if logprob_weights is not None:
+        runner.set_token_weights(logprob_weights, entropy_weights)
+    elif loss_fn is not None:
+        runner.loss_fn = loss_fn
+    for piece in runner.root_pieces(replica):
+        runner.run(piece, None)
+    return runner.result()
+
+
+class _PlanRunner:
+    """State of one :func:`execute_plan` call: per-piece packings, per-token outputs and counters."""
+
+    def __init__(self, model, plan: Plan, *, compute_entropy, temperature, recompute, gdn_backend,
+                 attention_backend, float32_head, head_chunk_size):
+        self.model, self.plan, self.packed = model, plan, plan.packed
+        base = unwrap_model(model)
+        _ensure_patched(base)
+        check_tree_inputs(base, self.packed)
+        if _reentrant_checkpointing(base) and any(p.handoff is not None for p in plan.pieces):
+            raise ValueError("hand-off tensors are exported from inside decoder layers, which reentrant gradient "
+                             "checkpointing runs without autograd; enable it with "
+                             "gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default)")
+        self.device = base.get_input_embeddings().weight.device
+        self.compute_entropy, self.temperature, self.recompute = compute_entropy, temperature, recompute
+        self.backends = dict(gdn_backend=gdn_backend, attention_backend=attention_backend)
+        self.head = dict(float32_head=float32_head, chunk_size=head_chunk_size)
+        self.loss_fn = None
+        self.token_weights = self.entropy_token_weights = None
+        self.children: list[list[Piece]] = [[] for _ in plan.pieces]
+        for piece in plan.pieces:
+            if piece.handoff is not None:
+                self.children[piece.handoff.source_piece].append(piece)
+        U = self.packed.num_tokens
+        self.token_logprobs = torch.zeros(U, device=self.device)
+        self.token_entropies = torch.zeros(U, device=self.device) if compute_entropy else None
+        self.loss = None
+        self.stats = {"pieces": 0, "handoffs": 0, "grad_forwards": 0, "grad_tokens": 0, "nograd_forwards": 0,
+                      "nograd_tokens": 0}
+        self._occurrences = None
+
+    # ------------------------------------------------------------------ inputs
+    def set_token_weights(self, logprob_weights, entropy_weights) -> None:
+        """Per-sequence weights summed onto packed tokens (a shared token's weight is the sum of its sequences')."""
+        self.token_weights = self._scatter(logprob_weights, "logprob_weights")
+        if entropy_weights is not None:
+            self.entropy_token_weights = self._scatter(entropy_weights, "entropy_weights")
+
+    def _scatter(self, weights, name: str) -> torch.Tensor:
+        lengths = (self.packed.sequence_lengths - 1).tolist()
+        if len(weights) != len(lengths):
+            raise ValueError(f"{name} has {len(weights)} entries; pass one per sequence ({len(lengths)})")
+        for i, (w, n) in enumerate(zip(weights, lengths)):
+            if tuple(torch.as_tensor(w).shape) != (n,):
+                raise ValueError(f"{name}[{i}] has shape {tuple(torch.as_tensor(w).shape)}; sequence {i} has "
+                                 f"{n + 1} tokens, so it needs [{n}] (one weight per predicted token)")
+        _, token, _ = self.occurrences()
+        flat = torch.cat([torch.as_tensor(w, dtype=torch.float32).reshape(-1) for w in weights]).to(self.device)
+        return torch.zeros(self.packed.num_tokens, device=self.device).index_add(0, token, flat)
+
+    def occurrences(self):
+        """``(sequence, token, position)`` of every scored place (positions 1.. of every sequence), on device."""
+        if self._occurrences is None:
+            packed = self.packed
+            lengths = packed.sequence_lengths.cpu()
+            sequence = torch.repeat_interleave(torch.arange(lengths.shape[0]), lengths)
+            position = torch.arange(sequence.shape[0]) - packed.sequence_offsets.cpu()[:-1][sequence] - 1
+            keep = position >= 0
+            token = packed.sequence_token_index.cpu()[keep]
+            self._occurrences = tuple(x.to(self.device) for x in (sequence[keep], token, position[keep]))
+        return self._occurrences
+
+    def root_pieces(self, replica: int | None) -> list[Piece]:
+        pieces = self.plan.pieces
+        if replica is None:
+            chosen = set(range(len(pieces)))
+        else:
+            if not isinstance(replica, int) or not 0 <= replica < len(self.plan.replicas):
+                raise ValueError(f"replica={replica!r}; the plan has replicas 0..{len(self.plan.replicas) - 1}")
+            chosen = {i for mb in self.plan.replicas[replica] for i in mb.pieces}
+        roots = []
+        for i in sorted(chosen):
+            handoff = pieces[i].handoff
+            if handoff is None:
+                roots.append(pieces[i])
+            elif handoff.source_piece not in chosen:
+                raise NotImplementedError(
+                    f"piece {i} on replica {replica} hands off from piece {handoff.source_piece} on another replica; "
+                    "cross-replica hand-offs are not implemented: plan with cross_replica=False")
+        return roots
+
+    # ------------------------------------------------------------------ execution
+    def run(self, piece: Piece, context: TreeContext | None) -> None:
+        """Forward (and backward) ``piece`` and, recursively, its children; hand-off gradients end up in the
+        ``.grad`` of ``context``'s leaves."""
+        tokens = self._piece_tokens(piece)
+        children = self.children[piece.index]
+        exports = [TreeExport(int(np.searchsorted(tokens.numpy(), child.handoff.branch_token)),
+                              child.handoff.ancestor_tokens) for child in children]
+        if context is not None and context.ancestor_tokens != piece.handoff.ancestor_tokens:
+            raise ValueError(f"piece {piece.index}: context has {context.ancestor_tokens} ancestors, its hand-off "
+                             f"{piece.handoff.ancestor_tokens}")
+        tree = TreeMetadata(self.packed.select(piece.segments), self.device, context=context, exports=exports,
+                            **self.backends)
+        self.stats["pieces"] += 1
+        self.stats["handoffs"] += len(children)
+        global_parent = self.packed.parent[tokens]
+        targets = torch.nonzero(global_parent >= 0).squeeze(1).to(self.device)
+        training = self.loss_fn is not None or self.token_weights is not None
+
+        if not training:
+            output = self._forward(tree, targets, grad=False)
+            self._store(tokens, targets, output)
+            for child, export in zip(children, tree.exports):
+                self.run(child, export.as_context(requires_grad=False))
+            return
+        output = None
+        if children:
+            if self.recompute:
+                self._forward(tree, targets[:0], grad=False)
+            else:
+                output = self._forward(tree, targets, grad=True)
+        child_contexts = []
+        for child, export in zip(children, tree.exports):
+            child_context = export.as_context()
+            self.run(child, child_context)
+            child_contexts.append(child_context)
+        if output is None:
+            output = self._forward(tree, targets, grad=True)
+        self._store(tokens, targets, output)
+        loss = self._piece_loss(piece, tokens, targets, output)
+        roots, grads = [], []
+        if loss.requires_grad:
+            roots.append(loss)
+            grads.append(torch.ones_like(loss))
+        for export, child_context in zip(tree.exports, child_contexts):
+            for key, leaf in child_context.tensors.items():
+                if leaf.grad is not None and export.tensors[key].requires_grad:
+                    roots.append(export.tensors[key])
+                    grads.append(leaf.grad)
+        if roots:
+            torch.autograd.backward(roots, grads)
+        self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
+
+    def _forward(self, tree: TreeMetadata, targets: torch.Tensor, *, grad: bool):
+        for export in tree.exports:
+            export.tensors.clear()
+        request = TreeRequest(tree, targets, temperature=self.temperature, compute_entropy=self.compute_entropy,
+                              **self.head)
+        with torch.set_grad_enabled(grad):
+            output = self.model(**{TREE_REQUEST_KWARG: request})
+        kind = "grad" if grad else "nograd"
+        self.stats[f"{kind}_forwards"] += 1
+        self.stats[f"{kind}_tokens"] += tree.num_tokens
+        missing = [export.branch_token for export in tree.exports if ("hidden",) not in export.tensors]
+        if missing:
+            raise RuntimeError(f"the forward did not export the hand-off at branch tokens {missing}")
+        return output
+
+    def _piece_tokens(self, piece: Piece) -> torch.Tensor:
+        cu = self.packed.cu_seqlens.cpu()
+        return torch.cat([torch.arange(int(cu[s]), int(cu[s + 1])) for s in piece.segments])
+
+    def _store(self, tokens, targets, output) -> None:
+        where = tokens.to(self.device)[targets]
+        self.token_logprobs[where] = output.logprobs.detach()
+        if self.compute_entropy:
+            self.token_entropies[where] = output.entropies.detach()
+
+    def _piece_loss(self, piece: Piece, tokens, targets, output) -> torch.Tensor:
+        where = tokens.to(self.device)[targets]
+        if self.loss_fn is None:
+            loss = (self.token_weights[where] * output.logprobs).sum()
+            if self.entropy_token_weights is not None:
+                loss = loss + (self.entropy_token_weights[where] * output.entropies).sum()
+            return loss
+        sequence, token, position = self.occurrences()
+        mask = torch.zeros(self.packed.num_tokens, dtype=torch.bool, device=self.device)
+        mask[where] = True
+        chosen = mask[token]
+        lookup = torch.full((self.packed.num_tokens,), -1, dtype=torch.long, device=self.device)
+        lookup[where] = torch.arange(where.shape[0], device=self.device)
+        scored = PieceLogprobs(piece.index, where, output.logprobs, output.entropies, sequence[chosen],
+                               position[chosen], lookup[token[chosen]])
+        loss = self.loss_fn(scored)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(f"loss_fn must return a scalar tensor for piece {piece.index}, got {loss!r:.80}")
+        return loss
+
+    def result(self) -> PlanExecution:
+        packed = self.packed.to(self.device) if self.packed.device != self.device else self.packed
+        logprobs = [x[1:] for x in packed.gather_sequences(self.token_logprobs)]
+        entropies = [x[1:] for x in packed.gather_sequences(self.token_entropies)] if self.compute_entropy else None
+        return PlanExecution(logprobs, entropies, self.token_logprobs, self.token_entropies, self.loss,
+                             dict(self.stats))
+
+
+
+def _reentrant_checkpointing(model) -> bool:
+    """True when some layer of ``model`` runs under reentrant activation checkpointing."""
+    for module in model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if getattr(module, "gradient_checkpointing", False) and function is not None:
+            if getattr(function, "keywords", {}).get("use_reentrant", True):
+                return True
+    return False

@@ -1,0 +1,359 @@
+"""Planner hand-offs executed: every piece its own forward + backward, the same log-probs and parameter gradients
+as one tree forward (harts_hf.tree_logprobs) and as per-trajectory execution, every unique token computed with
+gradient exactly once. CPU, tiny models.
+
+Tolerances: fp32 log-probs 1e-5; fp32 gradients 1e-4 in relative norm against the per-trajectory reference
+(as test_tree_logprobs: A_log / dt_bias gradients carry ~1e-5 of the reference's own rounding) and 3e-5 against the
+tree forward; fp64 models 1e-6 (the LM head runs in fp32 either way).
+"""
+
+import random
+
+import pytest
+import torch
+
+from harts_hf import tree_logprobs
+from harts_hf.kernels import (
+    TreeContext,
+    TreeMetadata,
+    build_gated_delta_plan,
+    build_varlen_layout,
+    tree_attention,
+    tree_attention_mask,
+    tree_causal_conv1d,
+    tree_gated_delta_rule,
+)
+from harts_hf.planner import execute_plan, plan
+from harts_hf.reference import per_sequence_logprobs
+from harts_hf.trees import PrefixForest
+from harts_hf.workloads import make_workload
+from tests.forests import chunk_edge_sequences, random_tree_sequences
+from tests.models import VOCAB, build
+
+WORST: dict = {}  # largest relative error per comparison over the file (inspect with a debugger or -s prints)
+
+
+def handoff_sequences(seed: int = 0):
+    """Forks chosen so that budget 140 cuts at every hand-off case: chunk-boundary state from inside the source
+    plus replay (fork at 140: c = 128), no replay (fork at 128), zero state (fork at 20), a chain whose middle
+    piece passes its own incoming state on (fork at 141: c = 128 again, replay rows from the context) or hands
+    on a state of its own run (fork at 210: c = 192)."""
+    rng = random.Random(seed)
+
+    def tail(n):
+        return [rng.randrange(VOCAB) for _ in range(n)]
+
+    base = tail(150)
+    fork = base[:140] + tail(100)
+    return [base, fork, base[:140] + tail(100), fork[:141] + tail(60), fork[:210] + tail(50), base[:128] + tail(90),
+            base[:20] + tail(70), tail(30)]
+
+
+def max_relative(a_list, b_list) -> float:
+    worst = 0.0
+    for a, b in zip(a_list, b_list):
+        if b.numel():
+            worst = max(worst, ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item())
+    return worst
+
+
+def grads_of(model):
+    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+
+
+def compare_grads(got: dict, expected: dict, tol: float, what: str) -> float:
+    worst = 0.0
+    for name, b in expected.items():
+        a = got[name]
+        if b is None or b.norm() == 0:
+            assert a is None or a.abs().max() == 0, f"{what}: {name} has a gradient the reference does not"
+            continue
+        assert a is not None, f"{what}: {name} got no gradient"
+        error = ((a - b).norm() / b.norm()).item()
+        worst = max(worst, error)
+        assert error <= tol, f"{what}: {name}: relative gradient error {error:.2e} > {tol:.0e}"
+    return worst
+
+
+def weights_for(sequences, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(len(s) - 1, generator=generator, dtype=dtype) for s in sequences]
+
+
+def tree_objective(model, sequences, weights, entropy_weights):
+    out = tree_logprobs(model, sequences, compute_entropy=True)
+    loss = sum((x * w).sum() for x, w in zip(out.logprobs, weights))
+    loss = loss + sum((x * w).sum() for x, w in zip(out.entropies, entropy_weights))
+    model.zero_grad()
+    loss.backward()
+    return out, grads_of(model)
+
+
+def count_grad_tokens(model):
+    """Tokens through the embedding while gradients are on (one per computed token and forward)."""
+    counted = []
+    hook = model.get_input_embeddings().register_forward_hook(
+        lambda module, inputs, output: counted.append(inputs[0].numel()) if torch.is_grad_enabled() else None)
+    return counted, hook
+
+
+def check_plan(model, sequences, budget, *, reference: bool, dtype=torch.float32, recompute=True):
+    the_plan = plan(sequences, token_budget=budget)
+    assert any(p.handoff is not None for p in the_plan.pieces), "the budget must force hand-offs"
+    weights, entropy_weights = weights_for(sequences, dtype), weights_for(sequences, dtype, seed=1)
+    model.zero_grad()
+    counted, hook = count_grad_tokens(model)
+    try:
+        run = execute_plan(model, the_plan, logprob_weights=weights, entropy_weights=entropy_weights,
+                           recompute=recompute)
+    finally:
+        hook.remove()
+    executed = grads_of(model)
+    unique = the_plan.packed.num_tokens
+    assert sum(counted) == unique == run.stats["grad_tokens"], "every unique token once with gradient"
+    assert run.stats["grad_forwards"] == len(the_plan.pieces)
+
+    tree, tree_grads = tree_objective(model, sequences, weights, entropy_weights)
+    value_tol, grad_tol = (1e-5, 3e-5) if dtype == torch.float32 else (1e-6, 1e-6)
+    errors = {"logprobs vs tree": max_relative(run.logprobs, tree.logprobs),
+              "entropies vs tree": max_relative(run.entropies, tree.entropies),
+              "grads vs tree": compare_grads(executed, tree_grads, grad_tol, "plan vs tree")}
+    assert errors["logprobs vs tree"] <= value_tol and errors["entropies vs tree"] <= value_tol, errors
+    expected_loss = sum((x * w).sum() for x, w in zip(tree.logprobs, weights)) + \
+        sum((x * w).sum() for x, w in zip(tree.entropies, entropy_weights))
+    torch.testing.assert_close(run.loss.double(), expected_loss.detach().double(), rtol=1e-5, atol=1e-5)
+    if reference:
+        ref_logprobs, ref_entropies, _ = per_sequence_logprobs(model, sequences, compute_entropy=True)
+        loss = sum((x * w).sum() for x, w in zip(ref_logprobs, weights))
+        loss = loss + sum((x * w).sum() for x, w in zip(ref_entropies, entropy_weights))
+        model.zero_grad()
+        loss.backward()
+        errors["logprobs vs reference"] = max_relative(run.logprobs, ref_logprobs)
+        errors["grads vs reference"] = compare_grads(executed, grads_of(model), 1e-4 if dtype == torch.float32 else
+                                                     1e-6, "plan vs per-trajectory")
+        assert errors["logprobs vs reference"] <= value_tol, errors
+    model.zero_grad()
+    for key, value in errors.items():
+        WORST[key] = max(WORST.get(key, 0.0), value)
+    return the_plan, run
+
+
+def longest_run(sequences) -> int:
+    return int(PrefixForest.from_sequences(sequences).pack().cu_seqlens.diff().max())
+
+
+# ---------------------------------------------------------------------------- model level
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "llama"])
+def test_forced_splits_match_tree_and_reference(family):
+    model = build(family)
+    sequences = handoff_sequences()
+    the_plan, _ = check_plan(model, sequences, 140, reference=True)
+    handoffs = [p.handoff for p in the_plan.pieces if p.handoff is not None]
+    # the forest exercises every hand-off case (see handoff_sequences)
+    assert {(h.ancestor_tokens, h.state_depth, h.replay_tokens) for h in handoffs} >= {
+        (140, 128, 12), (128, 128, 0), (20, 0, 20), (141, 128, 13), (210, 192, 18)}
+    chained = [p for p in the_plan.pieces if p.handoff and the_plan.pieces[p.handoff.source_piece].handoff]
+    assert {p.handoff.ancestor_tokens for p in chained} >= {141, 210}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_forests(seed):
+    rng = random.Random(seed)
+    sequences = chunk_edge_sequences(vocab=VOCAB, seed=seed) if seed == 0 else \
+        random_tree_sequences(rng, 12, vocab=VOCAB, max_tail=150)
+    model = build(["qwen3_next", "qwen3_5", "qwen2"][seed], seed=seed)
+    the_plan, _ = check_plan(model, sequences, longest_run(sequences), reference=seed == 0)
+    assert len(the_plan.pieces) > 3
+
+
+def test_recompute_off_and_fp64():
+    sequences = random_tree_sequences(random.Random(4), 10, vocab=VOCAB, max_tail=140)
+    model = build("qwen3_next", dtype=torch.float64)
+    check_plan(model, sequences, longest_run(sequences), reference=False, dtype=torch.float64)
+    _, run = check_plan(model, sequences, longest_run(sequences), reference=False, dtype=torch.float64,
+                        recompute=False)
+    assert run.stats["nograd_forwards"] == 0
+
+
+def test_workload_batch():
+    workload = make_workload("search", scale=0.005, seed=0)
+    sequences = [[token % VOCAB for token in s] for s in workload.sequences]
+    model = build("qwen3_5")
+    the_plan, _ = check_plan(model, sequences, 2 * longest_run(sequences), reference=True)
+    assert len(the_plan.pieces) >= 8
+
+
+def test_per_piece_loss_function_matches_trl_layout():
+    """A nonlinear per-token loss (clipped ratio times advantage, TRL style) indexed by (sequence, position)."""
+    sequences = handoff_sequences(seed=1)
+    model = build("qwen3_next")
+    lengths = [len(s) - 1 for s in sequences]
+    generator = torch.Generator().manual_seed(0)
+    old = torch.randn(len(sequences), max(lengths), generator=generator) * 0.1 - 4.6
+    advantages = torch.randn(len(sequences), generator=generator)
+    mask = torch.zeros(len(sequences), max(lengths))
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    normaliser = mask.sum()
+
+    def per_token(logprobs, sequence, position):
+        ratio = (logprobs - old[sequence, position]).exp()
+        advantage = advantages[sequence]
+        return -torch.minimum(ratio * advantage, ratio.clamp(0.8, 1.2) * advantage) * mask[sequence, position]
+
+    def loss_fn(scored):
+        return per_token(scored.logprobs[scored.occurrence], scored.sequence, scored.position).sum() / normaliser
+
+    model.zero_grad()
+    run = execute_plan(model, plan(sequences, token_budget=140), loss_fn=loss_fn)
+    executed = grads_of(model)
+    tree = tree_logprobs(model, sequences)
+    padded = torch.zeros(len(sequences), max(lengths))
+    padded = torch.stack([torch.cat([x, padded[i, x.shape[0]:]]) for i, x in enumerate(tree.logprobs)])
+    rows, columns = mask.nonzero(as_tuple=True)
+    loss = per_token(padded[rows, columns], rows, columns).sum() / normaliser
+    model.zero_grad()
+    loss.backward()
+    WORST["loss_fn grads vs tree"] = compare_grads(executed, grads_of(model), 3e-5, "loss_fn")
+    torch.testing.assert_close(run.loss, loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_forward_only_pass_and_gradient_checkpointing():
+    sequences = handoff_sequences(seed=2)
+    model = build("qwen3_5")
+    the_plan = plan(sequences, token_budget=140)
+    with torch.no_grad():
+        expected = tree_logprobs(model, sequences).logprobs
+    run = execute_plan(model, the_plan)  # no loss: each piece once, no gradients
+    assert run.loss is None and run.stats["grad_forwards"] == 0
+    assert run.stats["nograd_tokens"] == the_plan.packed.num_tokens
+    assert all(p.grad is None for p in model.parameters())
+    assert max_relative(run.logprobs, expected) <= 1e-5
+
+    # checkpointed layers recompute in the backward with the same metadata; hand-offs keep the first export
+    weights, entropy_weights = weights_for(sequences), weights_for(sequences, seed=1)
+    _, tree_grads = tree_objective(model, sequences, weights, entropy_weights)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model.zero_grad()
+    execute_plan(model, the_plan, logprob_weights=weights, entropy_weights=entropy_weights)
+    compare_grads(grads_of(model), tree_grads, 3e-5, "checkpointed plan vs tree")
+
+
+# ---------------------------------------------------------------------------- kernels with context
+def test_kernels_with_context_match_the_whole_forest():
+    """Each piece's kernels, given context rows gathered from the whole forest's inputs, reproduce the whole
+    forest's outputs on the piece's tokens (attention: sdpa and runs; conv; gated delta rule with replay and
+    the requested hand-off states)."""
+    sequences = handoff_sequences(seed=3)
+    the_plan = plan(sequences, token_budget=140)
+    packed = the_plan.packed
+    U, generator = packed.num_tokens, torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(U, heads, 8, generator=generator, dtype=torch.float64) for heads in (4, 2, 2))
+    x, weight = torch.randn(U, 6, generator=generator, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
+    gq, gk = (torch.randn(U, 2, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    gv = torch.randn(U, 4, 8, generator=generator, dtype=torch.float64)
+    g = -torch.rand(U, 4, generator=generator, dtype=torch.float64)
+    beta = torch.rand(U, 4, generator=generator, dtype=torch.float64)
+    attention = tree_attention(q, k, v, packed.subtree_end, backend="sdpa")
+    conv = tree_causal_conv1d(x, weight, None, packed.ancestor_table(4), "silu")
+    full_plan = build_gated_delta_plan(packed)
+    delta = tree_gated_delta_rule(gq, gk, gv, g, beta, full_plan, use_qk_l2norm_in_kernel=True)
+    cu = packed.cu_seqlens.tolist()
+    for piece in the_plan.pieces:
+        tokens = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in piece.segments])
+        sub = packed.select(piece.segments)
+        assert torch.equal(sub.input_ids, packed.input_ids[tokens])
+        d0 = int(packed.position_ids[tokens[0]])
+        ancestors = _root_path(packed, int(tokens[0]))  # [d0] packed ids, oldest first
+        for backend in ("sdpa", "runs"):
+            layout = build_varlen_layout(sub, d0) if backend == "runs" else None
+            out = tree_attention(q[tokens], k[tokens], v[tokens], sub.subtree_end, backend=backend, layout=layout,
+                                 context_k=k[ancestors], context_v=v[ancestors])
+            torch.testing.assert_close(out, attention[tokens], rtol=1e-10, atol=1e-10)
+        rows = min(3, d0)
+        out = tree_causal_conv1d(x[tokens], weight, None, sub.ancestor_table(4, rows), "silu",
+                                 context=x[ancestors[d0 - rows:]])
+        torch.testing.assert_close(out, conv[tokens], rtol=1e-10, atol=1e-10)
+        boundary = 64 * (d0 // 64)
+        replay = ancestors[boundary:]
+        state = _state_at(gq, gk, gv, g, beta, ancestors[:boundary]) if boundary else None
+        children = [p for p in the_plan.pieces if p.handoff is not None and p.handoff.source_piece == piece.index]
+        branches = [int(torch.searchsorted(tokens, child.handoff.branch_token)) for child in children]
+        for final_states_only in (False, True):  # the plan kinds of the torch and the fla backend
+            sub_plan = build_gated_delta_plan(sub, final_states_only=final_states_only, state_requests=branches)
+            assert sub_plan.context_tokens == d0 - boundary
+            out, states = tree_gated_delta_rule(
+                gq[tokens], gk[tokens], gv[tokens], g[tokens], beta[tokens], sub_plan, use_qk_l2norm_in_kernel=True,
+                initial_state=state, output_requested_states=True,
+                context=tuple(t[replay] for t in (gq, gk, gv, g, beta)) if d0 > boundary else None)
+            torch.testing.assert_close(out, delta[tokens], rtol=1e-9, atol=1e-9)
+            for child, handed in zip(children, states):  # the hand-off state: the child's path up to its boundary
+                child_boundary = child.handoff.state_depth
+                path = _root_path(packed, packed.cu_seqlens[child.segments[0]].item())[:child_boundary]
+                if child_boundary == 0:
+                    assert handed is None
+                else:
+                    torch.testing.assert_close(handed, _state_at(gq, gk, gv, g, beta, path), rtol=1e-9, atol=1e-9)
+
+
+def _root_path(packed, token: int) -> torch.Tensor:
+    path, current = [], int(packed.parent[token])
+    while current >= 0:
+        path.append(current)
+        current = int(packed.parent[current])
+    return torch.tensor(path[::-1], dtype=torch.long)
+
+
+def _state_at(q, k, v, g, beta, path):
+    """The state after the tokens of ``path`` from zeros (one chain, run as a forest of one sequence)."""
+    chain = PrefixForest.from_sequences([list(range(path.shape[0]))]).pack()
+    chain_plan = build_gated_delta_plan(chain, state_requests=[path.shape[0] - 1])
+    _, states = tree_gated_delta_rule(*(t[path] for t in (q, k, v, g, beta)), chain_plan,
+                                      use_qk_l2norm_in_kernel=True, output_requested_states=True)
+    return states[0]
+
+
+# ---------------------------------------------------------------------------- bad input
+def test_bad_input():
+    sequences = handoff_sequences()
+    model = build("llama")
+    the_plan = plan(sequences, token_budget=140)
+    with pytest.raises(ValueError, match=r"logprob_weights\[0\] has shape \(3,\)"):
+        execute_plan(model, the_plan, logprob_weights=[torch.zeros(3)] * len(sequences))
+    with pytest.raises(ValueError, match="one per sequence"):
+        execute_plan(model, the_plan, logprob_weights=weights_for(sequences)[:2])
+    with pytest.raises(ValueError, match="not both"):
+        execute_plan(model, the_plan, logprob_weights=weights_for(sequences), loss_fn=lambda scored: 0)
+    with pytest.raises(ValueError, match="scalar tensor"):
+        execute_plan(model, the_plan, loss_fn=lambda scored: scored.logprobs)
+    with pytest.raises(TypeError, match="Plan returned by"):
+        execute_plan(model, sequences, logprob_weights=weights_for(sequences))
+    with pytest.raises(ValueError, match="raise token_budget to at least 108"):
+        plan(sequences, token_budget=100)
+    spread = plan(sequences, token_budget=140, num_replicas=3, cross_replica=True)
+    assert spread.cross_replica_handoffs() > 0
+    with pytest.raises(NotImplementedError, match="cross_replica=False"):
+        for replica in range(3):
+            execute_plan(model, spread, logprob_weights=weights_for(sequences), replica=replica)
+    checkpointed = build("llama")
+    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    with pytest.raises(ValueError, match="'use_reentrant': False"):
+        execute_plan(checkpointed, the_plan, logprob_weights=weights_for(sequences))
+    # a piece cut out below a branch point cannot run without its hand-off
+    piece = next(p for p in the_plan.pieces if p.handoff is not None and p.handoff.state_depth > 0)
+    sub = the_plan.packed.select(piece.segments)
+    with pytest.raises(ValueError, match="pass context=export.as_context"):
+        TreeMetadata(sub)
+    with pytest.raises(ValueError, match="one tree whose root sits at that depth"):
+        TreeMetadata(sub, context=TreeContext(piece.handoff.ancestor_tokens + 1))
+    with pytest.raises(ValueError, match="pass initial_state"):
+        sub_plan = build_gated_delta_plan(sub)
+        rows = sub_plan.context_tokens
+        inputs = [torch.zeros(sub.num_tokens + rows, *shape) for shape in ((2, 8), (2, 8), (4, 8), (4,), (4,))]
+        tree_gated_delta_rule(*(t[:sub.num_tokens] for t in inputs), sub_plan,
+                              context=tuple(t[sub.num_tokens:] for t in inputs) if rows else None)
+    with pytest.raises(ValueError, match="context_tokens"):
+        tree_attention(*(torch.zeros(sub.num_tokens, 2, 8) for _ in range(3)), sub.subtree_end,
+                       mask=tree_attention_mask(sub.subtree_end), context_k=torch.zeros(5, 2, 8),
+                       context_v=torch.zeros(5, 2, 8))
