@@ -134,6 +134,17 @@ def test_cpu_tensors_never_take_the_triton_backend(monkeypatch):
         resolve_backend("triton", torch.zeros(1), "op")
 
 
+def test_cpu_backend_choice_is_logged_once(caplog):
+    import harts_hf.kernels._backend as backend
+
+    backend._log_once.cache_clear()
+    with caplog.at_level("INFO", logger="harts_hf"):
+        for _ in range(3):
+            assert resolve_backend("auto", torch.zeros(1), "op") == "torch"
+    assert [r.getMessage() for r in caplog.records].count(
+        "harts_hf: tree kernels on CPU tensors take the PyTorch backends") == 1
+
+
 def test_fla_backward_refusal_is_named_before_it_happens():
     from harts_hf.kernels._backend import fla_backward_problem
 

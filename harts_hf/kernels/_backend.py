@@ -14,8 +14,8 @@ _BACKENDS = ("auto", "torch", "fla")
 
 
 @functools.cache
-def _log_once(message: str) -> None:
-    logger.warning(message)
+def _log_once(message: str, level: int = logging.WARNING) -> None:
+    logger.log(level, message)
 
 
 def fla_backward_problem(capability: tuple[int, int], triton_version: str, has_tilelang: bool) -> str | None:
@@ -53,6 +53,7 @@ def resolve_backend(backend: str, tensor: torch.Tensor, op: str) -> str:
         raise ValueError(f"{op}: backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "auto":
         if not tensor.is_cuda:
+            _log_once("harts_hf: tree kernels on CPU tensors take the PyTorch backends", logging.INFO)
             return "torch"
         if not fla_available():
             _log_once("harts_hf: CUDA tensors but flash-linear-attention/triton are not importable; the tree "
