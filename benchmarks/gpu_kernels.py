@@ -86,6 +86,48 @@ def parity(results: dict) -> None:
     results["parity"] = report
 
 
+def handoff_parity(results: dict) -> None:
+    """Planner pieces on the fla node (context rows, handed-in state, requested states) vs the fp32 torch backend
+    on the same piece, and vs the whole forest: outputs and gradients, including the handed-in state's."""
+    from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
+    from harts_hf.planner import plan
+    from tests.test_handoff import _root_path, handoff_sequences
+
+    the_plan = plan(handoff_sequences(seed=3), token_budget=140)
+    packed = the_plan.packed
+    inputs = gdn_inputs(packed.num_tokens, 4, 8, 128, 128)
+    cu = packed.cu_seqlens.tolist()
+    report = {}
+    for piece in the_plan.pieces:
+        if piece.handoff is None:
+            continue
+        tokens = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in piece.segments]).cuda()
+        sub = packed.select(piece.segments)
+        d0 = int(packed.position_ids[tokens[0]])
+        ancestors = _root_path(packed, int(tokens[0])).cuda()
+        boundary = 64 * (d0 // 64)
+        children = [p for p in the_plan.pieces if p.handoff is not None and p.handoff.source_piece == piece.index]
+        branches = [int(torch.searchsorted(tokens.cpu(), child.handoff.branch_token)) for child in children]
+        state = torch.randn(8, 128, 128, device="cuda").mul_(0.1).requires_grad_() if boundary else None
+        outs = {}
+        for backend in ("fla", "torch"):
+            cast = (lambda x: x) if backend == "fla" else (lambda x: x.float())
+            sub_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=branches).to("cuda")
+            context = tuple(cast(t[ancestors[boundary:]]) for t in inputs) if d0 > boundary else None
+            out, states = tree_gated_delta_rule(*(cast(t[tokens]) for t in inputs), sub_plan, backend=backend,
+                                                use_qk_l2norm_in_kernel=True, initial_state=state, context=context,
+                                                output_requested_states=True)
+            loss = out.float().square().sum() + sum(s.square().sum() for s in states if s is not None)
+            leaves = [*inputs, *([state] if state is not None else [])]
+            outs[backend] = (out.detach(), [s.detach() for s in states if s is not None],
+                             torch.autograd.grad(loss, leaves))
+        entry = {"out": rel(outs["fla"][0], outs["torch"][0])}
+        entry["states"] = max([rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])], default=0.0)
+        entry["grads"] = max(rel(a, b) for a, b in zip(outs["fla"][2], outs["torch"][2]))
+        report[f"piece{piece.index}_d0_{d0}"] = entry
+    results["handoff_parity_vs_fp32"] = report
+
+
 def timing(results: dict, workload: str, scale: float) -> None:
     import torch.nn.functional as F
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -165,7 +207,7 @@ def main():
     def save():
         (out / "gpu_kernels.json").write_text(json.dumps(results, indent=2, default=str))
 
-    steps = [("parity", parity)] + [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1])))
+    steps = [("parity", parity), ("handoff_parity", handoff_parity)] + [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1])))
                                     for spec in args.workloads]
     for name, step in steps:
         start = time.perf_counter()

@@ -89,6 +89,7 @@ def main():
         stages.append(("padded", padded))
     if "kernels" not in args.skip:
         stages.append(("kernel_parity", kernels.parity))
+        stages.append(("handoff_parity", kernels.handoff_parity))
         stages += [(f"kernels_{name}", lambda r, s=(name, scale): kernels.timing(r, *s)) for name, scale in specs]
     for name, stage in stages:
         if time.perf_counter() - began > args.budget:

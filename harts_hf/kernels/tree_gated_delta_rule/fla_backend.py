@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .plan import GatedDeltaPlan
+from .plan import CONTEXT_STATE, GatedDeltaPlan
 
 
 def _import_fla():
@@ -43,12 +43,17 @@ def _on(round_, device):
 
 
 class _TreeGatedDeltaRuleFla(torch.autograd.Function):
-    """All rounds of the plan as one autograd node; fp32 states stay inside it."""
+    """All rounds of the plan as one autograd node; fp32 states stay inside it.
+
+    Rows are the ``U`` packed tokens then the plan's context rows; ``initial_state`` (or None) is the state under
+    :data:`CONTEXT_STATE`. Returns ``o [U, HV, V]`` and the plan's requested states stacked ``[R, HV, K, V]``
+    (zeros where a request is None).
+    """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel):
+    def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel):
         _, fwd, _, l2norm_fwd, _ = _import_fla()
-        U, HV, V = v.shape
+        U, HV, V = plan.num_tokens, v.shape[1], v.shape[2]
         K = k.shape[-1]
         q_rstd = k_rstd = None
         if use_qk_l2norm_in_kernel:
@@ -57,7 +62,7 @@ class _TreeGatedDeltaRuleFla(torch.autograd.Function):
         g_dtype, g = g.dtype, g.float()
         rounds = [_on(round_, q.device) for round_ in plan.rounds]
         zero = q.new_zeros(HV, K, V, dtype=torch.float32)
-        states: dict = {}
+        states: dict = {} if initial_state is None else {CONTEXT_STATE: initial_state.float()}
         out = v.new_zeros(U, HV, V)
         per_round = []
         for round_ in rounds:
@@ -71,22 +76,28 @@ class _TreeGatedDeltaRuleFla(torch.autograd.Function):
                 states[key] = final[slot]
             out[round_.output_token] = o[0, round_.output_position].to(v.dtype)
             per_round += [g_cumsum, A, initial]
+        requested = torch.stack([zero if key is None else states[key] for key in plan.requested_states]) \
+            if plan.requested_states else zero.new_zeros(0, HV, K, V)
         ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, *per_round)
         ctx.rounds, ctx.scale, ctx.use_qk_l2norm_in_kernel = rounds, scale, use_qk_l2norm_in_kernel
-        ctx.g_dtype = g_dtype
-        return out
+        ctx.g_dtype, ctx.requested_keys = g_dtype, list(plan.requested_states)
+        ctx.initial_dtype = None if initial_state is None else initial_state.dtype
+        return out, requested
 
     @staticmethod
-    def backward(ctx, d_out):
+    def backward(ctx, d_out, d_requested):
         _, _, bwd, _, l2norm_bwd = _import_fla()
         q, k, v, beta, q_rstd, k_rstd, *per_round = ctx.saved_tensors
-        U, HV, V = v.shape
+        rows, HV, V = v.shape
         d_out = d_out.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = torch.zeros_like(dq), torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-        dg = torch.zeros(U, HV, dtype=torch.float32, device=v.device)
+        dg = torch.zeros(rows, HV, dtype=torch.float32, device=v.device)
         dbeta = torch.zeros_like(dg)
-        d_state: dict = {}  # state key -> gradient flowing into it from the units that started from it
+        d_state: dict = {}  # state key -> gradient flowing into it (from the units that started from it)
+        for key, grad in zip(ctx.requested_keys, d_requested if d_requested is not None else ()):
+            if key is not None:
+                d_state[key] = d_state[key] + grad.float() if key in d_state else grad.float()
         for r in reversed(range(len(ctx.rounds))):
             round_ = ctx.rounds[r]
             g_cumsum, A, initial = per_round[3 * r: 3 * r + 3]
@@ -112,18 +123,27 @@ class _TreeGatedDeltaRuleFla(torch.autograd.Function):
         if ctx.use_qk_l2norm_in_kernel:
             dq = l2norm_bwd(q, q_rstd, dq)
             dk = l2norm_bwd(k, k_rstd, dk)
+        d_initial = None
+        if ctx.initial_dtype is not None and CONTEXT_STATE in d_state:
+            d_initial = d_state.pop(CONTEXT_STATE).to(ctx.initial_dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), \
-            None, None, None
+            d_initial, None, None, None
 
 
 def tree_gated_delta_rule_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float,
-                              use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
-    """Same contract as :func:`tree_gated_delta_rule` (``[U, H, D]`` inputs on CUDA)."""
+                              use_qk_l2norm_in_kernel: bool, initial_state: torch.Tensor | None = None,
+                              output_requested_states: bool = False):
+    """Same contract as :func:`tree_gated_delta_rule` (``[U + R, H, D]`` rows on CUDA: packed, then the plan's
+    context rows; ``initial_state`` is the state under :data:`CONTEXT_STATE`)."""
     _check(q, plan)
     if any(round_.chunk_indices is None for round_ in plan.rounds):
-        return tree_gated_delta_rule_fla_autograd(q, k, v, g, beta, plan, scale=scale,
-                                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    return _TreeGatedDeltaRuleFla.apply(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel)
+        raise ValueError("the fla backend needs the chunk grid of every round; build the plan with "
+                         "build_gated_delta_plan (it fills GatedDeltaRound.chunk_indices)")
+    out, requested = _TreeGatedDeltaRuleFla.apply(q, k, v, g, beta, initial_state, plan, scale,
+                                                  use_qk_l2norm_in_kernel)
+    if not output_requested_states:
+        return out
+    return out, [None if key is None else requested[i] for i, key in enumerate(plan.requested_states)]
 
 
 def tree_gated_delta_rule_fla_autograd(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float,

@@ -82,14 +82,11 @@ def tree_gated_delta_rule(
                          "initial_state, the state on its root path at that boundary (from its source's hand-off)")
     scale = K ** -0.5 if scale is None else scale
     if resolve_backend(backend, q, "tree_gated_delta_rule") == "fla":
-        if plan.needs_context or output_requested_states or initial_state is not None:
-            raise NotImplementedError(
-                "tree_gated_delta_rule: the fla backend does not run planner hand-offs yet (context rows, an "
-                "initial state or requested states); use backend='torch' for cut-off pieces")
         from .fla_backend import tree_gated_delta_rule_fla
 
         return tree_gated_delta_rule_fla(q, k, v, g, beta, plan, scale=scale,
-                                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                                         use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                         initial_state=initial_state, output_requested_states=output_requested_states)
     out, states = _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel,
                                                initial_state)
     if not output_requested_states:
