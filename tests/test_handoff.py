@@ -357,3 +357,28 @@ def test_bad_input():
         tree_attention(*(torch.zeros(sub.num_tokens, 2, 8) for _ in range(3)), sub.subtree_end,
                        mask=tree_attention_mask(sub.subtree_end), context_k=torch.zeros(5, 2, 8),
                        context_v=torch.zeros(5, 2, 8))
+
+
+def test_no_sync_wraps_every_backward_but_the_last():
+    """DDP's model.no_sync around each forward with gradient and its backward except the last pair: gradients
+    all-reduce once per call. Seen here as the grad-enabled state of every forward inside / outside the context."""
+    from contextlib import contextmanager
+
+    sequences = handoff_sequences()
+    model = build("qwen3_next")
+    the_plan = plan(sequences, token_budget=140)
+    inside, forwards = [], []
+
+    @contextmanager
+    def no_sync():
+        inside.append(True)
+        yield
+        inside.pop()
+
+    model.register_forward_hook(lambda module, args, output: forwards.append((torch.is_grad_enabled(), bool(inside))))
+    run = execute_plan(model, the_plan, logprob_weights=weights_for(sequences), no_sync=no_sync)
+    with_gradient = [synced for grad, synced in forwards if grad]
+    assert len(with_gradient) == run.stats["grad_forwards"] == len(the_plan.pieces) > 2
+    assert with_gradient == [True] * (len(with_gradient) - 1) + [False]  # only the last forward+backward syncs
+    with pytest.raises(ValueError, match="recompute=True"):
+        execute_plan(model, the_plan, logprob_weights=weights_for(sequences), no_sync=no_sync, recompute=False)

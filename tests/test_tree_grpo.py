@@ -94,7 +94,6 @@ def test_loss_types_match_grpo_trainer(saved_model, tmp_path, loss_type):
     dict(beta=0.1),
     dict(num_iterations=2),
     dict(beta=0.05, num_iterations=2, loss_type="dapo"),
-    dict(tree_token_budget=60),
     dict(tree_share_across_groups=False),
     dict(tree_keep_groups_together=True),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))

@@ -33,3 +33,61 @@ def test_private_names_used_exist():
 def test_tested_trl_range():
     major, minor = (int(x) for x in trl.__version__.split(".")[:2])
     assert (major, minor) == (1, 16), f"TreeGRPOTrainer is tested against trl 1.16.x, found {trl.__version__}"
+
+
+def test_planner_path_contract():
+    """compute_loss runs planner pieces with TRL's per-token loss (harts_hf.trainers.piece_loss) and replays TRL's
+    _compute_loss for the value and metrics: the formulas, normalisers and attributes it mirrors must not move."""
+    import accelerate
+    import transformers
+
+    assert list(inspect.signature(GRPOTrainer.compute_loss).parameters) == [
+        "self", "model", "inputs", "return_outputs", "num_items_in_batch"]
+    assert list(inspect.signature(GRPOTrainer._compute_loss).parameters) == ["self", "model", "inputs"]
+    assert GRPOTrainer.loss_is_scaled_for_ga is True  # Trainer.training_step does not rescale our returned loss
+    loss_source = inspect.getsource(GRPOTrainer._compute_loss)
+    for text in (
+        "self._get_per_token_logps_and_entropies(",
+        "compute_entropy=True",
+        "mask = completion_mask if \"tool_mask\" not in inputs else completion_mask * inputs[\"tool_mask\"]",
+        "old_per_token_logps = per_token_logps.detach() if old_per_token_logps is None else old_per_token_logps",
+        "torch.exp(ref_per_token_logps - per_token_logps) - (ref_per_token_logps - per_token_logps) - 1",
+        "if self.args.use_bias_correction_kl:",
+        "clamped_ratios = torch.clamp(coef_1, max=self.epsilon_high).detach()",
+        "per_token_loss = -clamped_ratios * advantages * per_token_logps",
+        "coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)",
+        "coef_1 = torch.clamp(coef_1, max=self.args.delta)",
+        "per_token_loss = -torch.min(per_token_loss1, per_token_loss2)",
+        "soft_coef_1 = torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures",
+        "per_token_loss = per_token_loss * inputs[\"importance_sampling_ratio\"]",
+        "per_token_loss = per_token_loss + self.beta * per_token_kl",
+        "loss = ((per_token_loss * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()",
+        "loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)",
+        "loss = (per_token_loss * mask).sum() / (per_token_loss.size(0) * self.max_completion_length)",
+        "normalizer = inputs[\"num_items_in_batch\"].clamp(min=1.0) / self.accelerator.num_processes",
+        "normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation",
+        "(entropies * effective_mask).sum() / effective_mask.sum().clamp(min=1.0) / accumulation_factor",
+        "apply_coef = self.entropy_coef if self._last_world_entropy <= self.args.entropy_target else 0.0",
+    ):
+        assert text in loss_source, text
+    init_source = inspect.getsource(GRPOTrainer.__init__)
+    for name in ("self.epsilon_low", "self.epsilon_high", "self.beta", "self.loss_type", "self.max_completion_length",
+                 "self.importance_sampling_level", "self.off_policy_mask_threshold", "self.top_entropy_quantile",
+                 "self.use_vllm", "self.vllm_importance_sampling_correction", "self._entropy_bonus_enabled",
+                 "self.use_adaptive_entropy", "self._last_world_entropy", "self.entropy_coef",
+                 "self.router_aux_loss_coef", "self.aux_loss_enabled"):
+        assert f"{name} =" in init_source, name
+    fields = GRPOConfig.__dataclass_fields__
+    for name in ("delta", "sapo_temperature_pos", "sapo_temperature_neg", "use_bias_correction_kl", "entropy_target",
+                 "router_aux_loss_coef", "optim"):
+        assert name in fields, name
+    # Trainer's step: compute_loss, then accelerator.backward of its result (which scales as _PieceLoss scales)
+    step_source = inspect.getsource(transformers.Trainer.training_step)
+    assert "self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)" in step_source
+    assert "self.accelerator.backward(loss" in step_source
+    for name in ("is_deepspeed_enabled", "is_fsdp_enabled", "current_gradient_accumulation_steps"):
+        assert name in inspect.getsource(transformers.Trainer), name
+    backward_source = inspect.getsource(accelerate.Accelerator.backward)
+    assert "loss = loss / self.gradient_accumulation_steps" in backward_source
+    assert "self.scaler.scale(loss).backward(" in backward_source
+    assert "no_sync" in dir(accelerate.Accelerator)

@@ -11,6 +11,7 @@ Chains recurse. Only the with-gradient forwards build graphs, and they cover eve
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +68,8 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
                  loss_fn: Callable[[PieceLogprobs], torch.Tensor] | None = None, compute_entropy: bool = False,
                  temperature: float = 1.0, replica: int | None = None, recompute: bool = True,
                  gdn_backend: str = "auto", attention_backend: str = "auto", float32_head: bool = False,
-                 head_chunk_size: int = 4096) -> PlanExecution:
+                 head_chunk_size: int = 4096,
+                 no_sync: Callable[[], AbstractContextManager] | None = None) -> PlanExecution:
     """Run ``plan``'s pieces (one forward + backward each) and accumulate parameter gradients into ``.grad``,
     equal to the gradient of the same loss over one tree forward (:func:`harts_hf.tree_logprobs`).
 
@@ -94,6 +96,10 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
             while the children run (less compute, a chain's activations in memory).
         gdn_backend / attention_backend / float32_head / head_chunk_size: as in :func:`harts_hf.tree_logprobs`;
             cut-off pieces need the torch gated-delta-rule backend for now.
+        no_sync: a context manager factory (e.g. DDP's ``model.no_sync``) entered around every forward with
+            gradient and its backward except the last pair, so a data-parallel wrapper all-reduces the gradients
+            once, in the last backward (needs ``recompute=True``: each forward with gradient is then directly
+            followed by its backward). None: every backward as it comes.
 
     Returns:
         :class:`PlanExecution`.
@@ -106,6 +112,9 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not isinstance(plan, Plan):
         raise TypeError(f"plan is a {type(plan).__name__}; pass the Plan returned by harts_hf.planner.plan(...)")
+    if no_sync is not None and not recompute:
+        raise ValueError("no_sync needs recompute=True (with recompute=False a source's forward with gradient runs "
+                         "before its children's backwards, so no single last backward exists to synchronise)")
     runner = _PlanRunner(model, plan, compute_entropy=compute_entropy or entropy_weights is not None,
                          temperature=temperature, recompute=recompute, gdn_backend=gdn_backend,
                          attention_backend=attention_backend, float32_head=float32_head,
@@ -114,8 +123,10 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
         runner.set_token_weights(logprob_weights, entropy_weights)
     elif loss_fn is not None:
         runner.loss_fn = loss_fn
-    for piece in runner.root_pieces(replica):
-        runner.run(piece, None)
+    runner.no_sync = no_sync
+    roots = runner.root_pieces(replica)
+    for i, piece in enumerate(roots):
+        runner.run(piece, None, last=i == len(roots) - 1)
     return runner.result()
 
 
@@ -136,7 +147,7 @@ class _PlanRunner:
         self.compute_entropy, self.temperature, self.recompute = compute_entropy, temperature, recompute
         self.backends = dict(gdn_backend=gdn_backend, attention_backend=attention_backend)
         self.head = dict(float32_head=float32_head, chunk_size=head_chunk_size)
-        self.loss_fn = None
+        self.loss_fn = self.no_sync = None
         self.token_weights = self.entropy_token_weights = None
         self.children: list[list[Piece]] = [[] for _ in plan.pieces]
         for piece in plan.pieces:
@@ -201,9 +212,10 @@ class _PlanRunner:
         return roots
 
     # ------------------------------------------------------------------ execution
-    def run(self, piece: Piece, context: TreeContext | None) -> None:
+    def run(self, piece: Piece, context: TreeContext | None, last: bool = False) -> None:
         """Forward (and backward) ``piece`` and, recursively, its children; hand-off gradients end up in the
-        ``.grad`` of ``context``'s leaves."""
+        ``.grad`` of ``context``'s leaves. ``last``: this piece's backward is the call's last one (not under
+        ``no_sync``)."""
         tokens = self._piece_tokens(piece)
         children = self.children[piece.index]
         exports = [TreeExport(int(np.searchsorted(tokens.numpy(), child.handoff.branch_token)),
@@ -236,21 +248,22 @@ class _PlanRunner:
             child_context = export.as_context()
             self.run(child, child_context)
             child_contexts.append(child_context)
-        if output is None:
-            output = self._forward(tree, targets, grad=True)
-        self._store(tokens, targets, output)
-        loss = self._piece_loss(piece, tokens, targets, output)
-        roots, grads = [], []
-        if loss.requires_grad:
-            roots.append(loss)
-            grads.append(torch.ones_like(loss))
-        for export, child_context in zip(tree.exports, child_contexts):
-            for key, leaf in child_context.tensors.items():
-                if leaf.grad is not None and export.tensors[key].requires_grad:
-                    roots.append(export.tensors[key])
-                    grads.append(leaf.grad)
-        if roots:
-            torch.autograd.backward(roots, grads)
+        with nullcontext() if last or self.no_sync is None else self.no_sync():
+            if output is None:
+                output = self._forward(tree, targets, grad=True)
+            self._store(tokens, targets, output)
+            loss = self._piece_loss(piece, tokens, targets, output)
+            roots, grads = [], []
+            if loss.requires_grad:
+                roots.append(loss)
+                grads.append(torch.ones_like(loss))
+            for export, child_context in zip(tree.exports, child_contexts):
+                for key, leaf in child_context.tensors.items():
+                    if leaf.grad is not None and export.tensors[key].requires_grad:
+                        roots.append(export.tensors[key])
+                        grads.append(leaf.grad)
+            if roots:
+                torch.autograd.backward(roots, grads)
         self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
 
     def _forward(self, tree: TreeMetadata, targets: torch.Tensor, *, grad: bool):

@@ -29,8 +29,10 @@ class TreeGRPOConfig(GRPOConfig):
     tree_token_budget: int | None = field(
         default=None,
         metadata={"help": "Most unique tokens in one tree forward. A microbatch whose forest is larger runs as "
-                          "several forwards over groups of whole sequences (in depth-first order, so siblings stay "
-                          "together). None: one forward per microbatch."},
+                          "planner pieces cut at branch points, each its own forward and backward, with exact "
+                          "hand-offs (every token computed once; the same loss and gradient). Not with the MoE "
+                          "load-balancing loss (router_aux_loss_coef), DeepSpeed, FSDP or LOMO. None: one forward "
+                          "per microbatch."},
     )
     tree_share_across_groups: bool = field(
         default=True,

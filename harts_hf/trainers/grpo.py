@@ -1,14 +1,17 @@
 """TreeGRPOTrainer: TRL's GRPOTrainer with policy, old and reference log-probs from prefix-tree forwards.
 
-Two TRL hooks change; everything else (generation, rewards, advantages, every loss type) is TRL's:
-- ``_get_per_token_logps_and_entropies``: one tree forward per microbatch (or per token-budget slice),
-  scattered back to TRL's ``(B, logits_to_keep)`` layout, so the loss code sees what it always sees;
+Three TRL hooks change; everything else (generation, rewards, advantages, every loss type) is TRL's:
+- ``_get_per_token_logps_and_entropies``: one tree forward per microbatch, scattered back to TRL's
+  ``(B, logits_to_keep)`` layout, so the loss code sees what it always sees;
+- ``compute_loss``: a microbatch larger than ``tree_token_budget`` runs as planner pieces, each its own
+  forward + backward (TRL's loss per token, TRL's code for the value and metrics);
 - ``_prepare_inputs``: the generation batch is shuffled by prompt group, not by row, so siblings that
   share a prefix land in the same microbatch.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -16,14 +19,14 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from ..kernels import TreeMetadata
 from ..logprobs import run_tree_forward, unwrap_model
 from ..model_patches import apply_tree_patches
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
-from ..planner.baselines import common_prefix_length
-from ..trees import PrefixForest
+from ..planner import Plan, plan
+from ..planner.execute import PieceLogprobs, execute_plan
 from .config import TreeGRPOConfig
+from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
 
 __all__ = ["TreeGRPOTrainer"]
 
@@ -53,6 +56,10 @@ class TreeGRPOTrainer(GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         self._tree_handles = []
         self._tree_metrics = defaultdict(list)
+        self._replay = None  # (logps, entropies, tree stats) of planner pieces, for TRL's loss code
+        self._layout_cache = None
+        if args.use_tree and args.tree_token_budget is not None:
+            self._check_planner_supported()
         if args.use_tree:
             for target in (self.model, self.ref_model):
                 if target is None:
@@ -64,91 +71,183 @@ class TreeGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ log-probs
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
-        """TRL hook, changed: the rows become one prefix forest (split by ``tree_token_budget``), computed in
-        one forward per slice; results are laid out as TRL's ``(B, logits_to_keep)`` tensors. Multimodal
-        batches and ``use_tree=False`` take TRL's path. ``batch_size`` (TRL's row chunking) is superseded by
-        the token budget."""
+        """TRL hook, changed: the rows become one prefix forest computed in one tree forward; results are laid out
+        as TRL's ``(B, logits_to_keep)`` tensors. A forest larger than ``tree_token_budget`` runs as planner pieces
+        (forward-only here; with gradients :meth:`compute_loss` runs them). Multimodal batches and
+        ``use_tree=False`` take TRL's path. ``batch_size`` (TRL's row chunking) is superseded by the budget."""
+        if self._replay is not None:  # compute_loss already ran the pieces: hand their values to TRL's loss code
+            logps, entropies, stats = self._replay
+            self._replay = None
+            self._record_tree_stats(stats)
+            return logps, (entropies if compute_entropy else None), None
         if not self.args.use_tree or any(multimodal.get(key) is not None for key in _MULTIMODAL_KEYS):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
-        base = unwrap_model(model)
-        rows, columns = attention_mask.bool().nonzero(as_tuple=True)  # row-major: each row's real tokens in order
-        lengths = attention_mask.bool().sum(1).tolist()
-        tokens = input_ids[rows, columns].split(lengths)
-        scored = (columns >= input_ids.shape[1] - logits_to_keep).split(lengths)
-        column_of = columns.split(lengths)
-        empty_rows = [i for i, n in enumerate(lengths) if n == 0]
-        if empty_rows:
-            raise ValueError(f"rows {empty_rows} of the batch have no tokens (attention_mask all 0)")
-        groups = None
-        if not self.args.tree_share_across_groups:
-            prompt_length = input_ids.shape[1] - logits_to_keep
-            groups = [tuple(t[: int((c < prompt_length).sum())].tolist()) for t, c in zip(tokens, column_of)]
-
-        logps = input_ids.new_zeros(input_ids.shape, dtype=torch.float32)
-        entropies = torch.zeros_like(logps) if compute_entropy else None
-        router_logits, router_weights = [], []
-        for slice_rows in self._token_budget_slices(tokens):
-            forest = PrefixForest.from_sequences(
-                [tokens[i] for i in slice_rows], loss_masks=[scored[i] for i in slice_rows],
-                groups=None if groups is None else [groups[i] for i in slice_rows])
-            with self.accelerator.autocast():
-                tree, token_values, token_entropy, output = run_tree_forward(
-                    model, forest, input_ids.device, only_loss_tokens=True, compute_entropy=compute_entropy,
-                    temperature=self.temperature, aux_loss=compute_aux_loss, gdn_backend=self.args.tree_gdn_backend,
-                    attention_backend=self.args.tree_attention_backend, float32_head=self.args.cast_lm_head_to_fp32,
-                    chunk_size=self.args.tree_head_chunk_size)
-            packed = tree.packed
-            # per packed token -> per (row, column); the gather's backward sums shared tokens' gradients
-            index_rows = torch.cat([torch.full((lengths[i],), i, device=input_ids.device) for i in slice_rows])
-            index_columns = torch.cat([column_of[i] for i in slice_rows])
-            logps = logps.index_put((index_rows, index_columns), token_values[packed.sequence_token_index])
-            if compute_entropy:
-                entropies = entropies.index_put((index_rows, index_columns), token_entropy[packed.sequence_token_index])
-            if compute_aux_loss:
-                router_logits.append(output.router_logits)
-                router_weights.append(packed.multiplicity)
+        layout = self._row_layout(input_ids, attention_mask, logits_to_keep)
+        if not self._fits_budget(layout):
             if torch.is_grad_enabled():
-                self._record_tree_stats(tree)
+                raise RuntimeError(
+                    f"a forest of {layout.forest.pack().num_tokens} unique tokens exceeds tree_token_budget="
+                    f"{self.args.tree_token_budget} in a forward with gradients; TreeGRPOTrainer.compute_loss runs "
+                    "such microbatches as planner pieces (call it, not _compute_loss, or raise tree_token_budget)")
+            if compute_aux_loss:
+                self._check_planner_supported()
+            return self._planned_logps(model, layout, compute_entropy)
+        base = unwrap_model(model)
+        lengths, column_of = layout.lengths, layout.column_of
+        with self.accelerator.autocast():
+            tree, token_values, token_entropy, output = run_tree_forward(
+                model, layout.forest, input_ids.device, only_loss_tokens=True, compute_entropy=compute_entropy,
+                temperature=self.temperature, aux_loss=compute_aux_loss, gdn_backend=self.args.tree_gdn_backend,
+                attention_backend=self.args.tree_attention_backend, float32_head=self.args.cast_lm_head_to_fp32,
+                chunk_size=self.args.tree_head_chunk_size)
+        packed = tree.packed
+        # per packed token -> per (row, column); the gather's backward sums shared tokens' gradients
+        index_rows = torch.cat([torch.full((n,), i, device=input_ids.device) for i, n in enumerate(lengths)])
+        index_columns = torch.cat(column_of)
+        logps = input_ids.new_zeros(input_ids.shape, dtype=torch.float32)
+        logps = logps.index_put((index_rows, index_columns), token_values[packed.sequence_token_index])
+        entropies = None
+        if compute_entropy:
+            entropies = torch.zeros_like(logps).index_put((index_rows, index_columns),
+                                                          token_entropy[packed.sequence_token_index])
         aux_loss = None
         if compute_aux_loss:
-            layers = [torch.cat([per_slice[layer] for per_slice in router_logits]) for layer in range(len(router_logits[0]))]
-            aux_loss = load_balancing_loss(base, layers, torch.cat(router_weights))
+            aux_loss = load_balancing_loss(base, list(output.router_logits), packed.multiplicity)
+        if torch.is_grad_enabled():
+            self._record_tree_stats(dict(tree.stats(), pieces=1, handoffs=0))
         keep = slice(input_ids.shape[1] - logits_to_keep, None)
         return logps[:, keep], (entropies[:, keep] if compute_entropy else None), aux_loss
 
-    def _token_budget_slices(self, tokens: list[torch.Tensor]) -> list[list[int]]:
-        """Rows in depth-first (lexicographic) order, cut where the unique tokens of a slice would pass the budget.
+    def _row_layout(self, input_ids, attention_mask, logits_to_keep) -> RowLayout:
+        """The rows' forest, built once per microbatch (compute_loss and the log-prob hook share it)."""
+        cached = self._layout_cache
+        if (cached is not None and cached[0].shape == input_ids.shape and cached[1].shape == attention_mask.shape
+                and cached[2] == logits_to_keep and torch.equal(cached[0], input_ids)
+                and torch.equal(cached[1], attention_mask)):
+            return cached[3]
+        layout = RowLayout.of(input_ids, attention_mask, logits_to_keep, self.args.tree_share_across_groups)
+        self._layout_cache = (input_ids, attention_mask, logits_to_keep, layout)
+        return layout
 
-        In sorted order, each row adds ``len - LCP(previous row)`` new unique tokens, so the budget is exact.
-        """
+    def _fits_budget(self, layout: RowLayout) -> bool:
         budget = self.args.tree_token_budget
-        if budget is None:
-            return [list(range(len(tokens)))]
-        as_lists = [t.tolist() for t in tokens]
-        order = sorted(range(len(tokens)), key=lambda i: as_lists[i])
-        slices, current, unique, previous = [], [], 0, []
-        for i in order:
-            sequence = as_lists[i]
-            added = len(sequence) - common_prefix_length(previous, sequence)
-            if current and unique + added > budget:
-                slices.append(current)
-                current, unique, added = [], 0, len(sequence)
-            if added > budget and not current:
-                logger.warning_once(f"a sequence of {len(sequence)} tokens exceeds tree_token_budget={budget}; "
-                                    "it runs alone in its own tree forward")
-            current.append(i)
-            unique += added
-            previous = sequence
-        slices.append(current)
-        return slices
+        return budget is None or layout.forest.pack().num_tokens <= budget
 
-    _TREE_KEYS = ("path_tokens", "unique_tokens", "R_tok", "R_att", "gdn_rounds", "gdn_replay_tokens")
+    def _plan(self, layout: RowLayout) -> Plan:
+        """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (one replica)."""
+        packed = layout.forest.pack()
+        budget = self.args.tree_token_budget
+        longest = int((packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).max())
+        if longest > budget:
+            logger.warning_once(f"a run of {longest} tokens without a branch point exceeds tree_token_budget={budget}; "
+                                "pieces are cut only at branch points, so such a piece holds up to that many tokens")
+            budget = longest
+        return plan(packed, num_replicas=1, token_budget=budget)
 
-    def _record_tree_stats(self, tree: TreeMetadata) -> None:
-        """Per training forward; summed over processes (every rank runs the same number of forwards)."""
-        stats = tree.stats()
+    def _execute_options(self) -> dict:
+        return dict(temperature=self.temperature, gdn_backend=self.args.tree_gdn_backend,
+                    attention_backend=self.args.tree_attention_backend,
+                    float32_head=self.args.cast_lm_head_to_fp32, head_chunk_size=self.args.tree_head_chunk_size)
+
+    def _planned_logps(self, model, layout: RowLayout, compute_entropy: bool):
+        """Forward-only pass over the plan's pieces (old / reference log-probs, evaluation): every token once."""
+        with self.accelerator.autocast():
+            result = execute_plan(model, self._plan(layout), compute_entropy=compute_entropy, **self._execute_options())
+        entropies = layout.to_rows(result.entropies) if compute_entropy else None
+        return layout.to_rows(result.logprobs), entropies, None
+
+    # ------------------------------------------------------------------ loss over planner pieces
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL hook, changed: a training microbatch whose forest is larger than ``tree_token_budget`` runs as
+        planner pieces (:func:`harts_hf.planner.execute_plan`), each its own forward and backward with exact
+        hand-offs, so no token is computed with gradient twice. The gradients are accumulated here (scaled as
+        ``accelerator.backward`` would scale TRL's loss); the returned loss is TRL's value as a detached leaf, on
+        which Trainer's ``accelerator.backward`` reaches no parameter. TRL's own ``_compute_loss`` logs the
+        metrics on the pieces' log-probs. Everything else is TRL's ``compute_loss``."""
+        if (return_outputs or not self.args.use_tree or self.args.tree_token_budget is None
+                or not torch.is_grad_enabled() or not self.model.training
+                or any(inputs.get(key) is not None for key in _MULTIMODAL_KEYS)):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        layout = self._row_layout(input_ids, attention_mask, inputs["completion_ids"].shape[1])
+        if self._fits_budget(layout):
+            return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        self._check_planner_supported()
+        the_plan = self._plan(layout)
+        stats = self._plan_stats(the_plan)
+        # DDP: all-reduce once, in the last piece's backward (earlier ones accumulate locally)
+        no_sync = functools.partial(self.accelerator.no_sync, model)
+        if self._token_level_loss():
+            loss_fn = _PieceLoss(self, layout, inputs, len(the_plan.pieces),
+                                 on_last=lambda logps, entropies: self._replayed_loss(model, inputs, logps, entropies,
+                                                                                      stats))
+            with self.accelerator.autocast():
+                execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True, no_sync=no_sync,
+                             **self._execute_options())
+            loss = loss_fn.replayed
+        else:  # sequence-coupled loss: values first, then the exact gradient of TRL's loss at those values
+            with torch.no_grad(), self.accelerator.autocast():
+                first = execute_plan(model, the_plan, compute_entropy=True, **self._execute_options())
+            logps = layout.to_rows(first.logprobs).requires_grad_()
+            entropies = layout.to_rows(first.entropies).requires_grad_()
+            with torch.enable_grad():
+                loss = self._replayed_loss(model, inputs, logps, entropies, stats)
+                grads = torch.autograd.grad(loss, [logps, entropies], allow_unused=True)
+            loss_fn = _PieceLoss(self, layout, inputs, len(the_plan.pieces), linear_weights=grads)
+            with self.accelerator.autocast():
+                execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True, no_sync=no_sync,
+                             **self._execute_options())
+        return loss.detach().requires_grad_()
+
+    def _token_level_loss(self) -> bool:
+        """True when TRL's loss is a sum of per-token terms known before the forward (one pass suffices)."""
+        return (self.loss_type in TOKEN_LEVEL_LOSSES and self.importance_sampling_level == "token"
+                and self.off_policy_mask_threshold is None and self.top_entropy_quantile >= 1.0)
+
+    def _replayed_loss(self, model, inputs, logps, entropies, stats) -> torch.Tensor:
+        """TRL's ``_compute_loss`` on the pieces' log-probs (its loss value, its metrics and their collectives, in
+        the order the one-forward path issues them)."""
+        self._replay = (logps, entropies, stats)
+        try:
+            return self._compute_loss(model, inputs)
+        finally:
+            self._replay = None
+
+    def _plan_stats(self, the_plan: Plan) -> dict:
+        stats = the_plan.packed.stats()
+        pieces = the_plan.pieces
+        stats["gdn_rounds"] = sum(p.features["rounds"] for p in pieces)
+        stats["gdn_replay_tokens"] = sum(p.features["replay_tokens"] + (p.handoff.replay_tokens if p.handoff else 0)
+                                         for p in pieces)
+        stats["pieces"] = len(pieces)
+        stats["handoffs"] = sum(p.handoff is not None for p in pieces)
+        return stats
+
+    def _check_planner_supported(self) -> None:
+        """Options that cannot run a microbatch as pieces with separate backwards fail here, naming the fix."""
+        fix = ("or set tree_token_budget=None (one tree forward per microbatch; lower per_device_train_batch_size "
+               "if it does not fit)")
+        if self.aux_loss_enabled:
+            raise ValueError(f"the MoE load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef}) depends "
+                             "on the whole microbatch's routing, so it cannot be split over planner pieces; set "
+                             f"router_aux_loss_coef=0.0 in the TreeGRPOConfig, {fix}.")
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
+            raise ValueError(f"{engine} runs backward through its own engine, which planner pieces (one backward "
+                             f"each) do not drive yet; train with DDP, {fix}.")
+        if self.args.optim in ("lomo", "adalomo"):
+            raise ValueError(f"optim={self.args.optim!r} updates parameters inside backward, but planner pieces run one "
+                             f"backward each; choose another optimizer, {fix}.")
+
+    _TREE_KEYS = ("path_tokens", "unique_tokens", "R_tok", "R_att", "gdn_rounds", "gdn_replay_tokens", "pieces",
+                  "handoffs")
+
+    def _record_tree_stats(self, stats: dict) -> None:
+        """Per training microbatch; summed over processes (every rank records once per microbatch)."""
         values = torch.tensor([float(stats[key]) for key in self._TREE_KEYS], device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             values = self.accelerator.gather(values.unsqueeze(0)).view(-1, len(self._TREE_KEYS))
@@ -181,6 +280,8 @@ class TreeGRPOTrainer(GRPOTrainer):
             logs["tree/R_att"] = sum(self._tree_metrics["R_att"]) / len(self._tree_metrics["R_att"])
             logs["tree/rounds"] = totals["gdn_rounds"] / len(self._tree_metrics["gdn_rounds"])
             logs["tree/replay_tokens"] = totals["gdn_replay_tokens"]
+            logs["tree/pieces"] = totals["pieces"]
+            logs["tree/handoffs"] = totals["handoffs"]
             self._tree_metrics.clear()
         super().log(logs, start_time)
 
@@ -210,3 +311,47 @@ def _permute_rows(batch: dict, permutation: torch.Tensor) -> dict:
         return [value[i] for i in permutation.tolist()]
 
     return {key: permute(value) for key, value in batch.items()}
+
+
+class _PieceLoss:
+    """``loss_fn`` of :func:`execute_plan`: one piece's share of TRL's loss, scaled as ``accelerator.backward``
+    scales a loss. Token-level losses use TRL's per-token formula and normalisers; with ``linear_weights``
+    (``(B, T)`` gradients of TRL's loss in the log-probs and entropies) the piece's loss is their linear term.
+    Records the pieces' values; after the last piece (before its backward) calls ``on_last(logps, entropies)``
+    and keeps its result in ``replayed``."""
+
+    def __init__(self, trainer: TreeGRPOTrainer, layout: RowLayout, inputs: dict, num_pieces: int, *,
+                 on_last=None, linear_weights=None):
+        self.trainer, self.layout, self.inputs = trainer, layout, inputs
+        self.remaining, self.on_last, self.replayed = num_pieces, on_last, None
+        if linear_weights is None:
+            self.weight, self.entropy_weight = token_weights(trainer, inputs)
+        else:  # a None gradient: the loss does not depend on it (entropies without an entropy bonus)
+            self.weight, self.entropy_weight = linear_weights
+            if self.weight is None:
+                self.weight = torch.zeros(layout.shape, device=inputs["completion_ids"].device)
+        self.linear = linear_weights is not None
+        self.logps = torch.zeros(layout.shape, device=inputs["completion_ids"].device)
+        self.entropies = torch.zeros_like(self.logps)
+
+    def __call__(self, scored: PieceLogprobs) -> torch.Tensor:
+        columns = self.layout.columns(scored.sequence, scored.position)
+        keep = columns >= 0  # completion places only (prompt tokens are predicted but carry no loss)
+        rows, columns, occurrence = scored.sequence[keep], columns[keep], scored.occurrence[keep]
+        logps, entropies = scored.logprobs[occurrence], scored.entropies[occurrence]
+        self.logps[rows, columns] = logps.detach()
+        self.entropies[rows, columns] = entropies.detach()
+        if self.linear:
+            per_token = logps
+        else:
+            per_token = token_level_loss(self.trainer, logps, rows, columns, self.inputs)
+        loss = (self.weight[rows, columns] * per_token).sum()
+        if self.entropy_weight is not None:
+            loss = loss + (self.entropy_weight[rows, columns] * entropies).sum()
+        self.remaining -= 1
+        if self.remaining == 0 and self.on_last is not None:
+            with torch.no_grad():
+                self.replayed = self.on_last(self.logps, self.entropies)
+        accelerator = self.trainer.accelerator
+        loss = loss / accelerator.gradient_accumulation_steps
+        return accelerator.scaler.scale(loss) if accelerator.scaler is not None else loss

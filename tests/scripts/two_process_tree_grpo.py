@@ -1,9 +1,15 @@
 """Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo).
 
 Trains a few TreeGRPO steps and writes each rank's final parameters and world size to OUT_DIR/rank<k>.pt.
+Mode ``groups``: the MoE load-balancing loss, one tree forward per microbatch. Mode ``planner``: a token budget
+that some prompts' trees fit and others' do not (ranks run different numbers of pieces, or one tree forward);
+also runs as one process over the same global batch (``per_device_train_batch_size`` doubled), for the test to
+compare parameters.
 """
 
+import os
 import sys
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -11,26 +17,82 @@ from accelerate import PartialState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import harts_hf.trainers.grpo as grpo_module  # noqa: E402
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer  # noqa: E402
 from tests.models import build  # noqa: E402
-from tests.trl_helpers import char_tokenizer, length_reward, patch_generate, prompt_dataset  # noqa: E402
+from tests.trl_helpers import (  # noqa: E402
+    CHARS,
+    SPECIAL,
+    branching_completions,
+    char_tokenizer,
+    length_reward,
+    patch_generate,
+    prompt_dataset,
+)
 
 
-def main(out_dir: str, keep_groups: str) -> None:
+def uneven_generate(model, tokenizer):
+    """Like ``patch_generate``, but the drafts of some prompts are 3x longer than others' (uneven forests)."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    low, high = len(SPECIAL), len(SPECIAL) + len(CHARS)
+
+    def generate(input_ids=None, attention_mask=None, **kwargs):
+        seen = defaultdict(int)
+        completions = []
+        for row, mask in zip(input_ids, attention_mask):
+            prompt = tuple(row[mask.bool()].tolist())
+            width = 30 if sum(prompt) % 2 else 10
+            completions.append(branching_completions(prompt, seen[prompt], eos, low, high, width=width))
+            seen[prompt] += 1
+        longest = max(len(c) for c in completions)
+        padded = torch.tensor([c + [pad] * (longest - len(c)) for c in completions], device=input_ids.device)
+        return torch.cat([input_ids, padded], dim=1)
+
+    model.generate = generate
+    return model
+
+
+def main(out_dir: str, mode: str) -> None:
     state = PartialState()
     tokenizer = char_tokenizer()
-    model = patch_generate(build("qwen3_next_moe", seed=0), tokenizer)
-    args = TreeGRPOConfig(
-        output_dir=out_dir, per_device_train_batch_size=6, num_generations=6, max_completion_length=32,
-        gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-2, optim="sgd", bf16=False, use_cpu=True,
-        report_to="none", logging_steps=1, save_strategy="no", seed=0, router_aux_loss_coef=0.01,
-        tree_keep_groups_together=keep_groups == "groups")
+    model = build("qwen3_next_moe", seed=0)
+    common = dict(output_dir=out_dir, num_generations=6, max_completion_length=40, gradient_accumulation_steps=2,
+                  max_steps=2, learning_rate=1e-2, optim="sgd", bf16=False, use_cpu=True, report_to="none",
+                  logging_steps=1, save_strategy="no", seed=0)
+    pieces = []
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # PartialState may not be initialised for 2 processes yet
+    if mode == "planner":
+        model = uneven_generate(model, tokenizer)
+        args = TreeGRPOConfig(**common, per_device_train_batch_size=12 // world_size,
+                              router_aux_loss_coef=0.0, tree_token_budget=30)
+        execute_plan = grpo_module.execute_plan
+
+        def counting(model, the_plan, **kwargs):
+            if kwargs.get("loss_fn") is not None:
+                pieces.append(len(the_plan.pieces))
+            return execute_plan(model, the_plan, **kwargs)
+
+        grpo_module.execute_plan = counting
+        compute_loss = TreeGRPOTrainer.compute_loss
+
+        def recording(self, model, inputs, **kwargs):  # 1 piece: the microbatch fit the budget (one tree forward)
+            before = len(pieces)
+            loss = compute_loss(self, model, inputs, **kwargs)
+            if len(pieces) == before:
+                pieces.append(1)
+            return loss
+
+        TreeGRPOTrainer.compute_loss = recording
+    else:
+        model = patch_generate(model, tokenizer)
+        args = TreeGRPOConfig(**common, per_device_train_batch_size=6, router_aux_loss_coef=0.01,
+                              tree_keep_groups_together=mode == "groups")
     trainer = TreeGRPOTrainer(model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(16),
                               processing_class=tokenizer)
     trainer.train()
     params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     logged = [entry for entry in trainer.state.log_history if "tree/R_tok" in entry]
-    torch.save({"world_size": state.num_processes, "params": params, "logged": logged},
+    torch.save({"world_size": state.num_processes, "params": params, "logged": logged, "pieces": pieces},
                Path(out_dir) / f"rank{state.process_index}.pt")
 
 

@@ -1,0 +1,121 @@
+"""TreeGRPOTrainer with a token budget smaller than a microbatch's forest: the microbatch runs as planner pieces
+(hand-offs between them), and the loss, every parameter gradient and the logged metrics equal GRPOTrainer's on
+the same generated batch; every unique token is computed with gradient exactly once."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import harts_hf.trainers.grpo as grpo_module
+from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
+from tests.test_tree_grpo import BASE_ARGS, make_trainers, prepared, saved_model  # noqa: F401 (fixture)
+from tests.trl_helpers import char_tokenizer, length_reward, prompt_dataset
+
+BUDGET = dict(tree_token_budget=24)  # each group's tree (~60 unique tokens) is cut into several pieces
+NO_AUX = dict(router_aux_loss_coef=0.0)  # the MoE load-balancing loss is not split over pieces
+
+
+@pytest.fixture
+def executions(monkeypatch):
+    """Stats of every execute_plan call the trainer makes (with the plan's unique token count)."""
+    calls = []
+
+    def recording(model, the_plan, **kwargs):
+        result = execute_plan(model, the_plan, **kwargs)
+        calls.append(dict(result.stats, unique=the_plan.packed.num_tokens, training=kwargs.get("loss_fn") is not None))
+        return result
+
+    execute_plan = grpo_module.execute_plan
+    monkeypatch.setattr(grpo_module, "execute_plan", recording)
+    return calls
+
+
+def metrics_of(trainer) -> dict:
+    return {key: values[-1] for key, values in trainer._metrics["train"].items() if values}
+
+
+def assert_planned_matches(path, tmp_path, executions, tol=1e-5, **options):
+    base, tree = make_trainers(path, tmp_path, **NO_AUX, **options)
+    tree.args.tree_token_budget = BUDGET["tree_token_budget"]
+    inputs_base, inputs_tree = prepared(base), prepared(tree)
+    torch.testing.assert_close(inputs_tree["advantages"], inputs_base["advantages"])
+    for key in ("old_per_token_logps", "ref_per_token_logps"):  # forward-only pieces (no gradient)
+        if key in inputs_base:
+            mask = inputs_base["completion_mask"].bool()
+            torch.testing.assert_close(inputs_tree[key][mask], inputs_base[key][mask], rtol=tol, atol=tol)
+    before = {key: len(values) for key, values in base._metrics["train"].items()}
+    loss_base = base.compute_loss(base.model, inputs_base)
+    loss_base.backward()
+    loss_tree = tree.compute_loss(tree.model, inputs_tree)
+    loss_tree.backward()  # a detached leaf: the pieces already accumulated the gradients
+    torch.testing.assert_close(loss_tree, loss_base.detach(), rtol=tol, atol=tol)
+    worst = 0.0
+    for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is None or a.grad.norm() == 0:
+            continue
+        error = ((a.grad - b.grad).norm() / a.grad.norm()).item()
+        worst = max(worst, error)
+        assert error < 10 * tol, f"{name}: relative gradient error {error:.2e}"
+    logged_base, logged_tree = metrics_of(base), metrics_of(tree)
+    new_keys = [key for key in logged_base if len(base._metrics["train"][key]) > before.get(key, 0)]
+    assert "entropy" in new_keys
+    for key in new_keys:
+        assert logged_tree[key] == pytest.approx(logged_base[key], rel=1e-4, abs=1e-6), key
+    training = [call for call in executions if call["training"]]
+    assert training and training[-1]["handoffs"] > 0 and training[-1]["pieces"] > 2
+    assert training[-1]["grad_tokens"] == training[-1]["unique"]  # no token computed with gradient twice
+    assert tree._tree_metrics["pieces"][-1] == training[-1]["pieces"]
+    print(f"\n[planner] pieces={training[-1]['pieces']} handoffs={training[-1]['handoffs']} "
+          f"grad_tokens={training[-1]['grad_tokens']} loss_diff={abs(loss_tree - loss_base).item():.2e} "
+          f"worst_grad_rel={worst:.2e}")
+    return worst
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
+def test_planned_loss_types_match_grpo_trainer(saved_model, tmp_path, executions, loss_type):  # noqa: F811
+    assert_planned_matches(saved_model, tmp_path, executions, loss_type=loss_type)
+
+
+@pytest.mark.parametrize("options", [
+    dict(beta=0.1, num_iterations=2, loss_type="dapo"),
+    dict(beta=0.05, entropy_coef=0.02),
+    dict(importance_sampling_level="sequence"),  # GSPO: a forward-only pass first, then the gradient pass
+], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_planned_options_match_grpo_trainer(saved_model, tmp_path, executions, options):  # noqa: F811
+    assert_planned_matches(saved_model, tmp_path, executions, **options)
+    if options.get("num_iterations") == 2:
+        assert any(not call["training"] and call["nograd_forwards"] > 2 for call in executions)  # old log-probs
+
+
+def test_microbatch_that_fits_takes_one_tree_forward(saved_model, tmp_path, executions):  # noqa: F811
+    base, tree = make_trainers(saved_model, tmp_path, **NO_AUX)
+    tree.args.tree_token_budget = 10_000
+    tree.compute_loss(tree.model, prepared(tree)).backward()
+    assert executions == [] and tree._tree_metrics["pieces"] == [1]
+
+
+def test_aux_loss_with_budget_is_refused(saved_model, tmp_path):  # noqa: F811
+    args = dict(BASE_ARGS, output_dir=str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
+    with pytest.raises(ValueError) as info:  # at construction
+        TreeGRPOTrainer(model, reward_funcs=length_reward, args=TreeGRPOConfig(**args, **BUDGET),
+                        train_dataset=prompt_dataset(8), processing_class=char_tokenizer())
+    assert "router_aux_loss_coef=0.0" in str(info.value) and "tree_token_budget=None" in str(info.value)
+    _, tree = make_trainers(saved_model, tmp_path)  # budget set after construction: refused at first use
+    tree.args.tree_token_budget = BUDGET["tree_token_budget"]
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        tree.compute_loss(tree.model, prepared(tree))
+
+
+@pytest.mark.parametrize("attribute, value, words", [
+    ("is_deepspeed_enabled", True, ["DeepSpeed", "tree_token_budget=None"]),
+    ("is_fsdp_enabled", True, ["FSDP", "tree_token_budget=None"]),
+])
+def test_engines_with_their_own_backward_are_refused(saved_model, tmp_path, attribute, value, words):  # noqa: F811
+    _, tree = make_trainers(saved_model, tmp_path, **NO_AUX)
+    tree.args.tree_token_budget = BUDGET["tree_token_budget"]
+    setattr(tree, attribute, value)
+    with pytest.raises(ValueError) as info:
+        tree.compute_loss(tree.model, prepared(tree))
+    assert all(word in str(info.value) for word in words)
