@@ -8,7 +8,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
 from tests.models import build
-from tests.trl_helpers import char_tokenizer, length_reward, patch_generate, prompt_dataset
+from tests.trl_helpers import char_tokenizer, length_reward, patch_generate, prompt_dataset, worst_gradient_error
 
 BASE_ARGS = dict(per_device_train_batch_size=12, num_generations=6, max_completion_length=40, learning_rate=1e-2,
                  optim="sgd", bf16=False, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no",
@@ -72,14 +72,7 @@ def assert_same_loss_and_grads(base, tree, tol=1e-5):
     torch.testing.assert_close(loss_tree, loss_base, rtol=tol, atol=tol)
     loss_base.backward()
     loss_tree.backward()
-    worst = 0.0
-    for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
-        assert (a.grad is None) == (b.grad is None), name
-        if a.grad is None or a.grad.norm() == 0:
-            continue
-        error = ((a.grad - b.grad).norm() / a.grad.norm()).item()
-        worst = max(worst, error)
-        assert error < 100 * tol, f"{name}: relative gradient error {error:.2e}"
+    worst = worst_gradient_error(base.model, tree.model, 100 * tol)
     return loss_base.item(), worst
 
 

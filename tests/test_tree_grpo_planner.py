@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 import harts_hf.trainers.grpo as grpo_module
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
 from tests.test_tree_grpo import BASE_ARGS, make_trainers, prepared, saved_model  # noqa: F401 (fixture)
-from tests.trl_helpers import char_tokenizer, length_reward, prompt_dataset
+from tests.trl_helpers import char_tokenizer, length_reward, prompt_dataset, worst_gradient_error
 
 BUDGET = dict(tree_token_budget=24)  # each group's tree (~60 unique tokens) is cut into several pieces
 NO_AUX = dict(router_aux_loss_coef=0.0)  # the MoE load-balancing loss is not split over pieces
@@ -49,14 +49,7 @@ def assert_planned_matches(path, tmp_path, executions, tol=1e-5, **options):
     loss_tree = tree.compute_loss(tree.model, inputs_tree)
     loss_tree.backward()  # a detached leaf: the pieces already accumulated the gradients
     torch.testing.assert_close(loss_tree, loss_base.detach(), rtol=tol, atol=tol)
-    worst = 0.0
-    for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
-        assert (a.grad is None) == (b.grad is None), name
-        if a.grad is None or a.grad.norm() == 0:
-            continue
-        error = ((a.grad - b.grad).norm() / a.grad.norm()).item()
-        worst = max(worst, error)
-        assert error < 10 * tol, f"{name}: relative gradient error {error:.2e}"
+    worst = worst_gradient_error(base.model, tree.model, 10 * tol)
     logged_base, logged_tree = metrics_of(base), metrics_of(tree)
     new_keys = [key for key in logged_base if len(base._metrics["train"][key]) > before.get(key, 0)]
     assert "entropy" in new_keys

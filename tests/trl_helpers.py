@@ -53,8 +53,9 @@ def branching_completions(prompt: tuple, k: int, eos: int, low: int, high: int, 
     return draft[:cut] + [branch.randrange(low, high) for _ in range(branch.randint(1, 8))] + [eos]
 
 
-def patch_generate(model, tokenizer):
-    """Replace ``model.generate`` by the deterministic :func:`branching_completions` (per prompt group)."""
+def patch_generate(model, tokenizer, draft_width=lambda prompt: 24):
+    """Replace ``model.generate`` by the deterministic :func:`branching_completions` (per prompt group);
+    ``draft_width(prompt)`` sets each prompt's draft length (uneven forests when it varies)."""
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
     low, high = len(SPECIAL), len(SPECIAL) + len(CHARS)
 
@@ -63,7 +64,7 @@ def patch_generate(model, tokenizer):
         completions = []
         for row, mask in zip(input_ids, attention_mask):
             prompt = tuple(row[mask.bool()].tolist())
-            completions.append(branching_completions(prompt, seen[prompt], eos, low, high))
+            completions.append(branching_completions(prompt, seen[prompt], eos, low, high, width=draft_width(prompt)))
             seen[prompt] += 1
         width = max(len(c) for c in completions)
         padded = torch.tensor([c + [pad] * (width - len(c)) for c in completions], device=input_ids.device)
@@ -71,3 +72,17 @@ def patch_generate(model, tokenizer):
 
     model.generate = generate
     return model
+
+
+def worst_gradient_error(base_model, tree_model, bound: float) -> float:
+    """Largest relative gradient error over parameters (asserting each is below ``bound`` and that both models
+    have gradients for the same parameters)."""
+    worst = 0.0
+    for (name, a), (_, b) in zip(base_model.named_parameters(), tree_model.named_parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is None or a.grad.norm() == 0:
+            continue
+        error = ((a.grad - b.grad).norm() / a.grad.norm()).item()
+        worst = max(worst, error)
+        assert error < bound, f"{name}: relative gradient error {error:.2e}"
+    return worst

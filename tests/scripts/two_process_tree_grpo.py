@@ -9,7 +9,6 @@ compare parameters.
 
 import os
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -21,35 +20,11 @@ import harts_hf.trainers.grpo as grpo_module  # noqa: E402
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer  # noqa: E402
 from tests.models import build  # noqa: E402
 from tests.trl_helpers import (  # noqa: E402
-    CHARS,
-    SPECIAL,
-    branching_completions,
     char_tokenizer,
     length_reward,
     patch_generate,
     prompt_dataset,
 )
-
-
-def uneven_generate(model, tokenizer):
-    """Like ``patch_generate``, but the drafts of some prompts are 3x longer than others' (uneven forests)."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    low, high = len(SPECIAL), len(SPECIAL) + len(CHARS)
-
-    def generate(input_ids=None, attention_mask=None, **kwargs):
-        seen = defaultdict(int)
-        completions = []
-        for row, mask in zip(input_ids, attention_mask):
-            prompt = tuple(row[mask.bool()].tolist())
-            width = 30 if sum(prompt) % 2 else 10
-            completions.append(branching_completions(prompt, seen[prompt], eos, low, high, width=width))
-            seen[prompt] += 1
-        longest = max(len(c) for c in completions)
-        padded = torch.tensor([c + [pad] * (longest - len(c)) for c in completions], device=input_ids.device)
-        return torch.cat([input_ids, padded], dim=1)
-
-    model.generate = generate
-    return model
 
 
 def main(out_dir: str, mode: str) -> None:
@@ -62,7 +37,7 @@ def main(out_dir: str, mode: str) -> None:
     pieces = []
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # PartialState may not be initialised for 2 processes yet
     if mode == "planner":
-        model = uneven_generate(model, tokenizer)
+        model = patch_generate(model, tokenizer, draft_width=lambda prompt: 30 if sum(prompt) % 2 else 10)
         args = TreeGRPOConfig(**common, per_device_train_batch_size=12 // world_size,
                               router_aux_loss_coef=0.0, tree_token_budget=30)
         execute_plan = grpo_module.execute_plan
