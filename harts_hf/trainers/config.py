@@ -31,8 +31,10 @@ class TreeGRPOConfig(GRPOConfig):
         metadata={"help": "Most unique tokens in one tree forward. A microbatch whose forest is larger runs as "
                           "planner pieces cut at branch points, each its own forward and backward, with exact "
                           "hand-offs (every token computed once; the same loss and gradient). Not with the MoE "
-                          "load-balancing loss (router_aux_loss_coef), DeepSpeed, FSDP or LOMO. None: one forward "
-                          "per microbatch."},
+                          "load-balancing loss (router_aux_loss_coef), DeepSpeed, FSDP or LOMO. A stretch without a "
+                          "branch point longer than the budget cannot be cut: that microbatch then runs with the "
+                          "stretch's length as its budget, with a warning naming both. None: one forward per "
+                          "microbatch."},
     )
     tree_share_across_groups: bool = field(
         default=True,
