@@ -2,7 +2,7 @@
 second GRPOTrainer run with another seed to show the baseline's own run-to-run spread.
 
     python examples/reward_parity.py --steps 120 --out docs/reward_parity                     # CPU, a few minutes
-    python examples/reward_parity.py --preset smollm2 --steps 120 --out docs/reward_parity_smollm2   # CPU, ~45 min
+    python examples/reward_parity.py --preset smollm2 --steps 120 --out docs/reward_parity_smollm2   # CPU, ~40 min
 
 ``--preset tiny`` (default): a tiny hybrid Qwen3-Next (Gated DeltaNet + attention) with a character tokenizer learns
 a toy verifiable task (answers made only of the letters a-e, rewarded by the share of such letters, with a length
