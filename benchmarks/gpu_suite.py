@@ -1,9 +1,12 @@
 """Everything the GPU issue measures, in ONE process (fla compiles and autotunes once per shape and process).
 
-    python benchmarks/gpu_suite.py --out results/ --budget 540     # on the H200 (see ../shared/device/README.md)
+    python3 -u benchmarks/gpu_suite.py --out $OUT --budget 480 > $OUT/suite.log 2>&1   # on the H200
+
+Write the log to a file under $OUT: when the device limit kills the command, piped output is lost with it.
 
 Stages, in priority order, each saved as it finishes and skipped once ``--budget`` seconds are spent:
-cost fit (c, a, b) and tree / packed / loop / padded fwd+bwd on the first workload with the ~2B model
+a warm-up on a tiny forest (fla compiles its kernels per head configuration and process), the cost fit
+(c, a, b) and tree / packed / loop / padded fwd+bwd on the first workload with the ~2B model
 (bench_tree_vs_trajectory.py), bf16 parity against an fp32 reference on a 4-layer model with the same layer
 shapes (gpu_parity.py), the other workloads, then the kernel breakdown (gpu_kernels.py).
 """
@@ -81,7 +84,25 @@ def main():
                     module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 1.0).log())
         parity.model_parity(r, args.parity_scale, save, model=small, timing=False)
 
-    stages = [("cost_fit", fit_costs), (f"{specs[0][0]}", lambda r: workload(r, *specs[0]))]
+    def warmup(r):
+        """Compile fla at these shapes on a tiny forest first: the tree path (varlen kernels) and one plain
+        trajectory (transformers' kernels), timing each first and second call."""
+        from harts_hf.trees import PrefixForest
+
+        sequences = [list(range(1, 200)), list(range(1, 120)) + [7] * 90, list(range(1, 60)) + [9] * 40]
+        forest = PrefixForest.from_sequences(sequences)
+        times = {}
+        for name, run in (("tree", lambda: bench.run_tree(model, forest)),
+                          ("loop", lambda: bench.run_loop(model, sequences[:1], device))):
+            for attempt in ("first", "second"):
+                start = time.perf_counter()
+                run()
+                torch.cuda.synchronize()
+                times[f"{name}_{attempt}_s"] = time.perf_counter() - start
+                print(f"  warm-up {name} {attempt}: {times[f'{name}_{attempt}_s']:.1f} s", flush=True)
+        r["warmup"] = times
+
+    stages = [("warmup", warmup), ("cost_fit", fit_costs), (f"{specs[0][0]}", lambda r: workload(r, *specs[0]))]
     if "parity" not in args.skip:
         stages.append(("parity", model_parity))
     stages += [(name, lambda r, s=(name, scale): workload(r, *s)) for name, scale in specs[1:]]
