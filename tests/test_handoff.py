@@ -382,3 +382,34 @@ def test_no_sync_wraps_every_backward_but_the_last():
     assert with_gradient == [True] * (len(with_gradient) - 1) + [False]  # only the last forward+backward syncs
     with pytest.raises(ValueError, match="recompute=True"):
         execute_plan(model, the_plan, logprob_weights=weights_for(sequences), no_sync=no_sync, recompute=False)
+
+
+def test_synchronised_backward_reaches_every_parameter():
+    """A 1-token root whose children are all cut off predicts nothing itself, yet the last (synchronised) backward
+    must reach every trainable parameter, or DDP's reducer waits for the LM head forever."""
+    from contextlib import contextmanager
+
+    rng = random.Random(0)
+    sequences = [[1] + [rng.randrange(VOCAB) for _ in range(60)] for _ in range(3)]
+    the_plan = plan(sequences, token_budget=60)  # root + any child = 61 tokens: every child is cut off
+    root = next(p for p in the_plan.pieces if p.handoff is None)
+    assert root.unique_tokens == 1 and len(the_plan.pieces) == 4
+    model = build("qwen3_next")
+    inside, synced = [], set()
+
+    @contextmanager
+    def no_sync():
+        inside.append(True)
+        yield
+        inside.pop()
+
+    for name, parameter in model.named_parameters():
+        parameter.register_hook(lambda grad, name=name: None if inside else synced.add(name))
+    run = execute_plan(model, the_plan, logprob_weights=weights_for(sequences), no_sync=no_sync)
+    assert synced == {name for name, p in model.named_parameters() if p.requires_grad}
+    reference = build("qwen3_next")
+    out = tree_logprobs(reference, sequences=sequences)
+    sum((lp * w).sum() for lp, w in zip(out.logprobs, weights_for(sequences))).backward()
+    for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters()):
+        assert ((a.grad - b.grad).norm() / b.grad.norm()).item() < 3e-5, name
+    assert run.stats["grad_tokens"] == the_plan.packed.num_tokens

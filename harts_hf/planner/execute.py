@@ -262,6 +262,14 @@ class _PlanRunner:
                     if leaf.grad is not None and export.tensors[key].requires_grad:
                         roots.append(export.tensors[key])
                         grads.append(leaf.grad)
+            if last and self.no_sync is not None:
+                # the synchronised backward must reach every trainable parameter (DDP's reducer waits for all of
+                # them), but the last piece may not use them all (a 1-token root whose children were all cut off
+                # predicts no token and skips the LM head; unrouted experts): a zero-weighted term touches each
+                trainable = [p for p in self.model.parameters() if p.requires_grad]
+                if trainable:
+                    roots.append(torch.stack([p.reshape(-1)[0].float() for p in trainable]).sum() * 0.0)
+                    grads.append(torch.ones((), device=roots[-1].device))
             if roots:
                 torch.autograd.backward(roots, grads)
         self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
