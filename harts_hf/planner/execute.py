@@ -94,8 +94,7 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
         recompute: True: sources run a no-grad forward for the hand-off and again with gradient after their
             children (activations of one piece alive at a time). False: one forward with gradient, its graph kept
             while the children run (less compute, a chain's activations in memory).
-        gdn_backend / attention_backend / float32_head / head_chunk_size: as in :func:`harts_hf.tree_logprobs`;
-            cut-off pieces need the torch gated-delta-rule backend for now.
+        gdn_backend / attention_backend / float32_head / head_chunk_size: as in :func:`harts_hf.tree_logprobs`.
         no_sync: a context manager factory (e.g. DDP's ``model.no_sync``) entered around every forward with
             gradient and its backward except the last pair, so a data-parallel wrapper all-reduces the gradients
             once, in the last backward (needs ``recompute=True``: each forward with gradient is then directly
@@ -325,7 +324,6 @@ class _PlanRunner:
         entropies = [x[1:] for x in packed.gather_sequences(self.token_entropies)] if self.compute_entropy else None
         return PlanExecution(logprobs, entropies, self.token_logprobs, self.token_entropies, self.loss,
                              dict(self.stats))
-
 
 
 def _reentrant_checkpointing(model) -> bool:

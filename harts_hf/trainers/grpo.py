@@ -95,7 +95,6 @@ class TreeGRPOTrainer(GRPOTrainer):
                 self._check_planner_supported()
             return self._planned_logps(model, layout, compute_entropy)
         base = unwrap_model(model)
-        lengths, column_of = layout.lengths, layout.column_of
         with self.accelerator.autocast():
             tree, token_values, token_entropy, output = run_tree_forward(
                 model, layout.forest, input_ids.device, only_loss_tokens=True, compute_entropy=compute_entropy,
@@ -104,8 +103,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                 chunk_size=self.args.tree_head_chunk_size)
         packed = tree.packed
         # per packed token -> per (row, column); the gather's backward sums shared tokens' gradients
-        index_rows = torch.cat([torch.full((n,), i, device=input_ids.device) for i, n in enumerate(lengths)])
-        index_columns = torch.cat(column_of)
+        index_rows, index_columns = layout.row_index, layout.column_index
         logps = input_ids.new_zeros(input_ids.shape, dtype=torch.float32)
         logps = logps.index_put((index_rows, index_columns), token_values[packed.sequence_token_index])
         entropies = None

@@ -22,18 +22,18 @@ TOKEN_LEVEL_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 class RowLayout:
     """The real tokens of TRL's padded rows as one prefix forest (sequence ``i`` is row ``i``).
 
-    ``tokens[i]`` (long) are row ``i``'s tokens where ``attention_mask`` is 1, at padded columns ``column_of[i]``;
-    ``scored[i]`` (bool) marks completion tokens; ``completion_column [sum(len_i - 1)]`` (long) is, for every
-    predicted token (positions 1.. of each sequence, flat, from ``starts[i]``), its column in the
-    ``(B, logits_to_keep)`` layout, negative for prompt tokens.
+    ``row_index`` / ``column_index`` (long, flat, row-major) are the padded places of every real token;
+    ``completion_column [sum(len_i - 1)]`` (long) is, for every predicted token (positions 1.. of each
+    sequence, flat, from ``starts[i]``), its column in the ``(B, logits_to_keep)`` layout, negative for prompt
+    tokens; ``predicted_row`` is its row.
     """
 
-    tokens: list[torch.Tensor]
-    scored: list[torch.Tensor]
-    column_of: list[torch.Tensor]
+    row_index: torch.Tensor
+    column_index: torch.Tensor
     lengths: list[int]
     forest: PrefixForest
     completion_column: torch.Tensor
+    predicted_row: torch.Tensor
     starts: torch.Tensor
     shape: tuple[int, int]
 
@@ -56,8 +56,9 @@ class RowLayout:
         forest = PrefixForest.from_sequences(list(tokens), loss_masks=list(scored), groups=groups)
         completion_column = torch.cat([c[1:] - prompt_width for c in column_of])
         predicted = torch.tensor([n - 1 for n in lengths], device=input_ids.device)
+        predicted_row = torch.repeat_interleave(torch.arange(len(lengths), device=input_ids.device), predicted)
         starts = torch.cumsum(predicted, 0) - predicted
-        return cls(list(tokens), list(scored), list(column_of), lengths, forest, completion_column, starts,
+        return cls(rows, columns, lengths, forest, completion_column, predicted_row, starts,
                    (input_ids.shape[0], logits_to_keep))
 
     def columns(self, sequence: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
@@ -68,18 +69,8 @@ class RowLayout:
         """``[len_i - 1]`` values per sequence -> ``(B, logits_to_keep)`` fp32, 0 at padding."""
         values = torch.cat(per_sequence).float()
         keep = self.completion_column >= 0
-        sequence = torch.repeat_interleave(torch.arange(len(self.lengths), device=values.device),
-                                           torch.tensor([n - 1 for n in self.lengths], device=values.device))
         out = values.new_zeros(self.shape)
-        return out.index_put((sequence[keep], self.completion_column[keep]), values[keep])
-
-    def from_rows(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """``(B, logits_to_keep)`` -> ``[len_i - 1]`` per sequence, 0 at prompt positions."""
-        sequence = torch.repeat_interleave(torch.arange(len(self.lengths), device=rows.device),
-                                           torch.tensor([n - 1 for n in self.lengths], device=rows.device))
-        column = self.completion_column
-        values = torch.where(column >= 0, rows[sequence, column.clamp(min=0)], rows.new_zeros(()))
-        return list(values.split([n - 1 for n in self.lengths]))
+        return out.index_put((self.predicted_row.to(values.device)[keep], self.completion_column[keep]), values[keep])
 
 
 def token_weights(trainer, inputs: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
