@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
-from tests.trl_helpers import char_tokenizer, length_reward, patch_generate, prompt_dataset
+from tests.trl_helpers import char_tokenizer, length_reward, patch_generate, prompt_dataset, save_tiny_model
 
 ARGS = dict(per_device_train_batch_size=6, num_generations=6, max_completion_length=32, learning_rate=1e-2,
             bf16=False, use_cpu=True, report_to="none", logging_steps=1, seed=0, max_steps=4, save_strategy="steps",
@@ -17,16 +17,9 @@ ARGS = dict(per_device_train_batch_size=6, num_generations=6, max_completion_len
 
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
-    from tests.models import build
-
     # dense: with fused MoE experts, transformers 5.24's Trainer does not restore the expert weights when
     # resuming (GRPOTrainer shows the same 50% difference), an upstream issue outside harts_hf
-    path = tmp_path_factory.mktemp("tiny_resume")
-    model = build("qwen3_next")
-    model.config.router_aux_loss_coef = 0.0
-    model.save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
-    return str(path)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_resume"), "qwen3_next", router_aux_loss_coef=0.0)
 
 
 def make_trainer(path, out):

@@ -7,8 +7,14 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
-from tests.models import build
-from tests.trl_helpers import char_tokenizer, length_reward, patch_generate, prompt_dataset, worst_gradient_error
+from tests.trl_helpers import (
+    char_tokenizer,
+    length_reward,
+    patch_generate,
+    prompt_dataset,
+    save_tiny_model,
+    worst_gradient_error,
+)
 
 BASE_ARGS = dict(per_device_train_batch_size=12, num_generations=6, max_completion_length=40, learning_rate=1e-2,
                  optim="sgd", bf16=False, use_cpu=True, report_to="none", logging_steps=1, save_strategy="no",
@@ -18,12 +24,7 @@ BASE_ARGS = dict(per_device_train_batch_size=12, num_generations=6, max_completi
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     """A tiny MoE Qwen3-Next saved to disk (TRL builds the reference model from the policy's path)."""
-    path = tmp_path_factory.mktemp("tiny_qwen3_next")
-    model = build("qwen3_next_moe")
-    model.config.router_aux_loss_coef = 0.01
-    model.save_pretrained(path)
-    char_tokenizer().save_pretrained(path)
-    return str(path)
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next"), "qwen3_next_moe", router_aux_loss_coef=0.01)
 
 
 def make_trainers(path, tmp_path, **overrides):

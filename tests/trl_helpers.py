@@ -86,3 +86,15 @@ def worst_gradient_error(base_model, tree_model, bound: float) -> float:
         worst = max(worst, error)
         assert error < bound, f"{name}: relative gradient error {error:.2e}"
     return worst
+
+
+def save_tiny_model(path, family: str, router_aux_loss_coef: float) -> str:
+    """Save a tiny model of ``family`` (tests/models.py) and the character tokenizer to ``path`` (TRL builds the
+    reference model from the policy's path); returns the path as a string."""
+    from tests.models import build
+
+    model = build(family)
+    model.config.router_aux_loss_coef = router_aux_loss_coef
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return str(path)
