@@ -14,7 +14,10 @@ shapes (gpu_parity.py), the other workloads, then the kernel breakdown (gpu_kern
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 import traceback
@@ -96,7 +99,15 @@ def main():
                           ("loop", lambda: bench.run_loop(model, sequences[:1], device))):
             for attempt in ("first", "second"):
                 start = time.perf_counter()
-                run()
+                if attempt == "first":  # where the first call's seconds go (compilation, autotuning, host work)
+                    profiler = cProfile.Profile()
+                    profiler.runcall(run)
+                    torch.cuda.synchronize()
+                    text = io.StringIO()
+                    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(35)
+                    (out / f"warmup_{name}_profile.txt").write_text(text.getvalue())
+                else:
+                    run()
                 torch.cuda.synchronize()
                 times[f"{name}_{attempt}_s"] = time.perf_counter() - start
                 print(f"  warm-up {name} {attempt}: {times[f'{name}_{attempt}_s']:.1f} s", flush=True)
