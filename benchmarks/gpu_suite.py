@@ -6,9 +6,11 @@ Write the log to a file under $OUT: when the device limit kills the command, pip
 
 Stages, in priority order, each saved as it finishes and skipped once ``--budget`` seconds are spent:
 a warm-up on a tiny forest (fla compiles its kernels per head configuration and process), the cost fit
-(c, a, b) and tree / packed / loop / padded fwd+bwd on the first workload with the ~2B model
+(c, a, b; or ``--fit`` from an earlier run), tree / packed / loop fwd+bwd per workload with the ~2B model
 (bench_tree_vs_trajectory.py), bf16 parity against an fp32 reference on a 4-layer model with the same layer
-shapes (gpu_parity.py), the other workloads, then the kernel breakdown (gpu_kernels.py).
+shapes (gpu_parity.py), the kernel breakdown (gpu_kernels.py), then TRL's padded batches.
+Set ``TRITON_CACHE_DIR`` / ``TILELANG_CACHE_DIR`` to a carried folder: compiled kernels and fla's autotuning
+results are then reused by the next process (the first process spends ~150 s per path compiling).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def main():
     parser.add_argument("--workloads", nargs="+", default=["swe:0.05", "tau:0.05", "grpo:0.1"])
     parser.add_argument("--parity-scale", type=float, default=0.01)
     parser.add_argument("--budget", type=float, default=540.0, help="seconds; later stages are skipped past it")
+    parser.add_argument("--fit", nargs=3, type=float, metavar=("C", "A", "B"),
+                        help="reuse a cost fit (s/call, s/token, s/pair) from an earlier run instead of fitting")
     parser.add_argument("--skip", nargs="*", default=[], choices=["parity", "kernels", "padded", "loop", "packed"])
     args = parser.parse_args()
     began = time.perf_counter()
@@ -61,6 +65,11 @@ def main():
     fit = {}
 
     def fit_costs(r):
+        if args.fit:
+            fit.update(c=args.fit[0], a=args.fit[1], b=args.fit[2])
+            r["cost_fit"] = {"c_seconds_per_call": args.fit[0], "a_seconds_per_token": args.fit[1],
+                             "b_seconds_per_pair": args.fit[2], "times": "given with --fit"}
+            return
         c, a, b, times = bench.fit_costs(model, device, [2048, 8192, 16384, 32768], model.config.vocab_size, 1)
         fit.update(c=c, a=a, b=b)
         r["cost_fit"] = {"c_seconds_per_call": c, "a_seconds_per_token": a, "b_seconds_per_pair": b, "times": times}
@@ -113,19 +122,20 @@ def main():
                 print(f"  warm-up {name} {attempt}: {times[f'{name}_{attempt}_s']:.1f} s", flush=True)
         r["warmup"] = times
 
-    stages = [("warmup", warmup), ("cost_fit", fit_costs), (f"{specs[0][0]}", lambda r: workload(r, *specs[0]))]
+    stages = [("warmup", warmup), ("cost_fit", fit_costs)]
+    stages += [(name, lambda r, s=(name, scale): workload(r, *s)) for name, scale in specs]
     if "parity" not in args.skip:
         stages.append(("parity", model_parity))
-    stages += [(name, lambda r, s=(name, scale): workload(r, *s)) for name, scale in specs[1:]]
-    if "padded" not in args.skip:  # TRL's padded batches: last, its batch shapes compile fla's kernels again
-        stages.append(("padded", padded))
     if "kernels" not in args.skip:
         stages.append(("kernel_parity", kernels.parity))
         stages.append(("handoff_parity", kernels.handoff_parity))
         stages += [(f"kernels_{name}", lambda r, s=(name, scale): kernels.timing(r, *s)) for name, scale in specs]
+    if "padded" not in args.skip:  # TRL's padded batches last: every new batch shape costs transformers' path time
+        stages.append(("padded", padded))
     for name, stage in stages:
         if time.perf_counter() - began > args.budget:
             results["stages"].append(f"{name}: skipped (budget)")
+            save()
             continue
         start = time.perf_counter()
         try:
