@@ -2,8 +2,10 @@
 
     python benchmarks/gpu_kernels.py --out results/          # on the H200 (see ../shared/device/README.md)
 
-1. Parity (bf16 inputs): tree gated delta rule with the fused fla node vs fla's public function once per round
-   vs the fp32 torch backend; outputs and every input gradient.
+1. Parity (bf16 inputs): tree gated delta rule with the fused fla node, the round-batched node
+   (``fla_backend.BATCH_ROUNDS``) and fla's public function once per round vs the fp32 torch backend; outputs and
+   every input gradient. Hand-off pieces (handed-in state, context rows, requested states) on both nodes, and fla's
+   own bf16 level for gradients through final states (its public function, loss on outputs and final states).
 2. Timing (fwd+bwd, warm, CUDA-synchronised) at the ~2B Qwen3-Next layer shapes on a workload's forest:
    - gated delta rule: the fused tree node (all rounds), the per-round autograd version, and ONE varlen fla call
      over the same unique tokens (the tree's runs as independent sequences, no hand-over): the target is
@@ -17,11 +19,14 @@ Writes <out>/gpu_kernels.json and prints a table.
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import json
 import random
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -50,12 +55,58 @@ def gdn_inputs(U, HK, HV, K, V, seed=0):
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
+def batched_rounds(fla_backend, run):
+    """``run()`` with fla_backend.BATCH_ROUNDS on (the round-batched node), restoring the switch."""
+    previous, fla_backend.BATCH_ROUNDS = fla_backend.BATCH_ROUNDS, True
+    try:
+        return run()
+    finally:
+        fla_backend.BATCH_ROUNDS = previous
+
+
+def final_state_parity(results: dict) -> None:
+    """fla's own bf16 level for gradients through final states: its public function on forked-free random
+    sequences with ``output_final_state=True`` and a loss on outputs AND final states, against fp32 torch."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from harts_hf.kernels.tree_gated_delta_rule.chunked import prepare_inputs
+
+    def recurrent(q, k, v, g, beta):  # fp32, one token at a time; output and final state
+        q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, None, True)
+        state, outputs = q.new_zeros(k.shape[1], k.shape[2], v.shape[-1]), []
+        for t in range(k.shape[0]):
+            state = state * g[t].exp()[:, None, None]
+            delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
+            state = state + k[t][:, :, None] * delta[:, None, :]
+            outputs.append(torch.einsum("hkv,hk->hv", state, q[t]))
+        return torch.stack(outputs), state
+
+    lengths = [20, 128, 141, 210, 140, 128]
+    inputs = gdn_inputs(sum(lengths), 4, 8, 128, 128)
+    cu = torch.tensor([0, *np.cumsum(lengths)], device="cuda")
+    report = {}
+    out, final = chunk_gated_delta_rule(*(x.unsqueeze(0) for x in inputs), cu_seqlens=cu, output_final_state=True,
+                                        use_qk_l2norm_in_kernel=True)
+    loss = out.float().square().sum() + final.square().sum()
+    grads = torch.autograd.grad(loss, inputs)
+    ref_loss = 0
+    for i in range(len(lengths)):
+        part = [x[cu[i]:cu[i + 1]].float() for x in inputs]
+        o, state = recurrent(*part)
+        ref_loss = ref_loss + o.square().sum() + state.square().sum()
+    ref = torch.autograd.grad(ref_loss, inputs)
+    for j, arg in enumerate("q k v g beta".split()):
+        report[f"grad_{arg}"] = rel(grads[j], ref[j])
+    results["final_state_parity_vs_fp32"] = report
+
+
 def parity(results: dict) -> None:
     from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
     from harts_hf.kernels.tree_gated_delta_rule.fla_backend import (
         tree_gated_delta_rule_fla,
         tree_gated_delta_rule_fla_autograd,
     )
+    fla_backend = importlib.import_module("harts_hf.kernels.tree_gated_delta_rule.fla_backend")
     from harts_hf.trees import PrefixForest
     from tests.forests import random_tree_sequences
 
@@ -68,6 +119,8 @@ def parity(results: dict) -> None:
     outs = {}
     for name, run in (
         ("fused", lambda: tree_gated_delta_rule_fla(*inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)),
+        ("batched", lambda: batched_rounds(fla_backend, lambda: tree_gated_delta_rule_fla(
+            *inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True))),
         ("per_round", lambda: tree_gated_delta_rule_fla_autograd(*inputs, fla_plan, scale=128 ** -0.5,
                                                                  use_qk_l2norm_in_kernel=True)),
         ("torch_fp32", lambda: tree_gated_delta_rule(*(x.float() for x in inputs), torch_plan,
@@ -76,13 +129,14 @@ def parity(results: dict) -> None:
         out = run()
         outs[name] = (out.detach(), torch.autograd.grad((out.float() * weight).sum(), inputs))
     report = {"plan": fla_plan.stats}
-    for name in ("fused", "per_round"):
+    for name in ("fused", "per_round", "batched"):
         report[f"{name}_vs_fp32_out"] = rel(outs[name][0], outs["torch_fp32"][0])
         for j, arg in enumerate("q k v g beta".split()):
             report[f"{name}_vs_fp32_grad_{arg}"] = rel(outs[name][1][j], outs["torch_fp32"][1][j])
-    report["fused_vs_per_round_out"] = rel(outs["fused"][0], outs["per_round"][0])
-    for j, arg in enumerate("q k v g beta".split()):
-        report[f"fused_vs_per_round_grad_{arg}"] = rel(outs["fused"][1][j], outs["per_round"][1][j])
+    for other in ("per_round", "batched"):
+        report[f"fused_vs_{other}_out"] = rel(outs["fused"][0], outs[other][0])
+        for j, arg in enumerate("q k v g beta".split()):
+            report[f"fused_vs_{other}_grad_{arg}"] = rel(outs["fused"][1][j], outs[other][1][j])
     results["parity"] = report
 
 
@@ -92,6 +146,7 @@ def handoff_parity(results: dict) -> None:
     from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
     from harts_hf.planner import plan
     from tests.test_handoff import _root_path, handoff_sequences
+    fla_backend = importlib.import_module("harts_hf.kernels.tree_gated_delta_rule.fla_backend")
 
     the_plan = plan(handoff_sequences(seed=3), token_budget=140)
     packed = the_plan.packed
@@ -110,20 +165,25 @@ def handoff_parity(results: dict) -> None:
         branches = [int(torch.searchsorted(tokens.cpu(), child.handoff.branch_token)) for child in children]
         state = torch.randn(8, 128, 128, device="cuda").mul_(0.1).requires_grad_() if boundary else None
         outs = {}
-        for backend in ("fla", "torch"):
+        for name in ("fla", "fla_batched", "torch"):
+            backend = "torch" if name == "torch" else "fla"
             cast = (lambda x: x) if backend == "fla" else (lambda x: x.float())
             sub_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=branches).to("cuda")
             context = tuple(cast(t[ancestors[boundary:]]) for t in inputs) if d0 > boundary else None
-            out, states = tree_gated_delta_rule(*(cast(t[tokens]) for t in inputs), sub_plan, backend=backend,
-                                                use_qk_l2norm_in_kernel=True, initial_state=state, context=context,
-                                                output_requested_states=True)
+            run = functools.partial(tree_gated_delta_rule, *(cast(t[tokens]) for t in inputs), sub_plan,
+                                    backend=backend, use_qk_l2norm_in_kernel=True, initial_state=state,
+                                    context=context, output_requested_states=True)
+            out, states = batched_rounds(fla_backend, run) if name == "fla_batched" else run()
             loss = out.float().square().sum() + sum(s.square().sum() for s in states if s is not None)
             leaves = [*inputs, *([state] if state is not None else [])]
-            outs[backend] = (out.detach(), [s.detach() for s in states if s is not None],
-                             torch.autograd.grad(loss, leaves))
-        entry = {"out": rel(outs["fla"][0], outs["torch"][0])}
-        entry["states"] = max([rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])], default=0.0)
-        entry["grads"] = max(rel(a, b) for a, b in zip(outs["fla"][2], outs["torch"][2]))
+            outs[name] = (out.detach(), [s.detach() for s in states if s is not None],
+                          torch.autograd.grad(loss, leaves))
+        entry = {}
+        for name, against in (("", "torch"), ("batched_", "torch"), ("batched_vs_fused_", "fla")):
+            mine = outs["fla_batched" if name else "fla"]
+            entry[f"{name}out"] = rel(mine[0], outs[against][0])
+            entry[f"{name}states"] = max([rel(a, b) for a, b in zip(mine[1], outs[against][1])], default=0.0)
+            entry[f"{name}grads"] = max(rel(a, b) for a, b in zip(mine[2], outs[against][2]))
         report[f"piece{piece.index}_d0_{d0}"] = entry
     results["handoff_parity_vs_fp32"] = report
 
@@ -160,12 +220,16 @@ def timing(results: dict, workload: str, scale: float) -> None:
     cu_runs = torch.nn.functional.pad(run_lengths.cumsum(0), (1, 0)).to("cuda")
     row["gdn_tree_fused_s"] = bench(lambda: backward(tree_gated_delta_rule(*inputs, plan, use_qk_l2norm_in_kernel=True,
                                                                            backend="fla")))
+    fla_backend = importlib.import_module("harts_hf.kernels.tree_gated_delta_rule.fla_backend")
+    row["gdn_tree_batched_s"] = bench(lambda: batched_rounds(fla_backend, lambda: backward(tree_gated_delta_rule(
+        *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla"))))
     row["gdn_tree_per_round_s"] = bench(lambda: backward(tree_gated_delta_rule_fla_autograd(
         *inputs, plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)))
     row["gdn_single_call_s"] = bench(lambda: backward(chunk_gated_delta_rule(
         *(x.unsqueeze(0) for x in inputs), cu_seqlens=cu_runs, use_qk_l2norm_in_kernel=True)[0]))
     row["gdn_single_call_runs"] = int(run_lengths.numel())
     row["gdn_tree_over_single"] = row["gdn_tree_fused_s"] / row["gdn_single_call_s"]
+    row["gdn_tree_batched_over_single"] = row["gdn_tree_batched_s"] / row["gdn_single_call_s"]
     inputs = None  # free before the next op
 
     # attention: 16 query heads, 2 KV heads, head_dim 256
@@ -207,7 +271,7 @@ def main():
     def save():
         (out / "gpu_kernels.json").write_text(json.dumps(results, indent=2, default=str))
 
-    steps = [("parity", parity), ("handoff_parity", handoff_parity)] + [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1])))
+    steps = [("parity", parity), ("handoff_parity", handoff_parity), ("final_state_parity", final_state_parity)] + [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1])))
                                     for spec in args.workloads]
     for name, step in steps:
         start = time.perf_counter()

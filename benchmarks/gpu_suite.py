@@ -129,6 +129,7 @@ def main():
     if "kernels" not in args.skip:
         stages.append(("kernel_parity", kernels.parity))
         stages.append(("handoff_parity", kernels.handoff_parity))
+        stages.append(("final_state_parity", kernels.final_state_parity))
         stages += [(f"kernels_{name}", lambda r, s=(name, scale): kernels.timing(r, *s)) for name, scale in specs]
     if "padded" not in args.skip:  # TRL's padded batches last: every new batch shape costs transformers' path time
         stages.append(("padded", padded))

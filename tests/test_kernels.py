@@ -216,3 +216,35 @@ def test_varlen_layout_gives_ancestor_or_self_visibility(name):
                 chain.append(token)
                 token = parent[token]
             assert keys[: len(keys) - len(queries) + i + 1] == chain[::-1]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_round_batch_lays_the_rounds_back_to_back(seed):
+    """The round-batched fla node's layout: every round's units in one varlen grid, round after round, with each
+    round's own grid recoverable as a slice (what its state pass gets) and every packed token output once."""
+    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import round_batch
+
+    sequences = random_tree_sequences(random.Random(seed), 12, vocab=5, max_tail=300) + chunk_edge_sequences()
+    packed = PrefixForest.from_sequences(sequences).pack()
+    plan = build_gated_delta_plan(packed, final_states_only=True)
+    assert len(plan.rounds) > 1
+    batch = round_batch(plan)
+    assert round_batch(plan) is batch  # built once per plan, shared by every layer
+    assert torch.equal(batch.token_index, torch.cat([r.token_index for r in plan.rounds]))
+    lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+    expected_grid = [[unit, c] for unit, n in enumerate(lengths) for c in range(-(-n // plan.chunk_size))]
+    assert batch.chunk_indices.tolist() == expected_grid
+    unit = 0
+    for r, round_ in enumerate(plan.rounds):
+        tokens, chunks = batch.tokens[r], batch.chunks[r]
+        assert torch.equal(batch.token_index[tokens], round_.token_index)
+        units = slice(unit, unit + round_.num_units + 1)
+        assert torch.equal(batch.cu_seqlens[units] - tokens.start, round_.cu_seqlens.long())
+        assert torch.equal(batch.chunk_indices[chunks] - torch.tensor([unit, 0]), round_.chunk_indices)
+        assert torch.equal(batch.round_cu[r], round_.cu_seqlens.long())
+        assert torch.equal(batch.round_chunk_indices[r], round_.chunk_indices)
+        counts = [-(-n // plan.chunk_size) for n in lengths[unit: unit + round_.num_units]]
+        assert batch.round_chunk_offsets[r].tolist() == [sum(counts[:i]) for i in range(len(counts) + 1)]
+        unit += round_.num_units
+    assert sorted(batch.output_token.tolist()) == list(range(packed.num_tokens))
+    assert torch.equal(batch.token_index[batch.output_position], batch.output_token)

@@ -10,13 +10,25 @@ the L2 norms run once over the unique tokens, no per-round autograd bookkeeping,
 no device-to-host reads. The backward walks the rounds in reverse and hands each unit's initial-state
 gradient to the unit whose final state it was. :func:`tree_gated_delta_rule_fla_autograd` is the plain
 version (fla's public function once per round, autograd in between), kept as a check for the fused one.
+
+With :data:`BATCH_ROUNDS` set, :class:`_TreeGatedDeltaRuleFlaBatched` replaces the fused node: only fla's state
+pass (forward) and state-gradient pass (backward) depend on a unit's initial state, so every other stage of the
+chunk pipeline (gate cumsum, intra-chunk solve, w/u, output, dv/dq/dk/dw, WY backward) runs ONCE over the executed
+tokens of all rounds, laid out round after round; per round only ``chunk_gated_delta_rule_fwd_h`` (and
+``_bwd_dhu`` in the backward) runs on that round's slice. Every kernel works chunk by chunk, so the arithmetic is
+the per-round node's; the launches per round drop from ~20 to 3. Off by default until a GPU run confirms it
+matches the fused node (``benchmarks/gpu_kernels.py``, parity stage).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .plan import CONTEXT_STATE, GatedDeltaPlan
+
+BATCH_ROUNDS = False  # see the module docstring; flip once a GPU run has checked it
 
 
 def _import_fla():
@@ -28,6 +40,196 @@ def _import_fla():
         raise ImportError("the 'fla' backend needs flash-linear-attention >= 0.6 and triton on a CUDA machine: "
                           "pip install 'flash-linear-attention>=0.6,<0.7'") from error
     return chunk_gated_delta_rule, chunk_gated_delta_rule_fwd, chunk_gated_delta_rule_bwd, l2norm_fwd, l2norm_bwd
+
+
+def _import_fla_stages():
+    """fla 0.6's chunk-pipeline stages (the functions its own ``chunk_gated_delta_rule_fwd/_bwd`` call)."""
+    try:
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+    except ImportError as error:  # pragma: no cover - depends on the machine
+        raise ImportError("BATCH_ROUNDS needs fla 0.6's chunk stages (fla.ops.common.chunk_delta_h, chunk_o, "
+                          "gated_delta_rule.chunk_fwd / wy_fast); set fla_backend.BATCH_ROUNDS = False") from error
+    return dict(fwd_h=chunk_gated_delta_rule_fwd_h, bwd_dhu=chunk_gated_delta_rule_bwd_dhu, fwd_o=chunk_fwd_o,
+                bwd_dv_local=chunk_bwd_dv_local, bwd_dqkwg=chunk_bwd_dqkwg, fwd_intra=chunk_gated_delta_rule_fwd_intra,
+                wy_bwd=prepare_wy_repr_bwd, recompute_w_u=recompute_w_u_fwd, cumsum=chunk_local_cumsum,
+                rcp_ln2=RCP_LN2)
+
+
+@dataclass
+class RoundBatch:
+    """All rounds' executed tokens back to back, round after round (host-built, then moved once).
+
+    ``token_index [E]``, ``cu_seqlens [N + 1]`` and ``chunk_indices [NT, 2]`` describe every unit of every round as
+    one varlen batch; ``output_position`` / ``output_token`` place the units' own outputs. Per round ``r``:
+    ``tokens[r]`` / ``chunks[r]`` slice that round's executed tokens and chunks out of the batch, and
+    ``round_cu[r]``, ``round_chunk_indices[r]``, ``round_chunk_offsets[r]`` are the round's own varlen grid."""
+
+    token_index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    chunk_indices: torch.Tensor
+    output_position: torch.Tensor
+    output_token: torch.Tensor
+    tokens: list
+    chunks: list
+    round_cu: list
+    round_chunk_indices: list
+    round_chunk_offsets: list
+
+    def to(self, device) -> RoundBatch:
+        move = lambda items: [t.to(device) for t in items]  # noqa: E731
+        return RoundBatch(self.token_index.to(device), self.cu_seqlens.to(device), self.chunk_indices.to(device),
+                          self.output_position.to(device), self.output_token.to(device), self.tokens, self.chunks,
+                          move(self.round_cu), move(self.round_chunk_indices), move(self.round_chunk_offsets))
+
+
+def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
+    """The :class:`RoundBatch` of ``plan`` on ``device`` (default: the plan's), built once per plan and device and
+    cached on the plan (every layer of a forward shares it)."""
+    if device is None:
+        device = plan.rounds[0].token_index.device if plan.rounds else torch.device("cpu")
+    cache = plan.__dict__.setdefault("_round_batches", {})
+    if str(device) in cache:
+        return cache[str(device)]
+    cpu = [round_.to("cpu") for round_ in plan.rounds]
+    token_offset = unit_offset = chunk_offset = 0
+    cu, chunk_indices, positions, tokens, chunks = [torch.zeros(1, dtype=torch.long)], [], [], [], []
+    round_cu, round_chunk_indices, round_chunk_offsets = [], [], []
+    for round_ in cpu:
+        lengths = (round_.cu_seqlens[1:] - round_.cu_seqlens[:-1]).long()
+        counts = (lengths + plan.chunk_size - 1) // plan.chunk_size
+        executed, num_chunks = int(round_.cu_seqlens[-1]), int(counts.sum())
+        cu.append(round_.cu_seqlens[1:].long() + token_offset)
+        chunk_indices.append(round_.chunk_indices + torch.tensor([unit_offset, 0]))
+        positions.append(round_.output_position + token_offset)
+        tokens.append(slice(token_offset, token_offset + executed))
+        chunks.append(slice(chunk_offset, chunk_offset + num_chunks))
+        round_cu.append(round_.cu_seqlens.long())
+        round_chunk_indices.append(round_.chunk_indices)
+        round_chunk_offsets.append(torch.nn.functional.pad(counts.cumsum(0), (1, 0)))
+        token_offset, unit_offset, chunk_offset = token_offset + executed, unit_offset + round_.num_units, \
+            chunk_offset + num_chunks
+    batch = RoundBatch(torch.cat([r.token_index for r in cpu]), torch.cat(cu), torch.cat(chunk_indices),
+                       torch.cat(positions), torch.cat([r.output_token for r in cpu]), tokens, chunks, round_cu,
+                       round_chunk_indices, round_chunk_offsets)
+    cache[str(device)] = batch = batch.to(device)
+    return batch
+
+
+def _state_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, k, w, u, g, initials):
+    """fla's state pass round by round; ``initials`` is a list to fill (forward: also a dict of states to read
+    and store, given as ``(list, states)``) or the saved per-round initial states (backward recomputation)."""
+    initials, states = initials if isinstance(initials, tuple) else (initials, None)
+    HV, K, V = u.shape[2], k.shape[-1], u.shape[-1]
+    zero = k.new_zeros(HV, K, V, dtype=torch.float32)
+    hs, v_news = [], []
+    for r, round_ in enumerate(plan.rounds):
+        t = batch.tokens[r]
+        if states is not None:
+            initials.append(torch.stack([zero if key is None else states[key] for key in round_.initial_state]))
+        h, v_new, final = stages["fwd_h"](
+            k=k[:, t], w=w[:, t], u=u[:, t], g=g[:, t], initial_state=initials[r],
+            output_final_state=states is not None, chunk_size=plan.chunk_size, cu_seqlens=batch.round_cu[r],
+            chunk_indices=batch.round_chunk_indices[r], chunk_offsets=batch.round_chunk_offsets[r])
+        if states is not None:
+            for slot, _, key in round_.saved_states:
+                states[key] = final[slot]
+        hs.append(h)
+        v_news.append(v_new)
+    return torch.cat(hs, 1), torch.cat(v_news, 1)
+
+
+class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
+    """Same contract as :class:`_TreeGatedDeltaRuleFla`; state-independent stages batched over all rounds."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel):
+        stages, l2norm_fwd = _import_fla_stages(), _import_fla()[3]
+        U, HV, V = plan.num_tokens, v.shape[1], v.shape[2]
+        K = k.shape[-1]
+        batch = round_batch(plan, q.device)
+        q_rstd = k_rstd = None
+        if use_qk_l2norm_in_kernel:
+            q, q_rstd = l2norm_fwd(q.contiguous())
+            k, k_rstd = l2norm_fwd(k.contiguous())
+        g_dtype = g.dtype
+        index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
+        qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
+        g_cumsum = stages["cumsum"](g.float()[index].unsqueeze(0), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
+                                    **grid)
+        w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
+        states: dict = {} if initial_state is None else {CONTEXT_STATE: initial_state.float()}
+        initials: list = []
+        h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, (initials, states))
+        o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size, **grid)
+        out = v.new_zeros(U, HV, V)
+        out[batch.output_token] = o[0, batch.output_position].to(v.dtype)
+        zero = q.new_zeros(HV, K, V, dtype=torch.float32)
+        requested = torch.stack([zero if key is None else states[key] for key in plan.requested_states]) \
+            if plan.requested_states else zero.new_zeros(0, HV, K, V)
+        ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials)
+        ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
+        ctx.g_dtype, ctx.initial_dtype = g_dtype, None if initial_state is None else initial_state.dtype
+        return out, requested
+
+    @staticmethod
+    def backward(ctx, d_out, d_requested):
+        stages, l2norm_bwd = _import_fla_stages(), _import_fla()[4]
+        q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        batch = round_batch(plan, q.device)
+        rows, HV, V = v.shape
+        index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
+        qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
+        w, u = stages["recompute_w_u"](k=ke, v=ve, beta=be, A=A, g=g_cumsum, **grid)
+        h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials)
+        do = d_out.new_zeros(index.shape[0], HV, V)
+        do[batch.output_position] = d_out[batch.output_token]
+        do = do.unsqueeze(0)
+        dv = stages["bwd_dv_local"](q=qe, k=ke, g=g_cumsum, do=do, scale=scale, chunk_size=plan.chunk_size, **grid)
+        d_state: dict = {}  # state key -> gradient flowing into it (from the units that started from it)
+        for key, grad in zip(plan.requested_states, d_requested if d_requested is not None else ()):
+            if key is not None:
+                d_state[key] = d_state[key] + grad.float() if key in d_state else grad.float()
+        dh_parts, dv_parts = [None] * len(plan.rounds), [None] * len(plan.rounds)
+        for r in reversed(range(len(plan.rounds))):
+            round_, t = plan.rounds[r], batch.tokens[r]
+            dht = torch.zeros_like(initials[r])
+            for slot, _, key in round_.saved_states:
+                if key in d_state:
+                    dht[slot] += d_state.pop(key)
+            dh_parts[r], dh0, dv_parts[r] = stages["bwd_dhu"](
+                q=qe[:, t], k=ke[:, t], w=w[:, t], do=do[:, t], dv=dv[:, t], g=g_cumsum[:, t], h0=initials[r],
+                dht=dht, scale=scale, cu_seqlens=batch.round_cu[r], chunk_size=plan.chunk_size,
+                chunk_indices=batch.round_chunk_indices[r], chunk_offsets=batch.round_chunk_offsets[r])
+            for slot, key in enumerate(round_.initial_state):
+                if key is not None:
+                    d_state[key] = d_state[key] + dh0[slot] if key in d_state else dh0[slot]
+        dh, dv = torch.cat(dh_parts, 1), torch.cat(dv_parts, 1)
+        dq_e, dk_e, dw, dg_e = stages["bwd_dqkwg"](q=qe, k=ke, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
+                                                   scale=scale, chunk_size=plan.chunk_size, **grid)
+        dk2, dv_e, db_e, dg2 = stages["wy_bwd"](k=ke, v=ve, beta=be, g=g_cumsum, A=A, dw=dw, du=dv, **grid)
+        dk_e.add_(dk2)
+        dg_e.add_(dg2)
+        dg_e = stages["cumsum"](dg_e, chunk_size=plan.chunk_size, reverse=True, **grid)
+        gathered = []
+        for grad, like in ((dq_e, q), (dk_e, k), (dv_e, v), (dg_e, None), (db_e, None)):
+            shape = like.shape if like is not None else (rows, HV)
+            total = torch.zeros(shape, dtype=torch.float32, device=v.device)
+            gathered.append(total.index_add_(0, index, grad[0].float()))
+        dq, dk, dv, dg, dbeta = gathered
+        if ctx.use_qk_l2norm_in_kernel:
+            dq = l2norm_bwd(q, q_rstd, dq)
+            dk = l2norm_bwd(k, k_rstd, dk)
+        d_initial = None
+        if ctx.initial_dtype is not None and CONTEXT_STATE in d_state:
+            d_initial = d_state.pop(CONTEXT_STATE).to(ctx.initial_dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), \
+            d_initial, None, None, None
 
 
 def _check(q, plan: GatedDeltaPlan) -> None:
@@ -139,8 +341,8 @@ def tree_gated_delta_rule_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: 
     if any(round_.chunk_indices is None for round_ in plan.rounds):
         raise ValueError("the fla backend needs the chunk grid of every round; build the plan with "
                          "build_gated_delta_plan (it fills GatedDeltaRound.chunk_indices)")
-    out, requested = _TreeGatedDeltaRuleFla.apply(q, k, v, g, beta, initial_state, plan, scale,
-                                                  use_qk_l2norm_in_kernel)
+    node = _TreeGatedDeltaRuleFlaBatched if BATCH_ROUNDS else _TreeGatedDeltaRuleFla
+    out, requested = node.apply(q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel)
     if not output_requested_states:
         return out
     return out, [None if key is None else requested[i] for i, key in enumerate(plan.requested_states)]
