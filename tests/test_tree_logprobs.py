@@ -137,3 +137,44 @@ def test_attention_by_runs_in_the_model():
     runs = tree_logprobs(model, sequences, attention_backend="runs")
     for a, b in zip(runs.logprobs, dense.logprobs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_norms_in_row_blocks_change_nothing(family, monkeypatch):
+    """fla's norm kernels autotune per 65,536-row bucket, so the patched layer applies the gated norm in blocks of
+    at most that many rows; with a tiny block size forced, log-probs and gradients are still per-sequence exact."""
+    from harts_hf.kernels import _backend
+
+    monkeypatch.setattr(_backend, "FLA_ROW_BUCKET", 7)
+    compare(build(family), chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-4)
+
+
+def test_l2norm_in_row_blocks_keeps_fla_shapes():
+    """The fla node's L2-norm plumbing (blocks of rows, [T, H, D] <-> rows) with PyTorch stand-ins that follow
+    fla's ``l2norm_fwd(x2d) -> (y, rstd)`` and ``l2norm_bwd(y, rstd, dy) -> dx`` contract."""
+    from harts_hf.kernels import _backend
+    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import _l2norm, _l2norm_grad
+
+    def fwd(x):
+        assert x.ndim == 2
+        rstd = torch.rsqrt(x.square().sum(-1) + 1e-6)
+        return x * rstd[:, None], rstd
+
+    def bwd(y, rstd, dy):
+        assert y.ndim == 2 and rstd.ndim == 1
+        return (dy - y * (dy * y).sum(-1, keepdim=True)) * rstd[:, None]
+
+    x = torch.randn(13, 3, 8, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn_like(x)
+    expected = torch.nn.functional.normalize(x, dim=-1, eps=0)
+    (expected_grad,) = torch.autograd.grad(expected, x, dy)
+    for rows in (1000, 5):
+        _backend.FLA_ROW_BUCKET, previous = rows, _backend.FLA_ROW_BUCKET
+        try:
+            y, rstd = _l2norm(fwd, x.detach())
+            grad = _l2norm_grad(bwd, y, rstd, dy)
+        finally:
+            _backend.FLA_ROW_BUCKET = previous
+        assert y.shape == x.shape and rstd.shape == x.shape[:-1]
+        torch.testing.assert_close(y, expected.detach(), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-6)

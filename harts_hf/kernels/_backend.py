@@ -69,3 +69,23 @@ def resolve_backend(backend: str, tensor: torch.Tensor, op: str) -> str:
     if backend == "fla" and tensor.requires_grad and torch.is_grad_enabled():
         _check_fla_backward(tensor.device.index if tensor.device.index is not None else torch.cuda.current_device())
     return backend
+
+
+FLA_ROW_BUCKET = 2048 * 32
+"""fla's row-wise norm kernels (gated RMSNorm, L2 norm) compile and autotune once per ``ceil(rows / 65536)``:
+every new bucket of input size costs ~15 s of compilation the first time. :func:`in_row_blocks` keeps each call
+inside the first bucket."""
+
+
+def in_row_blocks(function, *tensors: torch.Tensor, rows: int | None = None):
+    """``function(*tensors)`` for a ROW-WISE function, applied to consecutive blocks of at most ``rows`` leading
+    rows (default :data:`FLA_ROW_BUCKET`) and concatenated; one call when everything fits. Every output is split
+    like the inputs: a tensor, or a tuple of tensors with the same leading dimension."""
+    rows = FLA_ROW_BUCKET if rows is None else rows
+    total = tensors[0].shape[0]
+    if total <= rows:
+        return function(*tensors)
+    parts = [function(*(t[start: start + rows] for t in tensors)) for start in range(0, total, rows)]
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    return tuple(torch.cat(column) for column in zip(*parts))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import TreeMetadata, tree_causal_conv1d, tree_gated_delta_rule
+from ..kernels._backend import in_row_blocks
 from ..kernels.context import GDN_REPLAY_NAMES
 from .core import TREE_KWARG, layer_key
 
@@ -89,7 +90,7 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
                 export.record((layer, "state"), state)
         _export_rows(tree, layer, own, replay or dict.fromkeys(GDN_REPLAY_NAMES),
                      lambda export: export.ancestor_tokens % plan.chunk_size)
-    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    core = in_row_blocks(module.norm, core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(1, U, -1))
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .._backend import in_row_blocks
 from .plan import CONTEXT_STATE, GatedDeltaPlan
 
 BATCH_ROUNDS = False  # see the module docstring; flip once a GPU run has checked it
@@ -154,8 +155,8 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         batch = round_batch(plan, q.device)
         q_rstd = k_rstd = None
         if use_qk_l2norm_in_kernel:
-            q, q_rstd = l2norm_fwd(q.contiguous())
-            k, k_rstd = l2norm_fwd(k.contiguous())
+            q, q_rstd = _l2norm(l2norm_fwd, q)
+            k, k_rstd = _l2norm(l2norm_fwd, k)
         g_dtype = g.dtype
         index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
         qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
@@ -223,13 +224,24 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
             gathered.append(total.index_add_(0, index, grad[0].float()))
         dq, dk, dv, dg, dbeta = gathered
         if ctx.use_qk_l2norm_in_kernel:
-            dq = l2norm_bwd(q, q_rstd, dq)
-            dk = l2norm_bwd(k, k_rstd, dk)
+            dq = _l2norm_grad(l2norm_bwd, q, q_rstd, dq)
+            dk = _l2norm_grad(l2norm_bwd, k, k_rstd, dk)
         d_initial = None
         if ctx.initial_dtype is not None and CONTEXT_STATE in d_state:
             d_initial = d_state.pop(CONTEXT_STATE).to(ctx.initial_dtype)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), \
             d_initial, None, None, None
+
+
+def _l2norm(l2norm_fwd, x):
+    """fla's L2 norm of ``x [T, H, D]`` over its rows in blocks that stay in its first autotuning bucket."""
+    y, rstd = in_row_blocks(l2norm_fwd, x.reshape(-1, x.shape[-1]))
+    return y.view(x.shape), rstd.view(x.shape[:-1])
+
+
+def _l2norm_grad(l2norm_bwd, y, rstd, dy):
+    flat = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731
+    return in_row_blocks(l2norm_bwd, flat(y), rstd.reshape(-1), flat(dy)).view(dy.shape)
 
 
 def _check(q, plan: GatedDeltaPlan) -> None:
@@ -259,8 +271,8 @@ class _TreeGatedDeltaRuleFla(torch.autograd.Function):
         K = k.shape[-1]
         q_rstd = k_rstd = None
         if use_qk_l2norm_in_kernel:
-            q, q_rstd = l2norm_fwd(q.contiguous())
-            k, k_rstd = l2norm_fwd(k.contiguous())
+            q, q_rstd = _l2norm(l2norm_fwd, q)
+            k, k_rstd = _l2norm(l2norm_fwd, k)
         g_dtype, g = g.dtype, g.float()
         rounds = [_on(round_, q.device) for round_ in plan.rounds]
         zero = q.new_zeros(HV, K, V, dtype=torch.float32)
@@ -323,8 +335,8 @@ class _TreeGatedDeltaRuleFla(torch.autograd.Function):
                 if key is not None:
                     d_state[key] = d_state[key] + dh0[slot] if key in d_state else dh0[slot]
         if ctx.use_qk_l2norm_in_kernel:
-            dq = l2norm_bwd(q, q_rstd, dq)
-            dk = l2norm_bwd(k, k_rstd, dk)
+            dq = _l2norm_grad(l2norm_bwd, q, q_rstd, dq)
+            dk = _l2norm_grad(l2norm_bwd, k, k_rstd, dk)
         d_initial = None
         if ctx.initial_dtype is not None and CONTEXT_STATE in d_state:
             d_initial = d_state.pop(CONTEXT_STATE).to(ctx.initial_dtype)
