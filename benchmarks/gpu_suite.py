@@ -120,6 +120,19 @@ def main():
                 torch.cuda.synchronize()
                 times[f"{name}_{attempt}_s"] = time.perf_counter() - start
                 print(f"  warm-up {name} {attempt}: {times[f'{name}_{attempt}_s']:.1f} s", flush=True)
+        # transformers' path (loop, padded) compiles fla's norm kernels once per class of ceil(rows / 65536) rows,
+        # rows = tokens x value heads: run one trajectory per class the workloads' lengths fall in, untimed
+        if not {"loop", "padded"} <= set(args.skip):
+            heads = model.config.linear_num_value_heads
+            lengths = {len(s) for name, scale in specs for s in make_workload(name, scale=scale, seed=0).sequences}
+            classes = {-(-length * heads // 65536): length for length in sorted(lengths)}
+            start = time.perf_counter()
+            for length in classes.values():
+                bench.run_loop(model, [[1] * length], device)
+            torch.cuda.synchronize()
+            times["loop_length_classes"] = len(classes)
+            times["loop_length_classes_s"] = time.perf_counter() - start
+            print(f"  warm-up loop: {len(classes)} length classes in {times['loop_length_classes_s']:.1f} s", flush=True)
         r["warmup"] = times
 
     stages = [("warmup", warmup), ("cost_fit", fit_costs)]
