@@ -59,3 +59,49 @@ def test_two_processes_with_uneven_planner_pieces_match_one_process(tmp_path):
     print(f"\n[2 processes, planner] pieces per microbatch {ranks[0]['pieces']} vs {ranks[1]['pieces']}; "
           f"worst |2-proc - 1-proc| / |step| = {worst:.2e}")
     assert ranks[0]["logged"][0]["tree/handoffs"] > 0
+
+
+def test_two_processes_balance_whole_groups_and_match_one_process(tmp_path):
+    """TRL's split gives process 0 both big trees of every generation batch; tree_balance_replicas moves whole
+    groups so each process holds one big and one small group (the same rows per process). Under DDP's average
+    the 'grpo' loss of equal-row microbatches is (1 / all rows) x the sum of per-row terms wherever rows sit, so
+    the first step's gradient and the final parameters equal one process over the same global batch."""
+    ranks = launch(tmp_path / "two", "balance", 29519)
+    (tmp_path / "one").mkdir()
+    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "one"), "balance"], env=ENV,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    single = torch.load(tmp_path / "one" / "rank0.pt", weights_only=False)
+    assert single["world_size"] == 1
+    for rank in ranks:  # two generation batches; each process trains on one long ("!") and one short prompt
+        assert len(rank["held"]) == 2
+        for prompts in rank["held"]:
+            assert len(prompts) == 2 and sum(p.startswith("!") for p in prompts) == 1, prompts
+    trees = [[{k: v for k, v in entry.items() if k.startswith("tree/") or k == "step"} for entry in rank["logged"]]
+             for rank in ranks]
+    assert trees[0] == trees[1]  # lock-step: the same steps, tree totals and imbalance on both processes
+    logged = ranks[0]["logged"]
+    before = [entry["tree/replica_imbalance_before"] for entry in logged]
+    after = [entry["tree/replica_imbalance"] for entry in logged]
+    assert len(logged) == 2 and all(b > 1.3 for b in before) and all(a < 1.1 for a in after), (before, after)
+    assert all(entry["tree/replica_moved_rows"] == 12 for entry in logged)
+    worst_gradient = 0.0
+    assert ranks[0]["gradients"].keys() == single["gradients"].keys()
+    for name, reference in single["gradients"].items():
+        assert torch.equal(ranks[0]["gradients"][name], ranks[1]["gradients"][name]), name
+        difference = (ranks[0]["gradients"][name] - reference).norm()
+        assert difference <= 1e-5 * reference.norm() + 1e-8, f"{name}: {difference / reference.norm():.2e}"
+        if reference.norm() > 0:
+            worst_gradient = max(worst_gradient, (difference / reference.norm()).item())
+    initial = dict(build("qwen3_next_moe", seed=0).named_parameters())
+    worst_step = worst_value = 0.0
+    for name, value in single["params"].items():
+        step = value - initial[name].detach()
+        difference = (ranks[0]["params"][name] - value).norm()
+        assert difference <= 1e-6 * value.norm() + 1e-4 * step.norm(), name
+        if step.norm() > 0:
+            worst_step = max(worst_step, (difference / step.norm()).item())
+        worst_value = max(worst_value, (difference / value.norm()).item())
+    print(f"\n[2 processes, balanced] imbalance before {before} after {after}; worst first-step gradient error "
+          f"{worst_gradient:.2e}; parameters after 2 steps: worst |2-proc - 1-proc| / |step| = {worst_step:.2e}, "
+          f"/ |value| = {worst_value:.2e}")

@@ -91,3 +91,29 @@ def test_planner_path_contract():
     assert "loss = loss / self.gradient_accumulation_steps" in backward_source
     assert "self.scaler.scale(loss).backward(" in backward_source
     assert "no_sync" in dir(accelerate.Accelerator)
+
+
+def test_replica_balance_contract():
+    """tree_balance_replicas moves every key TRL's generation batch can hold (or keeps TRL's split for the
+    multimodal ones); it relies on TRL's padding sides, its global num_items_in_batch, its process slice of the
+    advantages and the normalisers of each loss type (see harts_hf.trainers.replica_balance.balance_blocker)."""
+    import re
+
+    from harts_hf.trainers.replica_balance import _LAYOUT, MULTIMODAL_KEYS
+
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    built = set(re.findall(r'output\["(\w+)"\]', source))
+    built |= set(re.findall(r'^\s+"(\w+)": \w+,$', source[source.index("output = {"):], flags=re.M))
+    assert "prompt_ids" in built and "advantages" in built
+    assert built <= set(_LAYOUT) | set(MULTIMODAL_KEYS) | {"importance_sampling_ratio"}, built - set(_LAYOUT)
+    for text in ('padding_value=self._tokenizer.pad_token_id,\n            padding_side="left"',
+                 'padding_value=self._tokenizer.pad_token_id,\n            padding_side="right"',
+                 "num_items_in_batch = self.accelerator.gather(loss_mask.sum()).sum()",
+                 "self.accelerator.process_index * len(prompts)", "advantages = advantages[process_slice]",
+                 'self.vllm_importance_sampling_mode in ["sequence_mask", "sequence_truncate"]'):
+        assert text in source, text
+    assert "self.pad_to_multiple_of =" in inspect.getsource(GRPOTrainer.__init__)
+    loss_source = inspect.getsource(GRPOTrainer._compute_loss)
+    assert 'self.loss_type in ["grpo", "sapo"]' in loss_source and 'self.loss_type in ["cispo", "dapo", "vespo"]' in \
+        loss_source and 'self.loss_type == "luspo"' in loss_source and "(per_token_loss * mask).sum(-1).mean()" in \
+        loss_source

@@ -29,7 +29,7 @@ def imbalance(loads: list[float]) -> float:
 
 
 def assign_groups(sizes: list[int], costs: list[float], num_replicas: int,
-                  initial: list[int] | None = None, rounds: int = 1000) -> list[int] | None:
+                  initial: list[int] | None = None, rounds: int = 200) -> list[int] | None:
     """Replica of every group such that each replica holds ``sum(sizes) / num_replicas`` rows, with a small
     largest replica cost.
 

@@ -46,6 +46,21 @@ class TreeGRPOConfig(GRPOConfig):
         metadata={"help": "Shuffle the generation batch by prompt group instead of by row, so each microbatch "
                           "holds whole groups and siblings share their prefix. False keeps TRL's row shuffle."},
     )
+    tree_balance_replicas: bool = field(
+        default=True,
+        metadata={"help": "With several processes (and use_tree, tree_keep_groups_together), gather each generation "
+                          "batch from every process and give each process whole prompt groups: the same number of "
+                          "rows as TRL gives it, and about the same estimated tree cost (planner cost model on each "
+                          "group's prefix forest; longest first, then improving swaps). Logs "
+                          "tree/replica_imbalance (largest over mean estimated cost, after) and "
+                          "tree/replica_imbalance_before (TRL's split). With equal rows per process the "
+                          "'grpo', 'sapo', 'luspo', 'dr_grpo', 'dapo', 'cispo' and 'vespo' losses are the same "
+                          "objective wherever rows go. TRL's split is kept, with a warning once that says why, "
+                          "when moving rows would change the objective (loss_type='bnpo', the entropy bonus, the "
+                          "MoE load-balancing loss, top_entropy_quantile < 1: all normalised or thresholded per "
+                          "microbatch or step), for multimodal batches, and for a batch whose groups cannot be "
+                          "split into equal row counts. False keeps TRL's split always."},
+    )
     tree_gdn_backend: str = field(
         default="auto",
         metadata={"help": "Gated-delta-rule kernel for tree execution: 'auto' (fla on CUDA when installed, "

@@ -6,7 +6,8 @@ Three TRL hooks change; everything else (generation, rewards, advantages, every 
 - ``compute_loss``: a microbatch larger than ``tree_token_budget`` runs as planner pieces, each its own
   forward + backward (TRL's loss per token, TRL's code for the value and metrics);
 - ``_prepare_inputs``: the generation batch is shuffled by prompt group, not by row, so siblings that
-  share a prefix land in the same microbatch.
+  share a prefix land in the same microbatch; with several processes, whole groups are first placed on
+  processes by tree cost (equal row counts; ``tree_balance_replicas``).
 """
 
 from __future__ import annotations
@@ -23,10 +24,19 @@ from ..logprobs import run_tree_forward, unwrap_model
 from ..model_patches import apply_tree_patches
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
-from ..planner import Plan, plan
+from ..planner import Plan, imbalance, plan
 from ..planner.execute import PieceLogprobs, execute_plan
 from .config import TreeGRPOConfig
 from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
+from .replica_balance import (
+    MULTIMODAL_KEYS,
+    balance_blocker,
+    batch_layout,
+    batch_signature,
+    gather_generation_batch,
+    place_groups,
+    select_rows,
+)
 
 __all__ = ["TreeGRPOTrainer"]
 
@@ -56,6 +66,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         self._tree_handles = []
         self._tree_metrics = defaultdict(list)
+        self._balance_metrics = defaultdict(list)  # per generation batch; the same on every process
         self._replay = None  # (logps, entropies, tree stats) of planner pieces, for TRL's loss code
         self._layout_cache = None
         if args.use_tree and args.tree_token_budget is not None:
@@ -256,17 +267,65 @@ class TreeGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ batching
     def _prepare_inputs(self, generation_batch):
         """TRL hook, changed: with ``tree_keep_groups_together`` the generation batch is shuffled by prompt group
-        (rows with the same prompt stay adjacent, in depth-first order) instead of row by row."""
+        (rows with the same prompt stay adjacent, in depth-first order) instead of row by row; before that, with
+        several processes and ``tree_balance_replicas``, whole prompt groups are placed on processes by tree cost
+        (:meth:`_balance_replicas`)."""
         if not (self.args.use_tree and self.args.tree_keep_groups_together) or not self.model.training:
             return super()._prepare_inputs(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             generation_batch = self._generate_and_score_completions(generation_batch)
+            if self.args.tree_balance_replicas and self.accelerator.num_processes > 1:
+                generation_batch = self._balance_replicas(generation_batch)
             generation_batch = split_pixel_values_by_grid(generation_batch)
             generation_batch = _permute_rows(generation_batch, _group_permutation(generation_batch))
             batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
             self._buffered_inputs = [unsplit_pixel_values_by_grid(batch) for batch in batches]
         return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _balance_replicas(self, batch: dict) -> dict:
+        """This process's rows after placing the whole generation batch's prompt groups on processes: as many rows
+        as TRL gave it, about the same estimated tree cost on every process. TRL's split is kept (with a warning
+        once) where moving rows would change the objective (:func:`balance_blocker`), for multimodal batches, and
+        when the groups cannot be split into equal row counts. Every process must call it (collectives)."""
+        blocker = balance_blocker(self)  # configuration only: the same on every process
+        if blocker is not None:
+            logger.warning_once(f"tree_balance_replicas keeps TRL's split of rows over processes: {blocker}, so "
+                                "moving rows would change the objective.")
+            return batch
+        accelerator = self.accelerator
+        problem, message = 0, None
+        if any(batch.get(key) is not None for key in MULTIMODAL_KEYS):
+            problem = 1
+        else:
+            try:
+                layout = batch_layout(batch, self.vllm_importance_sampling_mode in ("sequence_mask", "sequence_truncate"))
+            except ValueError as error:
+                problem, message = 2, str(error)
+        rows, checksum = batch_signature(batch)
+        info = accelerator.gather(torch.tensor([[rows, checksum, problem]], device=accelerator.device)).view(-1, 3)
+        if (info[:, 2] == 2).any():
+            raise ValueError(message or "another process's generation batch holds a key that tree_balance_replicas "
+                             "cannot move; set tree_balance_replicas=False in the TreeGRPOConfig.")
+        if (info[:, :2] != info[0, :2]).any():
+            raise RuntimeError(f"processes hold generation batches of different rows or keys ({info[:, 0].tolist()} "
+                               "rows); tree_balance_replicas needs TRL's equal split. Set tree_balance_replicas=False.")
+        if (info[:, 2] == 1).any():
+            logger.warning_once("tree_balance_replicas keeps TRL's split of rows over processes for multimodal "
+                                "batches (images are not moved between processes).")
+            return batch
+        everything = gather_generation_batch(accelerator, batch, layout, self._tokenizer.pad_token_id)
+        placement = place_groups(everything, accelerator.num_processes)
+        before, after = imbalance(placement["loads_before"]), imbalance(placement["loads_after"])
+        self._balance_metrics["replica_imbalance_before"].append(before)
+        self._balance_metrics["replica_imbalance"].append(after)
+        self._balance_metrics["replica_moved_rows"].append(placement["moved_rows"])
+        if placement["rows"] is None:
+            logger.warning_once("tree_balance_replicas keeps TRL's split of rows over processes for a generation "
+                                "batch whose prompt groups cannot be split into equal row counts per process (e.g. "
+                                "a group straddles two processes, or duplicate prompts merged into a larger group).")
+            return batch
+        return select_rows(everything, layout, placement["rows"][accelerator.process_index], self.pad_to_multiple_of)
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -281,6 +340,10 @@ class TreeGRPOTrainer(GRPOTrainer):
             logs["tree/pieces"] = totals["pieces"]
             logs["tree/handoffs"] = totals["handoffs"]
             self._tree_metrics.clear()
+        if self._balance_metrics:  # every process computed the same values: no reduction
+            for key, values in self._balance_metrics.items():
+                logs[f"tree/{key}"] = sum(values) / len(values)
+            self._balance_metrics.clear()
         super().log(logs, start_time)
 
 

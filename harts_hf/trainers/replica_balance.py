@@ -122,12 +122,12 @@ def prompt_groups(batch: dict) -> list[list[int]]:
 
 
 def _sequences(batch: dict, rows: list[int]) -> list[torch.Tensor]:
-    """Each row's real tokens (prompt then completion), on the CPU."""
+    """Each row's real tokens (prompt then completion)."""
     out = []
     for row in rows:
         prompt = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()]
         completion = batch["completion_ids"][row][batch["completion_mask"][row].bool()]
-        out.append(torch.cat([prompt, completion]).cpu())
+        out.append(torch.cat([prompt, completion]))
     return out
 
 
@@ -137,6 +137,7 @@ def place_groups(batch: dict, num_replicas: int, cost_model=None) -> dict:
     Returns ``rows`` (each replica's rows, or None when no equal-row placement of whole groups exists), the
     estimated ``loads_before`` (TRL's positional split) and ``loads_after``, and ``moved_rows``.
     """
+    batch = {key: batch[key].cpu() for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask")}
     groups = prompt_groups(batch)
     num_rows = batch["prompt_ids"].shape[0]
     per_replica = num_rows // num_replicas

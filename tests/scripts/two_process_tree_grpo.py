@@ -4,7 +4,10 @@ Trains a few TreeGRPO steps and writes each rank's final parameters and world si
 Mode ``groups``: the MoE load-balancing loss, one tree forward per microbatch. Mode ``planner``: a token budget
 that some prompts' trees fit and others' do not (ranks run different numbers of pieces, or one tree forward);
 also runs as one process over the same global batch (``per_device_train_batch_size`` doubled), for the test to
-compare parameters.
+compare parameters. Mode ``balance``: TRL's split gives process 0 the two big trees of every generation batch
+(``shuffle_dataset=False``; prompts marked "!" get a long draft); ``tree_balance_replicas`` moves whole groups;
+also records the first optimizer step's gradient and the prompts each process trains on; as one process it is
+the reference over the same global batch.
 """
 
 import os
@@ -13,6 +16,8 @@ from pathlib import Path
 
 import torch
 from accelerate import PartialState
+from datasets import Dataset
+from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -34,7 +39,7 @@ def main(out_dir: str, mode: str) -> None:
     common = dict(output_dir=out_dir, num_generations=6, max_completion_length=40, gradient_accumulation_steps=2,
                   max_steps=2, learning_rate=1e-2, optim="sgd", bf16=False, use_cpu=True, report_to="none",
                   logging_steps=1, save_strategy="no", seed=0)
-    pieces = []
+    pieces, held, gradients = [], [], {}
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # PartialState may not be initialised for 2 processes yet
     if mode == "planner":
         model = patch_generate(model, tokenizer, draft_width=lambda prompt: 30 if sum(prompt) % 2 else 10)
@@ -58,17 +63,46 @@ def main(out_dir: str, mode: str) -> None:
             return loss
 
         TreeGRPOTrainer.compute_loss = recording
+    elif mode == "balance":
+        marker = tokenizer.convert_tokens_to_ids("!")
+        model = patch_generate(model, tokenizer, draft_width=lambda prompt: 120 if marker in prompt else 4)
+        common.update(max_completion_length=130, max_grad_norm=0.0, loss_type="grpo")
+        args = TreeGRPOConfig(**common, per_device_train_batch_size=12 // world_size, router_aux_loss_coef=0.0,
+                              shuffle_dataset=False)
+        dataset = Dataset.from_dict({"prompt": [("!" if i % 4 < 2 else "") + f"{i}+{i}=" for i in range(8)]})
+        balance = TreeGRPOTrainer._balance_replicas
+
+        def recording(self, batch):  # the prompts this process trains on, after the placement
+            batch = balance(self, batch)
+            held.append(sorted(set(tokenizer.batch_decode(batch["prompt_ids"], skip_special_tokens=True))))
+            return batch
+
+        TreeGRPOTrainer._balance_replicas = recording
     else:
         model = patch_generate(model, tokenizer)
         args = TreeGRPOConfig(**common, per_device_train_batch_size=6, router_aux_loss_coef=0.01,
                               tree_keep_groups_together=mode == "groups")
-    trainer = TreeGRPOTrainer(model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(16),
-                              processing_class=tokenizer)
+    trainer = TreeGRPOTrainer(model, reward_funcs=length_reward, args=args,
+                              train_dataset=dataset if mode == "balance" else prompt_dataset(16),
+                              processing_class=tokenizer, callbacks=[FirstGradient(gradients)])
     trainer.train()
     params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     logged = [entry for entry in trainer.state.log_history if "tree/R_tok" in entry]
-    torch.save({"world_size": state.num_processes, "params": params, "logged": logged, "pieces": pieces},
-               Path(out_dir) / f"rank{state.process_index}.pt")
+    torch.save({"world_size": state.num_processes, "params": params, "logged": logged, "pieces": pieces,
+                "held": held, "gradients": gradients}, Path(out_dir) / f"rank{state.process_index}.pt")
+
+
+class FirstGradient(TrainerCallback):
+    """Keeps every parameter's gradient of the first optimizer step (after DDP's all-reduce)."""
+
+    def __init__(self, gradients: dict):
+        self.gradients = gradients
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if not self.gradients:
+            for name, p in model.named_parameters():
+                if p.grad is not None:
+                    self.gradients[name.removeprefix("module.")] = p.grad.detach().clone()
 
 
 if __name__ == "__main__":
