@@ -55,9 +55,10 @@ def gdn_inputs(U, HK, HV, K, V, seed=0):
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
-def batched_rounds(fla_backend, run):
-    """``run()`` with fla_backend.BATCH_ROUNDS on (the round-batched node), restoring the switch."""
-    previous, fla_backend.BATCH_ROUNDS = fla_backend.BATCH_ROUNDS, True
+def batched_rounds(fla_backend, run, batched: bool = True):
+    """``run()`` with ``fla_backend.BATCH_ROUNDS = batched`` (round-batched node or the fused per-round node),
+    restoring the switch."""
+    previous, fla_backend.BATCH_ROUNDS = fla_backend.BATCH_ROUNDS, batched
     try:
         return run()
     finally:
@@ -118,7 +119,8 @@ def parity(results: dict) -> None:
     torch_plan = build_gated_delta_plan(packed).to("cuda")
     outs = {}
     for name, run in (
-        ("fused", lambda: tree_gated_delta_rule_fla(*inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)),
+        ("fused", lambda: batched_rounds(fla_backend, lambda: tree_gated_delta_rule_fla(
+            *inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True), batched=False)),
         ("batched", lambda: batched_rounds(fla_backend, lambda: tree_gated_delta_rule_fla(
             *inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True))),
         ("per_round", lambda: tree_gated_delta_rule_fla_autograd(*inputs, fla_plan, scale=128 ** -0.5,
@@ -173,7 +175,7 @@ def handoff_parity(results: dict) -> None:
             run = functools.partial(tree_gated_delta_rule, *(cast(t[tokens]) for t in inputs), sub_plan,
                                     backend=backend, use_qk_l2norm_in_kernel=True, initial_state=state,
                                     context=context, output_requested_states=True)
-            out, states = batched_rounds(fla_backend, run) if name == "fla_batched" else run()
+            out, states = batched_rounds(fla_backend, run, batched=name == "fla_batched")
             loss = out.float().square().sum() + sum(s.square().sum() for s in states if s is not None)
             leaves = [*inputs, *([state] if state is not None else [])]
             outs[name] = (out.detach(), [s.detach() for s in states if s is not None],
@@ -218,9 +220,9 @@ def timing(results: dict, workload: str, scale: float) -> None:
     run_starts = torch.nonzero(packed.parent != torch.arange(U) - 1)[:, 0]
     run_lengths = torch.diff(torch.cat([run_starts, torch.tensor([U])]))
     cu_runs = torch.nn.functional.pad(run_lengths.cumsum(0), (1, 0)).to("cuda")
-    row["gdn_tree_fused_s"] = bench(lambda: backward(tree_gated_delta_rule(*inputs, plan, use_qk_l2norm_in_kernel=True,
-                                                                           backend="fla")))
     fla_backend = importlib.import_module("harts_hf.kernels.tree_gated_delta_rule.fla_backend")
+    row["gdn_tree_fused_s"] = bench(lambda: batched_rounds(fla_backend, lambda: backward(tree_gated_delta_rule(
+        *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), batched=False))
     row["gdn_tree_batched_s"] = bench(lambda: batched_rounds(fla_backend, lambda: backward(tree_gated_delta_rule(
         *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla"))))
     row["gdn_tree_per_round_s"] = bench(lambda: backward(tree_gated_delta_rule_fla_autograd(

@@ -1,0 +1,157 @@
+"""Run the ``"fla"`` tree gated delta rule nodes through fla's real Triton kernels on the CPU (Triton's interpreter).
+
+Both fla nodes (the fused per-round node and the round-batched node, ``fla_backend.BATCH_ROUNDS``) against the fp32
+torch backend, on a forest of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state,
+context rows, requested states). fp32 throughout; a few minutes on 2 cores.
+
+Triton must be importable, which breaks transformers' CPU path in the same environment, so use a throwaway
+virtual environment that sees the project's packages:
+
+    python -m venv /tmp/tvenv --system-site-packages && /tmp/tvenv/bin/pip install triton==3.6.0
+    /tmp/tvenv/bin/python scripts/check_fla_nodes_on_cpu.py
+
+Two interpreter gaps are bridged here, not in the library: fla's kernels call ``.to(tl.int64)`` on loop counters
+(Python ints under the interpreter), so a copy of fla with those casts spelled ``tl.cast`` is imported from a
+temporary folder; and the interpreter's ``__index__`` on one-element blocks is widened. Autotuning is cut to each
+kernel's first configuration (the interpreter has no benchmarker).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _prepare_interpreter() -> Path:
+    import triton.runtime.autotuner as autotuner
+    import triton.runtime.interpreter as interpreter
+
+    first_only = autotuner.Autotuner.__init__
+
+    def one_config(self, fn, arg_names, configs, *args, **kwargs):
+        first_only(self, fn, arg_names, configs[:1], *args, **kwargs)
+
+    autotuner.Autotuner.__init__ = one_config
+    patch = interpreter._patch_lang_tensor
+
+    def widened(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = widened
+    source = Path(importlib.util.find_spec("fla").origin).parent
+    copy = Path(tempfile.mkdtemp()) / "fla"
+    shutil.copytree(source, copy)
+    cast = re.compile(r"\b(i_[a-z_0-9]*)\.to\(tl\.int64\)")
+    for path in (copy / "ops").rglob("*.py"):
+        text = path.read_text()
+        if cast.search(text):
+            path.write_text(cast.sub(r"tl.cast(\1, tl.int64)", text))
+    sys.path.insert(0, str(copy.parent))
+    return copy
+
+
+def rel(a, b) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def main() -> None:
+    copy = _prepare_interpreter()
+    import fla
+    import torch
+
+    from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend, ops
+    from harts_hf.planner import plan
+    from harts_hf.trees import PrefixForest
+    from tests.test_handoff import _root_path, handoff_sequences
+
+    assert Path(fla.__file__).parent == copy, f"fla came from {fla.__file__}, not from the patched copy {copy}"
+    ops.resolve_backend = lambda backend, tensor, op: backend  # CPU tensors through fla's kernels
+    fla_backend._check = lambda q, plan: None
+    torch.manual_seed(0)
+    H, HV, K, V = 1, 2, 16, 16
+
+    def inputs_for(U):
+        tensors = [torch.randn(U, H, K), torch.randn(U, H, K), torch.randn(U, HV, V), -torch.rand(U, HV) * 0.2,
+                   torch.rand(U, HV)]
+        return [t.requires_grad_() for t in tensors]
+
+    def run_all(run, leaves):
+        outs = {}
+        for name in ("torch", "fla", "fla_batched"):
+            fla_backend.BATCH_ROUNDS = name == "fla_batched"
+            out, states = run("torch" if name == "torch" else "fla")
+            loss = out.square().sum() + sum(s.square().sum() for s in states if s is not None)
+            outs[name] = (out.detach(), [s.detach() for s in states if s is not None],
+                          torch.autograd.grad(loss, leaves))
+        return outs
+
+    def report(label, outs) -> float:
+        worst = 0.0
+        line = [label]
+        for name, against in (("fla", "torch"), ("fla_batched", "torch"), ("fla_batched", "fla")):
+            mine, ref = outs[name], outs[against]
+            errors = [rel(mine[0], ref[0]), max([rel(a, b) for a, b in zip(mine[1], ref[1])], default=0.0),
+                      max(rel(a, b) for a, b in zip(mine[2], ref[2]))]
+            if against == "fla":
+                assert max(errors) == 0.0, f"{label}: round-batched node differs from the fused node: {errors}"
+            worst = max(worst, *errors)
+            line.append(f"{name} vs {against}: out {errors[0]:.1e} states {errors[1]:.1e} grads {errors[2]:.1e}")
+        print(" | ".join(line), flush=True)
+        return worst
+
+    # nested forks: every level restarts from the previous level's chunk boundary (several rounds)
+    rng = random.Random(0)
+    common = [rng.randrange(3) for _ in range(400)]
+    packed = PrefixForest.from_sequences([common[: 75 * (i + 1)] + [3 + i] * (20 + 7 * i) for i in range(5)]
+                                         + [common]).pack()
+    inputs = inputs_for(packed.num_tokens)
+    plans = {"torch": build_gated_delta_plan(packed), "fla": build_gated_delta_plan(packed, final_states_only=True)}
+    worst = report(f"forest: {plans['fla'].stats['rounds']} rounds, {packed.num_tokens} tokens", run_all(
+        lambda backend: (tree_gated_delta_rule(*inputs, plans[backend], backend=backend,
+                                               use_qk_l2norm_in_kernel=True), []), inputs))
+
+    # planner pieces with hand-offs
+    the_plan = plan(handoff_sequences(seed=3), token_budget=140)
+    packed = the_plan.packed
+    inputs = inputs_for(packed.num_tokens)
+    cu = packed.cu_seqlens.tolist()
+    for piece in the_plan.pieces:
+        if piece.handoff is None:
+            continue
+        tokens = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in piece.segments])
+        sub = packed.select(piece.segments)
+        d0 = int(packed.position_ids[tokens[0]])
+        ancestors = _root_path(packed, int(tokens[0]))
+        boundary = 64 * (d0 // 64)
+        children = [p for p in the_plan.pieces if p.handoff is not None and p.handoff.source_piece == piece.index]
+        branches = [int(torch.searchsorted(tokens, child.handoff.branch_token)) for child in children]
+        state = torch.randn(HV, K, V).mul_(0.1).requires_grad_() if boundary else None
+        context_rows = ancestors[boundary:] if d0 > boundary else None
+
+        def run(backend, sub=sub, branches=branches, tokens=tokens, state=state, context_rows=context_rows):
+            sub_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=branches)
+            context = None if context_rows is None else tuple(t[context_rows] for t in inputs)
+            return tree_gated_delta_rule(*(t[tokens] for t in inputs), sub_plan, backend=backend,
+                                         use_qk_l2norm_in_kernel=True, initial_state=state, context=context,
+                                         output_requested_states=True)
+
+        leaves = [*inputs, *([state] if state is not None else [])]
+        worst = max(worst, report(f"piece {piece.index} (depth {d0}, {len(branches)} requested states)",
+                                  run_all(run, leaves)))
+    assert worst < 1e-5, f"fla nodes differ from the fp32 torch backend by {worst:.1e}"
+    print(f"OK: worst relative error against the torch backend {worst:.1e}; round-batched == fused bit for bit")
+
+
+if __name__ == "__main__":
+    main()
