@@ -225,14 +225,22 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
             total = torch.zeros(shape, dtype=torch.float32, device=v.device)
             gathered.append(total.index_add_(0, index, grad[0].float()))
         dq, dk, dv, dg, dbeta = gathered
-        if ctx.use_qk_l2norm_in_kernel:
-            dq = _l2norm_grad(l2norm_bwd, q, q_rstd, dq)
-            dk = _l2norm_grad(l2norm_bwd, k, k_rstd, dk)
-        d_initial = None
-        if ctx.initial_dtype is not None and CONTEXT_STATE in d_state:
-            d_initial = d_state.pop(CONTEXT_STATE).to(ctx.initial_dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), \
-            d_initial, None, None, None
+        return _input_grads(ctx, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd), (dq, dk, dv, dg, dbeta), d_state)
+
+
+def _input_grads(ctx, l2norm_bwd, saved, grads, d_state):
+    """The node's ``backward`` result from fp32 gradients in the normalised q / k: through the L2 norm, cast to
+    the inputs' dtypes, plus the handed-in state's gradient (None for the non-tensor arguments)."""
+    q, k, v, beta, q_rstd, k_rstd = saved
+    dq, dk, dv, dg, dbeta = grads
+    if ctx.use_qk_l2norm_in_kernel:
+        dq = _l2norm_grad(l2norm_bwd, q, q_rstd, dq)
+        dk = _l2norm_grad(l2norm_bwd, k, k_rstd, dk)
+    d_initial = None
+    if ctx.initial_dtype is not None and CONTEXT_STATE in d_state:
+        d_initial = d_state.pop(CONTEXT_STATE).to(ctx.initial_dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), \
+        d_initial, None, None, None
 
 
 def _l2norm(l2norm_fwd, x):
@@ -336,14 +344,7 @@ class _TreeGatedDeltaRuleFla(torch.autograd.Function):
             for slot, key in enumerate(round_.initial_state):
                 if key is not None:
                     d_state[key] = d_state[key] + dh0[slot] if key in d_state else dh0[slot]
-        if ctx.use_qk_l2norm_in_kernel:
-            dq = _l2norm_grad(l2norm_bwd, q, q_rstd, dq)
-            dk = _l2norm_grad(l2norm_bwd, k, k_rstd, dk)
-        d_initial = None
-        if ctx.initial_dtype is not None and CONTEXT_STATE in d_state:
-            d_initial = d_state.pop(CONTEXT_STATE).to(ctx.initial_dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), \
-            d_initial, None, None, None
+        return _input_grads(ctx, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd), (dq, dk, dv, dg, dbeta), d_state)
 
 
 def tree_gated_delta_rule_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float,
