@@ -38,6 +38,9 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results")
     parser.add_argument("--family", default="qwen3_next", choices=["qwen3_next", "qwen3_5"])
+    parser.add_argument("--model", default="qwen3_next_2b", choices=list(bench.MODELS))
+    parser.add_argument("--device", default="cuda", help="cuda; or cpu for a smoke run of the model stages "
+                        "(--model tiny; the fla parity and kernel stages need CUDA and are skipped, and say so)")
     parser.add_argument("--workloads", nargs="+", default=["swe:0.05", "tau:0.05", "grpo:0.1"])
     parser.add_argument("--parity-scale", type=float, default=0.01)
     parser.add_argument("--budget", type=float, default=540.0, help="seconds; later stages are skipped past it")
@@ -48,19 +51,26 @@ def main():
     began = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    on_cuda = device.type == "cuda"
+
+    def sync():
+        if on_cuda:
+            torch.cuda.synchronize()
+
     import transformers
 
     from harts_hf.workloads import make_workload
 
-    results = {"model": "qwen3_next_2b", "family": args.family, "device": torch.cuda.get_device_name(),
+    results = {"model": args.model, "family": args.family,
+               "device": torch.cuda.get_device_name() if on_cuda else "cpu",
                "torch": torch.__version__, "transformers": transformers.__version__, "scale": "per workload",
                "workloads": {}, "stages": []}
 
     def save():
         (out / "gpu_suite.json").write_text(json.dumps(results, indent=2, default=str))
 
-    model = bench.build_model("qwen3_next_2b", args.family, device, torch.bfloat16)
+    model = bench.build_model(args.model, args.family, device, torch.bfloat16 if on_cuda else torch.float32)
     specs = [(spec.split(":")[0], float(spec.split(":")[1])) for spec in args.workloads]
     fit = {}
 
@@ -70,7 +80,8 @@ def main():
             r["cost_fit"] = {"c_seconds_per_call": args.fit[0], "a_seconds_per_token": args.fit[1],
                              "b_seconds_per_pair": args.fit[2], "times": "given with --fit"}
             return
-        c, a, b, times = bench.fit_costs(model, device, [2048, 8192, 16384, 32768], model.config.vocab_size, 1)
+        lengths = [2048, 8192, 16384, 32768] if on_cuda else [64, 128, 256, 512]
+        c, a, b, times = bench.fit_costs(model, device, lengths, model.config.vocab_size, 1)
         fit.update(c=c, a=a, b=b)
         r["cost_fit"] = {"c_seconds_per_call": c, "a_seconds_per_token": a, "b_seconds_per_pair": b, "times": times}
 
@@ -111,13 +122,13 @@ def main():
                 if attempt == "first":  # where the first call's seconds go (compilation, autotuning, host work)
                     profiler = cProfile.Profile()
                     profiler.runcall(run)
-                    torch.cuda.synchronize()
+                    sync()
                     text = io.StringIO()
                     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(35)
                     (out / f"warmup_{name}_profile.txt").write_text(text.getvalue())
                 else:
                     run()
-                torch.cuda.synchronize()
+                sync()
                 times[f"{name}_{attempt}_s"] = time.perf_counter() - start
                 print(f"  warm-up {name} {attempt}: {times[f'{name}_{attempt}_s']:.1f} s", flush=True)
         # transformers' path (loop, padded) compiles fla's norm kernels once per class of ceil(rows / 65536) rows,
@@ -129,7 +140,7 @@ def main():
             start = time.perf_counter()
             for length in classes.values():
                 bench.run_loop(model, [[1] * length], device)
-            torch.cuda.synchronize()
+            sync()
             times["loop_length_classes"] = len(classes)
             times["loop_length_classes_s"] = time.perf_counter() - start
             print(f"  warm-up loop: {len(classes)} length classes in {times['loop_length_classes_s']:.1f} s", flush=True)
@@ -137,9 +148,14 @@ def main():
 
     stages = [("warmup", warmup), ("cost_fit", fit_costs)]
     stages += [(name, lambda r, s=(name, scale): workload(r, *s)) for name, scale in specs]
-    if "parity" not in args.skip:
+    if not on_cuda:
+        for name in ("parity", "kernels"):
+            if name not in args.skip:
+                print(f"{name}: not run on {device} (fla's kernels need CUDA)", flush=True)
+                results["stages"].append(f"{name}: not run on {device}")
+    if "parity" not in args.skip and on_cuda:
         stages.append(("parity", model_parity))
-    if "kernels" not in args.skip:
+    if "kernels" not in args.skip and on_cuda:
         stages.append(("kernel_parity", kernels.parity))
         stages.append(("handoff_parity", kernels.handoff_parity))
         stages.append(("final_state_parity", kernels.final_state_parity))
@@ -161,7 +177,8 @@ def main():
             print(results[f"{name}_error"], flush=True)
         save()
         print(results["stages"][-1], flush=True)
-        torch.cuda.empty_cache()
+        if on_cuda:
+            torch.cuda.empty_cache()
     if "cost_fit" in results:
         bench.print_table(results)
     print(json.dumps({k: results[k] for k in ("model_parity", "parity") if k in results}, indent=1, default=str))
