@@ -197,6 +197,7 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_gdn_backend="cuda"), ["tree_gdn_backend", "'fla'"]),
     (dict(tree_attention_backend="flex"), ["tree_attention_backend"]),
     (dict(tree_head_chunk_size=0), ["tree_head_chunk_size"]),
+    (dict(tree_cost_model="no/such/cost.json"), ["tree_cost_model", "CostModel.save"]),
 ])
 def test_contradictory_config_is_refused(tmp_path, fields, words):
     with pytest.raises(ValueError) as info:

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 import harts_hf.trainers.grpo as grpo_module
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
 from tests.test_tree_grpo import BASE_ARGS, make_trainers, prepared, saved_model  # noqa: F401 (fixture)
-from tests.trl_helpers import char_tokenizer, length_reward, prompt_dataset, worst_gradient_error
+from tests.trl_helpers import char_tokenizer, length_reward, patch_generate, prompt_dataset, worst_gradient_error
 
 BUDGET = dict(tree_token_budget=24)  # each group's tree (~60 unique tokens) is cut into several pieces
 NO_AUX = dict(router_aux_loss_coef=0.0)  # the MoE load-balancing loss is not split over pieces
@@ -112,3 +112,22 @@ def test_engines_with_their_own_backward_are_refused(saved_model, tmp_path, attr
     with pytest.raises(ValueError) as info:
         tree.compute_loss(tree.model, prepared(tree))
     assert all(word in str(info.value) for word in words)
+
+
+def test_fitted_cost_model_cuts_the_pieces(saved_model, tmp_path, monkeypatch):  # noqa: F811
+    """tree_cost_model: the trainer plans its pieces with the saved coefficients (here: only unique tokens count)."""
+    from harts_hf.planner import CostModel
+
+    fitted = CostModel(unique_tokens=1.0, attention_pairs=0.0, replay_tokens=0.0, rounds=0.0, leaves=0.0,
+                       microbatches=0.0)
+    fitted.save(tmp_path / "cost.json")
+    used = []
+    planner = grpo_module.plan
+    monkeypatch.setattr(grpo_module, "plan", lambda *a, **k: used.append(k["cost_model"]) or planner(*a, **k))
+    args = dict(BASE_ARGS, output_dir=str(tmp_path), **NO_AUX, **BUDGET, tree_cost_model=str(tmp_path / "cost.json"))
+    tree = TreeGRPOTrainer(patch_generate(AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32),
+                                          char_tokenizer()), reward_funcs=length_reward,
+                           args=TreeGRPOConfig(**args), train_dataset=prompt_dataset(8),
+                           processing_class=char_tokenizer())
+    tree.compute_loss(tree.model, prepared(tree)).backward()
+    assert used and all(model == fitted for model in used)

@@ -61,6 +61,13 @@ class TreeGRPOConfig(GRPOConfig):
                           "microbatch or step), for multimodal batches, and for a batch whose groups cannot be "
                           "split into equal row counts. False keeps TRL's split always."},
     )
+    tree_cost_model: str | None = field(
+        default=None,
+        metadata={"help": "Path to a JSON cost model (harts_hf.planner.CostModel.save; "
+                          "benchmarks/calibrate_cost_model.py fits one from timings on your GPU) used to cut "
+                          "microbatches into pieces and to place groups on processes. None: the built-in H200 "
+                          "guesses."},
+    )
     tree_gdn_backend: str = field(
         default="auto",
         metadata={"help": "Gated-delta-rule kernel for tree execution: 'auto' (fla on CUDA when installed, "
@@ -86,6 +93,15 @@ class TreeGRPOConfig(GRPOConfig):
         if self.tree_attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"tree_attention_backend must be one of {_ATTENTION_BACKENDS}, got "
                              f"{self.tree_attention_backend!r}.")
+        if self.tree_cost_model is not None:
+            from ..planner import CostModel
+
+            try:
+                CostModel.load(self.tree_cost_model)
+            except (OSError, ValueError, TypeError) as error:
+                raise ValueError(f"tree_cost_model={self.tree_cost_model!r} is not a readable cost model ({error}); "
+                                 "give the JSON written by CostModel.save / benchmarks/calibrate_cost_model.py, or "
+                                 "None for the built-in coefficients.") from error
         if self.tree_head_chunk_size < 1:
             raise ValueError(f"tree_head_chunk_size must be >= 1, got {self.tree_head_chunk_size}.")
         if self.use_tree and self.use_liger_kernel:

@@ -24,7 +24,7 @@ from ..logprobs import run_tree_forward, unwrap_model
 from ..model_patches import apply_tree_patches
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
-from ..planner import Plan, imbalance, plan
+from ..planner import CostModel, Plan, imbalance, plan
 from ..planner.execute import PieceLogprobs, execute_plan
 from .config import TreeGRPOConfig
 from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
@@ -69,6 +69,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._balance_metrics = defaultdict(list)  # per generation batch; the same on every process
         self._replay = None  # (logps, entropies, tree stats) of planner pieces, for TRL's loss code
         self._layout_cache = None
+        self._cost_model = CostModel.load(args.tree_cost_model) if args.tree_cost_model else None
         if args.use_tree and args.tree_token_budget is not None:
             self._check_planner_supported()
         if args.use_tree:
@@ -153,7 +154,7 @@ class TreeGRPOTrainer(GRPOTrainer):
             logger.warning_once(f"a run of {longest} tokens without a branch point exceeds tree_token_budget={budget}; "
                                 "pieces are cut only at branch points, so such a piece holds up to that many tokens")
             budget = longest
-        return plan(packed, num_replicas=1, token_budget=budget)
+        return plan(packed, num_replicas=1, token_budget=budget, cost_model=self._cost_model)
 
     def _execute_options(self) -> dict:
         return dict(temperature=self.temperature, gdn_backend=self.args.tree_gdn_backend,
@@ -315,7 +316,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                                 "batches (images are not moved between processes).")
             return batch
         everything = gather_generation_batch(accelerator, batch, layout, self._tokenizer.pad_token_id)
-        placement = place_groups(everything, accelerator.num_processes)
+        placement = place_groups(everything, accelerator.num_processes, self._cost_model)
         before, after = imbalance(placement["loads_before"]), imbalance(placement["loads_after"])
         self._balance_metrics["replica_imbalance_before"].append(before)
         self._balance_metrics["replica_imbalance"].append(after)
