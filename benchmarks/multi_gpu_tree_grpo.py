@@ -1,0 +1,420 @@
+"""Multi-GPU TreeGRPOTrainer on `swe` rollout trees: throughput per GPU, replica imbalance, loss/grad-norm parity.
+
+No generation: a TRL ``rollout_func`` (:class:`WorkloadRollouts`) hands the trainer the trajectories of the `swe`
+workload preset (harts_hf.workloads), one prompt group per task. Launch it with ``accelerate launch`` (DDP or
+DeepSpeed ZeRO-2), or as plain ``python`` for the one-process reference over the same global batch.
+
+On the 2-GPU machine, from the repository root (bf16 + gradient checkpointing on CUDA; add ``--tree-token-budget N``
+to run big microbatches as planner pieces, DDP only):
+
+    python benchmarks/multi_gpu_tree_grpo.py --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --out results/mgpu/one
+    accelerate launch --config_file examples/accelerate_ddp.yaml benchmarks/multi_gpu_tree_grpo.py --preset 2b \
+        --scale 0.05 --tasks-per-step 4 --steps 6 --out results/mgpu/ddp --compare results/mgpu/one/summary.json
+    accelerate launch --config_file examples/accelerate_deepspeed_zero2.yaml benchmarks/multi_gpu_tree_grpo.py \
+        --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --out results/mgpu/zero2 \
+        --compare results/mgpu/one/summary.json          # needs `pip install deepspeed`; no --tree-token-budget
+
+The first command is the 1-GPU reference: it trains the whole global batch (all tasks of a step) in one process,
+so its step time is the 1-GPU time of the work the 2-GPU runs split. CPU smoke run (gloo, 2 processes, fp32):
+
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
+        --dynamo_backend no benchmarks/multi_gpu_tree_grpo.py --preset tiny --scale 0.002 --steps 2 --out /tmp/mgpu
+
+NVLink multicast (NVLS) stays off: the script sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
+NVSHMEM_DISABLE_NVLS=1 before torch is imported (the lent H200 hosts do not support it; harmless on CPU).
+
+Writes ``OUT/rank<k>.json`` (per step: wall time, generation / placement / forward time, this rank's path and unique
+tokens, its local loss) and, on rank 0, ``OUT/summary.json`` (per step: step time per rank and its max/mean, the
+same for forward time, logged loss, grad_norm and tree/* metrics; throughput per GPU over the steps after
+``--warmup``; with ``--compare``, the per-step loss / grad-norm differences to a reference summary) and prints a
+markdown table. Under DDP the ranks wait for each other in the gradient all-reduce, so their step times are
+almost equal; the forward time (this rank's tree forward, no collective inside) shows the work imbalance.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before torch (and torch.distributed) is imported: no NVLink multicast (NVLS) in NCCL, symmetric memory or NVSHMEM.
+os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is experimental in TRL
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_tree_vs_trajectory import MODELS, build_model  # noqa: E402
+
+PRESETS = {"tiny": "tiny", "2b": "qwen3_next_2b"}  # --preset -> bench_tree_vs_trajectory.MODELS
+SPECIAL = ("<pad>", "<eos>")  # the last two ids of the model's vocabulary; workload tokens stay below them
+
+
+# ---------------------------------------------------------------------------------------------- rollouts
+class WorkloadRollouts:
+    """A TRL ``rollout_func`` that returns `swe` workload trajectories instead of generating.
+
+    Step ``s`` of training is ``make_workload("swe", scale, seed=seed + s, num_tasks=tasks_per_step)``: its tasks
+    share the system prompt, each task's rollouts share the task's issue, and within a rollout thinking is dropped
+    from later turns (so its sequences fork where that thinking started). Dataset prompt ``"s:t"`` is task ``t`` of
+    step ``s``; with ``shuffle_dataset=False`` the generation batch of step ``s`` holds exactly step ``s``'s tasks,
+    whatever the number of processes, so a 1-process and an N-process run train on the same global batch.
+
+    Mapping of one task to one prompt group (TRL needs ``num_generations`` rows per prompt): the group holds
+    ``rows_per_task`` of the task's sequences (all of them when the task has exactly that many; otherwise a seeded
+    random subset, in emission order; the default is the smallest task's count, so few are dropped). The prompt is
+    the group's longest common prefix (system prompt + issue); the rest of each sequence is its completion, so
+    siblings share their long agentic histories inside the completions, as multi-turn rollouts do. The workload's
+    loss mask becomes TRL's ``env_mask``: observations (tool output) carry no loss, thinking and actions do.
+    Token ids are drawn below ``vocab_size - 2``; the last two ids are the tokenizer's pad and EOS.
+    """
+
+    def __init__(self, steps: int, tasks_per_step: int, scale: float, vocab_size: int, seed: int = 0,
+                 rows_per_task: int | None = None, overrides: dict | None = None):
+        from harts_hf.workloads import make_workload
+
+        self.tasks: dict[str, tuple[list[int], list[list[int]], list[list[int]]]] = {}
+        per_step = []
+        for step in range(steps):
+            workload = make_workload("swe", scale=scale, seed=seed + step, num_tasks=tasks_per_step,
+                                     vocab_size=vocab_size - len(SPECIAL), **(overrides or {}))
+            per_step.append(_split_by_task(workload))
+            if len(per_step[-1]) != tasks_per_step:
+                raise ValueError(f"step {step}: found {len(per_step[-1])} tasks, expected {tasks_per_step}")
+        counts = [len(rows) for tasks in per_step for rows in tasks]
+        self.rows_per_task = rows_per_task or min(counts)
+        if self.rows_per_task > min(counts) or self.rows_per_task < 2:
+            raise ValueError(f"rows_per_task={rows_per_task}: tasks have {min(counts)}..{max(counts)} sequences; "
+                             "choose 2..the smallest count (default: the smallest count)")
+        rng = random.Random(seed)
+        for step, tasks in enumerate(per_step):
+            for task, rows in enumerate(tasks):
+                keep = sorted(rng.sample(range(len(rows)), self.rows_per_task))
+                self.tasks[f"{step}:{task}"] = _prompt_and_completions([rows[i] for i in keep])
+        self.max_completion_length = max(len(c) for _, completions, _ in self.tasks.values() for c in completions)
+
+    def prompts(self) -> list[str]:
+        return list(self.tasks)
+
+    def __call__(self, prompts: list[str], trainer) -> dict:
+        """TRL passes each prompt ``num_generations`` times in a row; every run of a prompt gets its task's rows."""
+        output = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "env_mask": []}
+        start = 0
+        while start < len(prompts):
+            prompt_ids, completions, masks = self.tasks[prompts[start]]
+            if prompts[start:start + len(completions)] != [prompts[start]] * len(completions):
+                raise ValueError(f"prompt {prompts[start]!r} does not come {len(completions)} times in a row; set "
+                                 "num_generations to rows_per_task")
+            for completion, mask in zip(completions, masks):
+                output["prompt_ids"].append(list(prompt_ids))
+                output["completion_ids"].append(list(completion))
+                output["logprobs"].append([0.0] * len(completion))
+                output["env_mask"].append(list(mask))
+            start += len(completions)
+        return output
+
+
+def _split_by_task(workload) -> list[list[tuple[list[int], list[bool]]]]:
+    """The workload's (sequence, loss mask) pairs per task, tasks in emission order. A task is known by the first
+    token after the system prompt (its issue's first token, unique per span by construction of the generator)."""
+    system = round(workload.params["system_prompt_len"])
+    tasks: dict[int, list] = {}
+    for sequence, mask in zip(workload.sequences, workload.loss_masks):
+        tasks.setdefault(sequence[system], []).append((sequence, mask))
+    return list(tasks.values())
+
+
+def _prompt_and_completions(rows) -> tuple[list[int], list[list[int]], list[list[int]]]:
+    """Longest common prefix as the prompt (leaving every completion at least one token), the rest as completions,
+    loss masks of the completions as 0/1 lists."""
+    sequences = [np.asarray(sequence) for sequence, _ in rows]
+    shortest = min(len(s) for s in sequences)
+    differs = np.nonzero((np.stack([s[:shortest] for s in sequences]) != sequences[0][:shortest]).any(0))[0]
+    cut = min(int(differs[0]) if len(differs) else shortest, shortest - 1)
+    completions = [s[cut:].tolist() for s in sequences]
+    masks = [[int(flag) for flag in mask[cut:]] for _, mask in rows]
+    return sequences[0][:cut].tolist(), completions, masks
+
+
+def hash_reward(completions, completion_ids, **kwargs) -> list[float]:
+    """A deterministic reward in [0, 1) per completion: a CRC32 of its token ids (spread inside every group)."""
+    return [zlib.crc32(np.asarray(ids, dtype=np.int64).tobytes()) / 2**32 for ids in completion_ids]
+
+
+def id_tokenizer(vocab_size: int):
+    """A word-level tokenizer whose token ``i`` is the text ``"i"``, with ``<pad>`` and ``<eos>`` as the last two
+    ids (TRL decodes completions for the reward functions and pads with the pad id)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {str(i): i for i in range(vocab_size - len(SPECIAL))}
+    vocab.update({token: vocab_size - len(SPECIAL) + k for k, token in enumerate(SPECIAL)})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+
+
+# ---------------------------------------------------------------------------------------------- timing
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_trainer_class():
+    """TreeGRPOTrainer that times, per optimizer step on this rank, TRL's generation + scoring, the placement of
+    groups on processes, and the forward (from ``compute_loss`` to the tree statistics, before their gather), and
+    keeps this rank's path / unique tokens and local loss."""
+    from harts_hf import TreeGRPOTrainer
+
+    class TimedTreeGRPOTrainer(TreeGRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.step_record = self._fresh_record()
+            self._forward_start = None
+
+        @staticmethod
+        def _fresh_record() -> dict:
+            return dict(generate_s=0.0, balance_s=0.0, forward_s=0.0, path_tokens=0, unique_tokens=0, local_loss=0.0,
+                        microbatches=0)
+
+        def _timed(self, key, function, *args):
+            _synchronize(self.accelerator.device)
+            start = time.perf_counter()
+            result = function(*args)
+            _synchronize(self.accelerator.device)
+            self.step_record[key] += time.perf_counter() - start
+            return result
+
+        def _generate_and_score_completions(self, inputs):
+            return self._timed("generate_s", super()._generate_and_score_completions, inputs)
+
+        def _balance_replicas(self, batch):
+            return self._timed("balance_s", super()._balance_replicas, batch)
+
+        def compute_loss(self, model, inputs, *args, **kwargs):
+            _synchronize(self.accelerator.device)
+            self._forward_start = time.perf_counter()
+            return super().compute_loss(model, inputs, *args, **kwargs)
+
+        def _record_tree_stats(self, stats):
+            if self._forward_start is not None:  # the training forward of this microbatch (not TRL's old log-probs)
+                _synchronize(self.accelerator.device)
+                self.step_record["forward_s"] += time.perf_counter() - self._forward_start
+                self.step_record["path_tokens"] += int(stats["path_tokens"])
+                self.step_record["unique_tokens"] += int(stats["unique_tokens"])
+                self._forward_start = None
+            super()._record_tree_stats(stats)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            self.step_record["local_loss"] += loss.item()
+            self.step_record["microbatches"] += 1
+            return loss
+
+    return TimedTreeGRPOTrainer
+
+
+def step_recorder(trainer, records: list):
+    """Callback: wall time of every optimizer step on this rank (CUDA-synchronised), with the trainer's counters."""
+    from transformers import TrainerCallback
+
+    class StepRecorder(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            _synchronize(trainer.accelerator.device)
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            _synchronize(trainer.accelerator.device)
+            records.append(dict(step=state.global_step, step_s=time.perf_counter() - self.start, **trainer.step_record))
+            trainer.step_record = trainer._fresh_record()
+
+    return StepRecorder()
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def summarize(ranks: list[dict], warmup: int) -> dict:
+    """Per step: each rank's times and tokens, max/mean imbalances, logged loss / grad_norm / tree metrics; over
+    the steps after ``warmup``: global and per-GPU tokens/s (tokens of all ranks over the slowest rank's time)."""
+    world = len(ranks)
+    by_step = [{r["step"]: r for r in rank["steps"]} for rank in ranks]
+    steps = sorted(set.intersection(*(set(s) for s in by_step)))
+    logged = {entry["step"]: entry for entry in ranks[0]["logged"]}
+    rows = []
+    for step in steps:
+        entries = [s[step] for s in by_step]
+        step_s = [e["step_s"] for e in entries]
+        forward_s = [e["forward_s"] for e in entries]
+        log = logged.get(step, {})
+        rows.append(dict(
+            step=step, step_s=step_s, forward_s=forward_s,
+            step_imbalance=max(step_s) / (sum(step_s) / world),
+            forward_imbalance=max(forward_s) / max(sum(forward_s) / world, 1e-12),
+            generate_s=[e["generate_s"] for e in entries], balance_s=[e["balance_s"] for e in entries],
+            path_tokens=[e["path_tokens"] for e in entries], unique_tokens=[e["unique_tokens"] for e in entries],
+            local_loss=[e["local_loss"] for e in entries], loss=log.get("loss"), grad_norm=log.get("grad_norm"),
+            tree={k: v for k, v in log.items() if k.startswith("tree/")}))
+    measured = [row for row in rows if row["step"] > warmup] or rows
+    seconds = sum(max(row["step_s"]) for row in measured)
+    path = sum(sum(row["path_tokens"]) for row in measured)
+    unique = sum(sum(row["unique_tokens"]) for row in measured)
+    return dict(
+        world_size=world, device=ranks[0]["device"], config=ranks[0]["config"], steps=rows,
+        measured_steps=[row["step"] for row in measured],
+        mean_step_s=seconds / len(measured),
+        path_tokens_per_s=path / seconds, unique_tokens_per_s=unique / seconds,
+        path_tokens_per_s_per_gpu=path / seconds / world, unique_tokens_per_s_per_gpu=unique / seconds / world,
+        step_imbalance=max(row["step_imbalance"] for row in measured),
+        forward_imbalance=max(row["forward_imbalance"] for row in measured),
+        same_steps_on_every_rank=all(len(rank["steps"]) == len(ranks[0]["steps"]) for rank in ranks))
+
+
+def compare(summary: dict, reference: dict) -> dict:
+    """Per common step: logged loss and grad_norm against a reference run's summary (absolute and relative
+    differences); per-GPU throughput as a fraction of the reference's (scaling efficiency)."""
+    theirs = {row["step"]: row for row in reference["steps"]}
+    steps = []
+    for row in summary["steps"]:
+        other = theirs.get(row["step"])
+        if other is None or row["loss"] is None or other["loss"] is None:
+            continue
+        entry = dict(step=row["step"], loss=row["loss"], reference_loss=other["loss"],
+                     loss_abs_diff=abs(row["loss"] - other["loss"]),
+                     loss_rel_diff=abs(row["loss"] - other["loss"]) / max(abs(other["loss"]), 1e-12))
+        if row["grad_norm"] is not None and other["grad_norm"] is not None:
+            entry.update(grad_norm=row["grad_norm"], reference_grad_norm=other["grad_norm"],
+                         grad_norm_rel_diff=abs(row["grad_norm"] - other["grad_norm"]) / max(other["grad_norm"], 1e-12))
+        steps.append(entry)
+    return dict(steps=steps, reference_world_size=reference["world_size"],
+                path_throughput_per_gpu_vs_reference=summary["path_tokens_per_s_per_gpu"]
+                / reference["path_tokens_per_s_per_gpu"],
+                step_time_vs_reference=summary["mean_step_s"] / reference["mean_step_s"])
+
+
+def print_table(summary: dict) -> None:
+    print(f"\n{summary['world_size']} process(es) on {summary['device']}, preset {summary['config']['preset']}, "
+          f"swe scale {summary['config']['scale']}, {summary['config']['tasks_per_step']} tasks x "
+          f"{summary['config']['rows_per_task']} rows per step")
+    print("| step | step s per rank | forward s per rank | max/mean step | max/mean fwd | path tok | unique tok | "
+          "loss | grad_norm | imbalance before | after |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in summary["steps"]:
+        fmt = lambda values: " / ".join(f"{v:.3f}" for v in values)  # noqa: E731
+        tree = {key: f"{value:.3f}" for key, value in row["tree"].items()}
+        print(f"| {row['step']} | {fmt(row['step_s'])} | {fmt(row['forward_s'])} | {row['step_imbalance']:.3f} | "
+              f"{row['forward_imbalance']:.3f} | {sum(row['path_tokens'])} | {sum(row['unique_tokens'])} | "
+              f"{row['loss']:.6g} | {row['grad_norm']:.6g} | {tree.get('tree/replica_imbalance_before', '-')} | "
+              f"{tree.get('tree/replica_imbalance', '-')} |")
+    print(f"\nsteps {summary['measured_steps']}: {summary['mean_step_s']:.3f} s/step, "
+          f"{summary['path_tokens_per_s_per_gpu']:.0f} path / {summary['unique_tokens_per_s_per_gpu']:.0f} unique "
+          f"tokens/s per GPU")
+    if "compare" in summary:
+        result = summary["compare"]
+        for entry in result["steps"]:
+            print(f"step {entry['step']}: |loss - ref| {entry['loss_abs_diff']:.3e} (rel {entry['loss_rel_diff']:.3e}), "
+                  f"grad_norm rel diff {entry.get('grad_norm_rel_diff', float('nan')):.3e}")
+        print(f"per-GPU path throughput vs the {result['reference_world_size']}-process reference: "
+              f"{result['path_throughput_per_gpu_vs_reference']:.3f}; step time ratio "
+              f"{result['step_time_vs_reference']:.3f}")
+
+
+# ---------------------------------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model (default: %(default)s)")
+    parser.add_argument("--scale", type=float, default=0.002, help="swe token-length scale (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default: %(default)s)")
+    parser.add_argument("--tasks-per-step", type=int, default=4,
+                        help="swe tasks (prompt groups) per optimizer step, over all processes (default: %(default)s)")
+    parser.add_argument("--rows-per-task", type=int, default=None,
+                        help="sequences per task = num_generations (default: the smallest task's count)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: %(default)s)")
+    parser.add_argument("--tree-token-budget", type=int, default=None,
+                        help="most unique tokens per tree forward; larger microbatches run as planner pieces (DDP only)")
+    parser.add_argument("--loss-type", default="dapo", choices=["grpo", "dapo", "dr_grpo", "cispo", "sapo"],
+                        help="TRL loss; all of these keep tree_balance_replicas on (default: %(default)s)")
+    parser.add_argument("--no-balance", dest="balance", action="store_false",
+                        help="tree_balance_replicas=False: TRL's split of rows over processes")
+    parser.add_argument("--workload-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="swe generator parameter, e.g. turns=6 (repeatable; lengths in full-size tokens)")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of throughput (default: %(default)s)")
+    parser.add_argument("--learning-rate", type=float, default=1e-5, help="(default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    parser.add_argument("--out", default="results/multi_gpu_tree_grpo", help="(default: %(default)s)")
+    parser.add_argument("--compare", default=None, metavar="REFERENCE_JSON",
+                        help="summary.json of a reference run (e.g. 1 process) to compare loss and grad_norm with")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    from harts_hf import TreeGRPOConfig
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch; the trainer checks it below
+    if args.tasks_per_step % (world * args.grad_accum):
+        raise ValueError(f"--tasks-per-step {args.tasks_per_step} must be a multiple of processes x --grad-accum "
+                         f"({world} x {args.grad_accum}), so that every microbatch holds whole groups")
+    cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
+    spec = MODELS[PRESETS[args.preset]]
+    overrides = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.workload_override)}
+    rollouts = WorkloadRollouts(args.steps, args.tasks_per_step, args.scale, spec["vocab_size"], seed=args.seed,
+                                rows_per_task=args.rows_per_task, overrides=overrides)
+    torch.manual_seed(args.seed)
+    model = build_model(PRESETS[args.preset], "qwen3_next", "cpu", torch.float32)  # fp32 weights; bf16 autocast
+    if not cuda:
+        model.gradient_checkpointing_disable()
+    rows = args.tasks_per_step * rollouts.rows_per_task
+    out = Path(args.out)
+    config = TreeGRPOConfig(
+        output_dir=str(out / "trainer"), max_steps=args.steps, learning_rate=args.learning_rate, seed=args.seed,
+        num_generations=rollouts.rows_per_task, per_device_train_batch_size=rows // (world * args.grad_accum),
+        gradient_accumulation_steps=args.grad_accum, max_completion_length=rollouts.max_completion_length,
+        loss_type=args.loss_type, beta=0.0, shuffle_dataset=False, tree_token_budget=args.tree_token_budget,
+        tree_balance_replicas=args.balance, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=cuda,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if cuda else None, logging_steps=1,
+        report_to="none", save_strategy="no", disable_tqdm=True)
+    from datasets import Dataset
+
+    trainer_class = timed_trainer_class()
+    trainer = trainer_class(model, reward_funcs=hash_reward, args=config, processing_class=id_tokenizer(spec["vocab_size"]),
+                            train_dataset=Dataset.from_dict({"prompt": rollouts.prompts()}), rollout_func=rollouts)
+    records: list[dict] = []
+    if trainer.accelerator.num_processes != world:
+        raise RuntimeError(f"WORLD_SIZE={world} but Accelerate runs {trainer.accelerator.num_processes} processes")
+    trainer.add_callback(step_recorder(trainer, records))
+    trainer.train()
+
+    rank = trainer.accelerator.process_index
+    device = str(trainer.accelerator.device)
+    if cuda:
+        device += f" ({torch.cuda.get_device_name()})"
+    logged = [{k: v for k, v in entry.items() if isinstance(v, (int, float))} for entry in trainer.state.log_history
+              if "loss" in entry and "grad_norm" in entry]
+    run_config = dict(vars(args), rows_per_task=rollouts.rows_per_task, world_size=world,
+                      per_device_train_batch_size=config.per_device_train_batch_size,
+                      distributed_type=str(trainer.accelerator.distributed_type), torch=torch.__version__)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{rank}.json").write_text(json.dumps(
+        dict(rank=rank, world_size=world, device=device, config=run_config, steps=records, logged=logged), indent=1))
+    trainer.accelerator.wait_for_everyone()
+    if rank != 0:
+        return None
+    ranks = [json.loads((out / f"rank{k}.json").read_text()) for k in range(world)]
+    summary = summarize(ranks, args.warmup)
+    if args.compare:
+        summary["compare"] = compare(summary, json.loads(Path(args.compare).read_text()))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print_table(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
