@@ -1,0 +1,52 @@
+"""CPU smoke run of benchmarks/multi_gpu_tree_grpo.py: 2 processes over gloo and the 1-process reference."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu_tree_grpo.py"
+ENV = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
+ARGS = ["--preset", "tiny", "--scale", "0.002", "--steps", "2", "--tasks-per-step", "4"]
+
+
+def run(command: list[str]) -> None:
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_two_processes_on_swe_trees_match_one_process(tmp_path):
+    """Both runs train the same global batch per step (4 swe tasks; dataset order fixed), each process 2 whole
+    groups. The default 'dapo' loss divides by the generation batch's token count over all processes, and DDP
+    averages gradients, so the 2-process objective and gradient equal the 1-process ones (and the logged loss is
+    the mean of the processes' losses, i.e. the same value); grad_norm is logged after the all-reduce. Unique
+    tokens are not compared: each process computes the shared system prompt once, so 2 processes hold it twice."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run([sys.executable, str(SCRIPT), *ARGS, "--out", str(one)])
+    run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29527", str(SCRIPT), *ARGS,
+         "--out", str(two), "--compare", str(one / "summary.json")])
+    ranks = [json.loads((two / f"rank{k}.json").read_text()) for k in range(2)]
+    assert [r["world_size"] for r in ranks] == [2, 2], "accelerate ran fewer than 2 processes"
+    assert [len(r["steps"]) for r in ranks] == [2, 2]
+    assert all(step["path_tokens"] > step["unique_tokens"] > 0 for r in ranks for step in r["steps"])
+    reference, summary = (json.loads((path / "summary.json").read_text()) for path in (one, two))
+    assert reference["world_size"] == 1 and summary["world_size"] == 2 and summary["same_steps_on_every_rank"]
+    for key in ("step_imbalance", "forward_imbalance", "path_tokens_per_s_per_gpu", "unique_tokens_per_s_per_gpu"):
+        assert summary[key] > 0, key
+    for row, single in zip(summary["steps"], reference["steps"]):
+        assert len(row["step_s"]) == 2 and len(row["forward_s"]) == 2
+        assert sum(row["path_tokens"]) == sum(single["path_tokens"])  # the same global batch
+        assert row["tree"]["tree/replica_imbalance_before"] >= row["tree"]["tree/replica_imbalance"] >= 1
+    compared = summary["compare"]["steps"]
+    assert [entry["step"] for entry in compared] == [1, 2]
+    first, second = compared
+    assert abs(first["reference_loss"]) > 1e-4 and first["reference_grad_norm"] > 1e-4  # non-trivial values
+    assert first["loss_rel_diff"] < 1e-5 and first["grad_norm_rel_diff"] < 1e-5, first
+    assert second["loss_rel_diff"] < 1e-4 and second["grad_norm_rel_diff"] < 1e-4, second  # after one update
+    print(f"\n[swe trees, 2 processes vs 1] step 1: loss {first['loss']:.6g} vs {first['reference_loss']:.6g} "
+          f"(rel {first['loss_rel_diff']:.1e}), grad_norm rel {first['grad_norm_rel_diff']:.1e}; step 2: loss rel "
+          f"{second['loss_rel_diff']:.1e}, grad_norm rel {second['grad_norm_rel_diff']:.1e}; placement imbalance "
+          f"{[r['tree']['tree/replica_imbalance_before'] for r in summary['steps']]} -> "
+          f"{[r['tree']['tree/replica_imbalance'] for r in summary['steps']]}")
