@@ -15,13 +15,20 @@ to run big microbatches as planner pieces, DDP only):
         --compare results/mgpu/one/summary.json          # needs `pip install deepspeed`; no --tree-token-budget
 
 The first command is the 1-GPU reference: it trains the whole global batch (all tasks of a step) in one process,
-so its step time is the 1-GPU time of the work the 2-GPU runs split. CPU smoke run (gloo, 2 processes, fp32):
+so its step time is the 1-GPU time of the work the 2-GPU runs split (add ``--grad-accum 2`` to it for the same
+microbatch size as one of 2 GPUs; the objective is the same). ``--compare`` adds per-step loss / grad-norm
+differences and the per-GPU throughput ratio (scaling efficiency) to the summary. The default loss is TRL's
+'dapo' (normalised by the whole generation batch's tokens: with DDP's gradient average, N processes train the
+same objective as one; 'grpo' is too, but its value, the mean advantage, is ~0). CPU smoke run (gloo, 2 processes,
+fp32):
 
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \
         --dynamo_backend no benchmarks/multi_gpu_tree_grpo.py --preset tiny --scale 0.002 --steps 2 --out /tmp/mgpu
 
-NVLink multicast (NVLS) stays off: the script sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
-NVSHMEM_DISABLE_NVLS=1 before torch is imported (the lent H200 hosts do not support it; harmless on CPU).
+NVLink multicast (NVLS) stays off: every process sets NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and
+NVSHMEM_DISABLE_NVLS=1 at the top of this file, before torch (and torch.distributed) is imported, because on the
+shared H200 hosts a program using multicast can put the host's GPUs out of service; export them in the launching
+shell as well. They are harmless on CPU.
 
 Writes ``OUT/rank<k>.json`` (per step: wall time, generation / placement / forward time, this rank's path and unique
 tokens, its local loss) and, on rank 0, ``OUT/summary.json`` (per step: step time per rank and its max/mean, the
@@ -367,8 +374,9 @@ def main(argv=None) -> dict | None:
     overrides = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.workload_override)}
     rollouts = WorkloadRollouts(args.steps, args.tasks_per_step, args.scale, spec["vocab_size"], seed=args.seed,
                                 rows_per_task=args.rows_per_task, overrides=overrides)
-    torch.manual_seed(args.seed)
-    model = build_model(PRESETS[args.preset], "qwen3_next", "cpu", torch.float32)  # fp32 weights; bf16 autocast
+    torch.manual_seed(args.seed)  # the same initial weights in every run on the same kind of device
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    model = build_model(PRESETS[args.preset], "qwen3_next", device, torch.float32)  # fp32 weights, bf16 autocast
     if not cuda:
         model.gradient_checkpointing_disable()
     rows = args.tasks_per_step * rollouts.rows_per_task
