@@ -346,6 +346,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: %(default)s)")
     parser.add_argument("--tree-token-budget", type=int, default=None,
                         help="most unique tokens per tree forward; larger microbatches run as planner pieces (DDP only)")
+    parser.add_argument("--gdn-backend", default="auto", choices=["auto", "torch", "fla"],
+                        help="tree_gdn_backend: auto = fla on CUDA when installed (default: %(default)s)")
     parser.add_argument("--loss-type", default="dapo", choices=["grpo", "dapo", "dr_grpo", "cispo", "sapo"],
                         help="TRL loss; all of these keep tree_balance_replicas on (default: %(default)s)")
     parser.add_argument("--no-balance", dest="balance", action="store_false",
@@ -386,7 +388,7 @@ def main(argv=None) -> dict | None:
         num_generations=rollouts.rows_per_task, per_device_train_batch_size=rows // (world * args.grad_accum),
         gradient_accumulation_steps=args.grad_accum, max_completion_length=rollouts.max_completion_length,
         loss_type=args.loss_type, beta=0.0, shuffle_dataset=False, tree_token_budget=args.tree_token_budget,
-        tree_balance_replicas=args.balance, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=cuda,
+        tree_balance_replicas=args.balance, tree_gdn_backend=args.gdn_backend, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=cuda,
         gradient_checkpointing_kwargs={"use_reentrant": False} if cuda else None, logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True)
     from datasets import Dataset
