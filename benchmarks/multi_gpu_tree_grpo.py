@@ -5,14 +5,21 @@ workload preset (harts_hf.workloads), one prompt group per task. Launch it with 
 DeepSpeed ZeRO-2), or as plain ``python`` for the one-process reference over the same global batch.
 
 On the 2-GPU machine, from the repository root (bf16 + gradient checkpointing on CUDA; add ``--tree-token-budget N``
-to run big microbatches as planner pieces, DDP only):
+to run big microbatches as planner pieces, DDP only; on the lent machines, first unpack the package bundle as
+../shared/device/README.md says, `python3` there):
 
-    python benchmarks/multi_gpu_tree_grpo.py --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --out results/mgpu/one
+    python benchmarks/multi_gpu_tree_grpo.py --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 \
+        --out results/mgpu/one
     accelerate launch --config_file examples/accelerate_ddp.yaml benchmarks/multi_gpu_tree_grpo.py --preset 2b \
-        --scale 0.05 --tasks-per-step 4 --steps 6 --out results/mgpu/ddp --compare results/mgpu/one/summary.json
+        --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 --out results/mgpu/ddp --compare results/mgpu/one/summary.json
     accelerate launch --config_file examples/accelerate_deepspeed_zero2.yaml benchmarks/multi_gpu_tree_grpo.py \
-        --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --out results/mgpu/zero2 \
+        --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 --out results/mgpu/zero2 \
         --compare results/mgpu/one/summary.json          # needs `pip install deepspeed`; no --tree-token-budget
+
+At scale 0.05 a step is 4 tasks x 54 rows: ~510k path tokens, ~88.6k unique (R_tok ~5.7), completions up to 3,269
+tokens; the 1-GPU reference holds all of it in one tree forward (fp32 weights and AdamW state ~35 GiB for 2.2B
+parameters, plus activations; not yet run on a GPU). The first steps include fla's Triton autotuning and
+compilation (~100 s per process), hence ``--warmup 2``.
 
 The first command is the 1-GPU reference: it trains the whole global batch (all tasks of a step) in one process,
 so its step time is the 1-GPU time of the work the 2-GPU runs split (add ``--grad-accum 2`` to it for the same
