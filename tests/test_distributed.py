@@ -26,6 +26,17 @@ def launch(out_dir: Path, mode: str, port: int) -> list[dict]:
     return ranks
 
 
+def run_one_process(out_dir: Path, mode: str) -> dict:
+    """The same script as one plain process (the reference for the 2-process runs)."""
+    out_dir.mkdir()
+    result = subprocess.run([sys.executable, str(SCRIPT), str(out_dir), mode], env=ENV, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    single = torch.load(out_dir / "rank0.pt", weights_only=False)
+    assert single["world_size"] == 1
+    return single
+
+
 def test_two_processes_end_with_identical_parameters(tmp_path):
     ranks = launch(tmp_path, "groups", 29517)
     initial = dict(build("qwen3_next_moe", seed=0).named_parameters())
@@ -41,12 +52,7 @@ def test_two_processes_with_uneven_planner_pieces_match_one_process(tmp_path):
     a forward+backward), or one rank pieces and the other one tree forward; DDP still all-reduces once per
     optimizer step (in the last backward) and the result equals one process over the same global batch."""
     ranks = launch(tmp_path / "two", "planner", 29518)
-    (tmp_path / "one").mkdir()
-    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "one"), "planner"], env=ENV,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    single = torch.load(tmp_path / "one" / "rank0.pt", weights_only=False)
-    assert single["world_size"] == 1
+    single = run_one_process(tmp_path / "one", "planner")
     pairs = list(zip(ranks[0]["pieces"], ranks[1]["pieces"]))  # per microbatch; 1: it fit, one tree forward
     assert len(pairs) == 4 and any(a != b and min(a, b) > 1 for a, b in pairs), f"trees not uneven: {pairs}"
     assert any((a == 1) != (b == 1) for a, b in pairs), f"no microbatch mixes pieces and one forward: {pairs}"
@@ -69,12 +75,7 @@ def test_two_processes_balance_whole_groups_and_match_one_process(tmp_path):
     the 'grpo' loss of equal-row microbatches is (1 / all rows) x the sum of per-row terms wherever rows sit, so
     the first step's gradient and the final parameters equal one process over the same global batch."""
     ranks = launch(tmp_path / "two", "balance", 29519)
-    (tmp_path / "one").mkdir()
-    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path / "one"), "balance"], env=ENV,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    single = torch.load(tmp_path / "one" / "rank0.pt", weights_only=False)
-    assert single["world_size"] == 1
+    single = run_one_process(tmp_path / "one", "balance")
     for rank in ranks:  # two generation batches; each process trains on one long ("!") and one short prompt
         assert len(rank["held"]) == 2
         for prompts in rank["held"]:
