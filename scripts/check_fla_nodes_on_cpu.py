@@ -2,7 +2,8 @@
 
 Both fla nodes (the fused per-round node and the round-batched node, ``fla_backend.BATCH_ROUNDS``) against the fp32
 torch backend, on a forest of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state,
-context rows, requested states). fp32 throughout; a few minutes on 2 cores.
+context rows, requested states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
+(log-probs and every parameter gradient). fp32 throughout; a few minutes on 2 cores.
 
 Triton must be importable, which breaks transformers' CPU path in the same environment, so use a throwaway
 virtual environment that sees the project's packages:
@@ -76,7 +77,9 @@ def main() -> None:
     from tests.test_handoff import _root_path, handoff_sequences
 
     assert Path(fla.__file__).parent == copy, f"fla came from {fla.__file__}, not from the patched copy {copy}"
-    ops.resolve_backend = lambda backend, tensor, op: backend  # CPU tensors through fla's kernels
+    from harts_hf.kernels import metadata
+
+    ops.resolve_backend = metadata.resolve_backend = lambda backend, tensor, op: backend  # CPU tensors through fla
     fla_backend._check = lambda q, plan: None
     torch.manual_seed(0)
     H, HV, K, V = 1, 2, 16, 16
@@ -149,8 +152,40 @@ def main() -> None:
         leaves = [*inputs, *([state] if state is not None else [])]
         worst = max(worst, report(f"piece {piece.index} (depth {d0}, {len(branches)} requested states)",
                                   run_all(run, leaves)))
+    worst = max(worst, check_model())
     assert worst < 1e-5, f"fla nodes differ from the fp32 torch backend by {worst:.1e}"
     print(f"OK: worst relative error against the torch backend {worst:.1e}; round-batched == fused bit for bit")
+
+
+def check_model() -> float:
+    """A tiny Qwen3-Next through the patched model: tree log-probs and every parameter gradient with the fla
+    backend (round-batched node) against the torch backend, on a forest with forks at and around chunk edges."""
+    import torch
+
+    from harts_hf import tree_logprobs
+    from tests.forests import chunk_edge_sequences
+    from tests.models import VOCAB, build
+
+    model = build("qwen3_next")
+    sequences = chunk_edge_sequences(vocab=VOCAB)
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    results = {}
+    for backend in ("torch", "fla"):
+        out = tree_logprobs(model, sequences, gdn_backend=backend, attention_backend="sdpa")
+        weights = [torch.randn(lp.shape, generator=torch.Generator().manual_seed(i)) for i, lp in
+                   enumerate(out.logprobs)]
+        loss = sum((lp * w).sum() for lp, w in zip(out.logprobs, weights))
+        results[backend] = (torch.cat(out.logprobs).detach(), torch.autograd.grad(loss, params, allow_unused=True))
+    values = rel(results["fla"][0], results["torch"][0])
+    grads = {name: rel(a, b) for name, a, b in zip(names, results["fla"][1], results["torch"][1])
+             if b is not None and b.norm() > 0}
+    worst = max(grads, key=grads.get)
+    print(f"model (tiny Qwen3-Next, {len(sequences)} sequences): fla vs torch backend: log-probs {values:.1e}, "
+          f"worst parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
+    # the repository's model-level tolerance: A_log / dt_bias gradients are sums of cancelling terms whose fp32
+    # rounding alone reaches ~1e-5 (README, "How exact")
+    assert values < 1e-5 and grads[worst] < 1e-4, (values, worst, grads[worst])
+    return values
 
 
 if __name__ == "__main__":
