@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import json
 import pstats
@@ -46,6 +47,8 @@ def main():
     parser.add_argument("--budget", type=float, default=540.0, help="seconds; later stages are skipped past it")
     parser.add_argument("--fit", nargs=3, type=float, metavar=("C", "A", "B"),
                         help="reuse a cost fit (s/call, s/token, s/pair) from an earlier run instead of fitting")
+    parser.add_argument("--compare-fused", action="store_true",
+                        help="also time each workload's tree step with the fused per-round fla node (BATCH_ROUNDS off)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["parity", "kernels", "padded", "loop", "packed"])
     args = parser.parse_args()
     began = time.perf_counter()
@@ -86,8 +89,21 @@ def main():
         r["cost_fit"] = {"c_seconds_per_call": c, "a_seconds_per_token": a, "b_seconds_per_pair": b, "times": times}
 
     def workload(r, name, scale):
-        r["workloads"][f"{name}@{scale}"] = bench.bench_workload(
+        row = r["workloads"][f"{name}@{scale}"] = bench.bench_workload(
             model, device, name, scale, fit["c"], fit["a"], fit["b"], 1, 4, [*args.skip, "padded"])
+        if args.compare_fused and not on_cuda:
+            print("  --compare-fused: not run on cpu (the fla nodes need CUDA)", flush=True)
+        if args.compare_fused and on_cuda:  # the same tree step with the fused per-round fla node, for the A/B
+            from harts_hf.trees import PrefixForest
+
+            fla_backend = importlib.import_module("harts_hf.kernels.tree_gated_delta_rule.fla_backend")
+            sequences = [[t % model.config.vocab_size for t in s]
+                         for s in make_workload(name, scale=scale, seed=0).sequences]
+            forest = PrefixForest.from_sequences(sequences)
+            seconds, peak = kernels.batched_rounds(
+                fla_backend, lambda: bench.timed(device, lambda: bench.run_tree(model, forest), 1), batched=False)
+            row["tree_fused_node"] = {"seconds": seconds, "peak_gib": peak}
+            print(f"  {name}@{scale}: tree with the fused per-round node {seconds:.3f} s", flush=True)
 
     def padded(r):
         for key, row in r["workloads"].items():
