@@ -160,6 +160,21 @@ def main():
             times["loop_length_classes"] = len(classes)
             times["loop_length_classes_s"] = time.perf_counter() - start
             print(f"  warm-up loop: {len(classes)} length classes in {times['loop_length_classes_s']:.1f} s", flush=True)
+        if "padded" not in args.skip:  # the same for TRL's padded batches: rows = batch x padded width x heads
+            heads = model.config.linear_num_value_heads
+            batches = {}
+            for name, scale in specs:
+                lengths = sorted(len(s) for s in make_workload(name, scale=scale, seed=0).sequences)
+                for start in range(0, len(lengths), 4):  # run_padded's micro-batches of 4 rows, sorted by length
+                    rows, width = len(lengths[start:start + 4]), lengths[start:start + 4][-1]
+                    batches.setdefault(-(-rows * width * heads // 65536), (rows, width))
+            start = time.perf_counter()
+            for rows, width in batches.values():
+                bench.run_padded(model, [[1] * width] * rows, device, 4)
+            sync()
+            times["padded_shape_classes"] = len(batches)
+            times["padded_shape_classes_s"] = time.perf_counter() - start
+            print(f"  warm-up padded: {len(batches)} classes in {times['padded_shape_classes_s']:.1f} s", flush=True)
         r["warmup"] = times
 
     stages = [("warmup", warmup), ("cost_fit", fit_costs)]

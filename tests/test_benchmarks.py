@@ -23,5 +23,5 @@ def test_gpu_suite_model_stages_on_cpu(tmp_path):
     for path in ("tree", "packed", "loop", "padded"):
         assert row[path]["seconds"] > 0, path
     assert row["stats"]["R_tok"] > 1 and row["S_phys"] > 1 and row["loop_model_seconds"] > 0
-    assert results["warmup"]["loop_length_classes"] >= 1
+    assert results["warmup"]["loop_length_classes"] >= 1 and results["warmup"]["padded_shape_classes"] >= 1
     assert "| swe@0.002 |" in run.stdout
