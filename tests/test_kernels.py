@@ -248,3 +248,11 @@ def test_round_batch_lays_the_rounds_back_to_back(seed):
         unit += round_.num_units
     assert sorted(batch.output_token.tolist()) == list(range(packed.num_tokens))
     assert torch.equal(batch.token_index[batch.output_position], batch.output_token)
+    # the state bank: a unit starts from the row its state was saved in (row 0: zeros, never written)
+    row = {}
+    for r, round_ in enumerate(plan.rounds):
+        assert batch.initial_ids[r].tolist() == [0 if key is None else row[key] for key in round_.initial_state]
+        assert batch.save_slots[r].tolist() == [slot for slot, _, _ in round_.saved_states]
+        row.update({key: saved for (_, _, key), saved in zip(round_.saved_states, batch.save_ids[r].tolist())})
+    assert 0 not in row.values() and len(set(row.values())) == len(row) == batch.num_states - 1
+    assert batch.context_id is None

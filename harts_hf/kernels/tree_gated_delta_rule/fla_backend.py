@@ -70,7 +70,12 @@ class RoundBatch:
     ``token_index [E]``, ``cu_seqlens [N + 1]`` and ``chunk_indices [NT, 2]`` describe every unit of every round as
     one varlen batch; ``output_position`` / ``output_token`` place the units' own outputs. Per round ``r``:
     ``tokens[r]`` / ``chunks[r]`` slice that round's executed tokens and chunks out of the batch, and
-    ``round_cu[r]``, ``round_chunk_indices[r]``, ``round_chunk_offsets[r]`` are the round's own varlen grid."""
+    ``round_cu[r]``, ``round_chunk_indices[r]``, ``round_chunk_offsets[r]`` are the round's own varlen grid.
+
+    States handed between rounds live in a bank of ``num_states`` rows (row 0: zeros, never written): unit ``i`` of
+    round ``r`` starts from row ``initial_ids[r][i]``; after the round, unit ``save_slots[r][j]``'s final state is
+    stored in row ``save_ids[r][j]``; ``requested_ids`` are the plan's requested states' rows and ``context_id``
+    the row of the handed-in state (or None). One gather and one scatter per round, whatever its unit count."""
 
     token_index: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -82,12 +87,20 @@ class RoundBatch:
     round_cu: list
     round_chunk_indices: list
     round_chunk_offsets: list
+    num_states: int
+    initial_ids: list
+    save_ids: list
+    save_slots: list
+    requested_ids: torch.Tensor
+    context_id: int | None
 
     def to(self, device) -> RoundBatch:
         move = lambda items: [t.to(device) for t in items]  # noqa: E731
         return RoundBatch(self.token_index.to(device), self.cu_seqlens.to(device), self.chunk_indices.to(device),
                           self.output_position.to(device), self.output_token.to(device), self.tokens, self.chunks,
-                          move(self.round_cu), move(self.round_chunk_indices), move(self.round_chunk_offsets))
+                          move(self.round_cu), move(self.round_chunk_indices), move(self.round_chunk_offsets),
+                          self.num_states, move(self.initial_ids), move(self.save_ids), move(self.save_slots),
+                          self.requested_ids.to(device), self.context_id)
 
 
 def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
@@ -116,31 +129,40 @@ def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
         round_chunk_offsets.append(torch.nn.functional.pad(counts.cumsum(0), (1, 0)))
         token_offset, unit_offset, chunk_offset = token_offset + executed, unit_offset + round_.num_units, \
             chunk_offset + num_chunks
+    row_of: dict = {None: 0}  # state key -> bank row; row 0 stays zero
+    if any(key == CONTEXT_STATE for round_ in cpu for key in round_.initial_state):
+        row_of[CONTEXT_STATE] = len(row_of)
+    for round_ in cpu:
+        for _, chunks_done, key in round_.saved_states:
+            if chunks_done is not None:
+                raise ValueError("the fla backend needs a plan built with final_states_only=True")
+            row_of.setdefault(key, len(row_of))
+    rows = lambda keys: torch.tensor([row_of[key] for key in keys], dtype=torch.long)  # noqa: E731
     batch = RoundBatch(torch.cat([r.token_index for r in cpu]), torch.cat(cu), torch.cat(chunk_indices),
                        torch.cat(positions), torch.cat([r.output_token for r in cpu]), tokens, chunks, round_cu,
-                       round_chunk_indices, round_chunk_offsets)
+                       round_chunk_indices, round_chunk_offsets, len(row_of),
+                       [rows(r.initial_state) for r in cpu], [rows([key for _, _, key in r.saved_states]) for r in cpu],
+                       [torch.tensor([slot for slot, _, _ in r.saved_states], dtype=torch.long) for r in cpu],
+                       rows(plan.requested_states), row_of.get(CONTEXT_STATE))
     cache[str(device)] = batch = batch.to(device)
     return batch
 
 
-def _state_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, k, w, u, g, initials):
-    """fla's state pass round by round; ``initials`` is a list to fill (forward: also a dict of states to read
-    and store, given as ``(list, states)``) or the saved per-round initial states (backward recomputation)."""
-    initials, states = initials if isinstance(initials, tuple) else (initials, None)
-    HV, K, V = u.shape[2], k.shape[-1], u.shape[-1]
-    zero = k.new_zeros(HV, K, V, dtype=torch.float32)
+def _state_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, k, w, u, g, initials, bank=None):
+    """fla's state pass round by round. Forward (``bank`` given): each round's initial states are gathered from the
+    state bank into ``initials`` and its saved final states scattered back; backward recomputation (``bank``
+    None): ``initials`` are the saved per-round initial states. Returns ``h`` and ``v_new`` of all rounds."""
     hs, v_news = [], []
-    for r, round_ in enumerate(plan.rounds):
+    for r in range(len(plan.rounds)):
         t = batch.tokens[r]
-        if states is not None:
-            initials.append(torch.stack([zero if key is None else states[key] for key in round_.initial_state]))
+        if bank is not None:
+            initials.append(bank[batch.initial_ids[r]])
         h, v_new, final = stages["fwd_h"](
             k=k[:, t], w=w[:, t], u=u[:, t], g=g[:, t], initial_state=initials[r],
-            output_final_state=states is not None, chunk_size=plan.chunk_size, cu_seqlens=batch.round_cu[r],
+            output_final_state=bank is not None, chunk_size=plan.chunk_size, cu_seqlens=batch.round_cu[r],
             chunk_indices=batch.round_chunk_indices[r], chunk_offsets=batch.round_chunk_offsets[r])
-        if states is not None:
-            for slot, _, key in round_.saved_states:
-                states[key] = final[slot]
+        if bank is not None:
+            bank.index_copy_(0, batch.save_ids[r], final[batch.save_slots[r]])
         hs.append(h)
         v_news.append(v_new)
     return torch.cat(hs, 1), torch.cat(v_news, 1)
@@ -165,15 +187,15 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         g_cumsum = stages["cumsum"](g.float()[index].unsqueeze(0), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
                                     **grid)
         w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
-        states: dict = {} if initial_state is None else {CONTEXT_STATE: initial_state.float()}
+        bank = q.new_zeros(batch.num_states, HV, K, V, dtype=torch.float32)
+        if batch.context_id is not None and initial_state is not None:
+            bank[batch.context_id] = initial_state.float()
         initials: list = []
-        h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, (initials, states))
+        h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials, bank)
         o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size, **grid)
         out = v.new_zeros(U, HV, V)
         out[batch.output_token] = o[0, batch.output_position].to(v.dtype)
-        zero = q.new_zeros(HV, K, V, dtype=torch.float32)
-        requested = torch.stack([zero if key is None else states[key] for key in plan.requested_states]) \
-            if plan.requested_states else zero.new_zeros(0, HV, K, V)
+        requested = bank[batch.requested_ids]
         ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials)
         ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
         ctx.g_dtype, ctx.initial_dtype = g_dtype, None if initial_state is None else initial_state.dtype
@@ -194,24 +216,21 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         do[batch.output_position] = d_out[batch.output_token]
         do = do.unsqueeze(0)
         dv = stages["bwd_dv_local"](q=qe, k=ke, g=g_cumsum, do=do, scale=scale, chunk_size=plan.chunk_size, **grid)
-        d_state: dict = {}  # state key -> gradient flowing into it (from the units that started from it)
-        for key, grad in zip(plan.requested_states, d_requested if d_requested is not None else ()):
-            if key is not None:
-                d_state[key] = d_state[key] + grad.float() if key in d_state else grad.float()
+        # gradient flowing into every bank row: from requested states, then from the units that started from it
+        # (rounds in reverse: every unit that starts from a state runs in a later round than the one saving it)
+        d_bank = torch.zeros(batch.num_states, *initials[0].shape[1:], dtype=torch.float32, device=v.device)
+        if d_requested is not None and batch.requested_ids.numel():
+            d_bank.index_add_(0, batch.requested_ids, d_requested.float())
         dh_parts, dv_parts = [None] * len(plan.rounds), [None] * len(plan.rounds)
         for r in reversed(range(len(plan.rounds))):
-            round_, t = plan.rounds[r], batch.tokens[r]
-            dht = torch.zeros_like(initials[r])
-            for slot, _, key in round_.saved_states:
-                if key in d_state:
-                    dht[slot] += d_state.pop(key)
+            t = batch.tokens[r]
+            dht = torch.zeros_like(initials[r]).index_copy_(0, batch.save_slots[r], d_bank[batch.save_ids[r]])
             dh_parts[r], dh0, dv_parts[r] = stages["bwd_dhu"](
                 q=qe[:, t], k=ke[:, t], w=w[:, t], do=do[:, t], dv=dv[:, t], g=g_cumsum[:, t], h0=initials[r],
                 dht=dht, scale=scale, cu_seqlens=batch.round_cu[r], chunk_size=plan.chunk_size,
                 chunk_indices=batch.round_chunk_indices[r], chunk_offsets=batch.round_chunk_offsets[r])
-            for slot, key in enumerate(round_.initial_state):
-                if key is not None:
-                    d_state[key] = d_state[key] + dh0[slot] if key in d_state else dh0[slot]
+            d_bank.index_add_(0, batch.initial_ids[r], dh0)
+        d_state = {} if batch.context_id is None else {CONTEXT_STATE: d_bank[batch.context_id]}
         dh, dv = torch.cat(dh_parts, 1), torch.cat(dv_parts, 1)
         dq_e, dk_e, dw, dg_e = stages["bwd_dqkwg"](q=qe, k=ke, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
                                                    scale=scale, chunk_size=plan.chunk_size, **grid)
