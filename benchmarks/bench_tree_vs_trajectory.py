@@ -121,14 +121,19 @@ def fit_costs(model, device, lengths, vocab, repeats):
     return float(c), float(a), float(b), dict(zip(lengths, times))
 
 
+def workload_sequences(name: str, scale: float, vocab: int) -> list[list[int]]:
+    """The benchmark's trajectories of workload preset ``name`` at ``scale`` (seed 0), token ids folded into
+    ``vocab``."""
+    from harts_hf.workloads import make_workload
+
+    return [[t % vocab for t in s] for s in make_workload(name, scale=scale, seed=0).sequences]
+
+
 def bench_workload(model, device, name, scale, c, a, b, repeats, micro_batch, skip=()) -> dict:
     """One workload: tree, packed, loop and padded fwd+bwd times, peak memory, statistics and S_phys."""
     from harts_hf.trees import PrefixForest
-    from harts_hf.workloads import make_workload
 
-    vocab = model.config.vocab_size
-    workload = make_workload(name, scale=scale, seed=0)
-    sequences = [[t % vocab for t in s] for s in workload.sequences]
+    sequences = workload_sequences(name, scale, model.config.vocab_size)
     forest = PrefixForest.from_sequences(sequences)
     separate = PrefixForest.from_sequences(sequences, groups=list(range(len(sequences))))
     row = {}

@@ -63,8 +63,6 @@ def main():
 
     import transformers
 
-    from harts_hf.workloads import make_workload
-
     results = {"model": args.model, "family": args.family,
                "device": torch.cuda.get_device_name() if on_cuda else "cpu",
                "torch": torch.__version__, "transformers": transformers.__version__, "scale": "per workload",
@@ -97,9 +95,7 @@ def main():
             from harts_hf.trees import PrefixForest
 
             fla_backend = importlib.import_module("harts_hf.kernels.tree_gated_delta_rule.fla_backend")
-            sequences = [[t % model.config.vocab_size for t in s]
-                         for s in make_workload(name, scale=scale, seed=0).sequences]
-            forest = PrefixForest.from_sequences(sequences)
+            forest = PrefixForest.from_sequences(bench.workload_sequences(name, scale, model.config.vocab_size))
             seconds, peak = kernels.batched_rounds(
                 fla_backend, lambda: bench.timed(device, lambda: bench.run_tree(model, forest), 1), batched=False)
             row["tree_fused_node"] = {"seconds": seconds, "peak_gib": peak}
@@ -108,8 +104,7 @@ def main():
     def padded(r):
         for key, row in r["workloads"].items():
             name, scale = key.split("@")
-            sequences = [[t % model.config.vocab_size for t in s]
-                         for s in make_workload(name, scale=float(scale), seed=0).sequences]
+            sequences = bench.workload_sequences(name, float(scale), model.config.vocab_size)
             seconds, peak = bench.timed(device, lambda s=sequences: bench.run_padded(model, s, device, 4), 1)
             row["padded"] = {"seconds": seconds, "peak_gib": peak}
             print(f"  {key}: padded {seconds:.3f} s, {peak:.1f} GiB", flush=True)
@@ -151,7 +146,8 @@ def main():
         # rows = tokens x value heads: run one trajectory per class the workloads' lengths fall in, untimed
         if not {"loop", "padded"} <= set(args.skip):
             heads = model.config.linear_num_value_heads
-            lengths = {len(s) for name, scale in specs for s in make_workload(name, scale=scale, seed=0).sequences}
+            lengths = {len(s) for name, scale in specs
+                       for s in bench.workload_sequences(name, scale, model.config.vocab_size)}
             classes = {-(-length * heads // 65536): length for length in sorted(lengths)}
             start = time.perf_counter()
             for length in classes.values():
@@ -164,7 +160,7 @@ def main():
             heads = model.config.linear_num_value_heads
             batches = {}
             for name, scale in specs:
-                lengths = sorted(len(s) for s in make_workload(name, scale=scale, seed=0).sequences)
+                lengths = sorted(len(s) for s in bench.workload_sequences(name, scale, model.config.vocab_size))
                 for start in range(0, len(lengths), 4):  # run_padded's micro-batches of 4 rows, sorted by length
                     rows, width = len(lengths[start:start + 4]), lengths[start:start + 4][-1]
                     batches.setdefault(-(-rows * width * heads // 65536), (rows, width))

@@ -35,15 +35,13 @@ from .replica_balance import (
     batch_signature,
     gather_generation_batch,
     place_groups,
+    prompt_groups,
     select_rows,
 )
 
 __all__ = ["TreeGRPOTrainer"]
 
 logger = logging.get_logger(__name__)
-
-_MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-                    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids")
 
 
 class TreeGRPOTrainer(GRPOTrainer):
@@ -92,7 +90,7 @@ class TreeGRPOTrainer(GRPOTrainer):
             self._replay = None
             self._record_tree_stats(stats)
             return logps, (entropies if compute_entropy else None), None
-        if not self.args.use_tree or any(multimodal.get(key) is not None for key in _MULTIMODAL_KEYS):
+        if not self.args.use_tree or any(multimodal.get(key) is not None for key in MULTIMODAL_KEYS):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
@@ -178,7 +176,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         metrics on the pieces' log-probs. Everything else is TRL's ``compute_loss``."""
         if (return_outputs or not self.args.use_tree or self.args.tree_token_budget is None
                 or not torch.is_grad_enabled() or not self.model.training
-                or any(inputs.get(key) is not None for key in _MULTIMODAL_KEYS)):
+                or any(inputs.get(key) is not None for key in MULTIMODAL_KEYS)):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
@@ -350,14 +348,9 @@ class TreeGRPOTrainer(GRPOTrainer):
 
 def _group_permutation(batch: dict) -> torch.Tensor:
     """A random order of prompt groups; inside a group, rows sorted by their token sequence (siblings adjacent)."""
-    prompt_ids, prompt_mask = batch["prompt_ids"], batch["prompt_mask"].bool()
     completion_ids, completion_mask = batch["completion_ids"], batch["completion_mask"].bool()
-    prompts = [tuple(ids[mask].tolist()) for ids, mask in zip(prompt_ids, prompt_mask)]
     completions = [tuple(ids[mask].tolist()) for ids, mask in zip(completion_ids, completion_mask)]
-    groups: dict[tuple, list[int]] = {}
-    for row, prompt in enumerate(prompts):
-        groups.setdefault(prompt, []).append(row)
-    members = list(groups.values())
+    members = prompt_groups(batch)
     order = torch.randperm(len(members)).tolist()
     rows = [row for g in order for row in sorted(members[g], key=lambda r: completions[r])]
     return torch.tensor(rows, dtype=torch.long)
