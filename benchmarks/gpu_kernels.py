@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import random
 import time
@@ -55,9 +54,11 @@ def gdn_inputs(U, HK, HV, K, V, seed=0):
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
-def batched_rounds(fla_backend, run, batched: bool = True):
+def batched_rounds(run, batched: bool = True):
     """``run()`` with ``fla_backend.BATCH_ROUNDS = batched`` (round-batched node or the fused per-round node),
     restoring the switch."""
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend
+
     previous, fla_backend.BATCH_ROUNDS = fla_backend.BATCH_ROUNDS, batched
     try:
         return run()
@@ -107,7 +108,6 @@ def parity(results: dict) -> None:
         tree_gated_delta_rule_fla,
         tree_gated_delta_rule_fla_autograd,
     )
-    fla_backend = importlib.import_module("harts_hf.kernels.tree_gated_delta_rule.fla_backend")
     from harts_hf.trees import PrefixForest
     from tests.forests import random_tree_sequences
 
@@ -119,9 +119,9 @@ def parity(results: dict) -> None:
     torch_plan = build_gated_delta_plan(packed).to("cuda")
     outs = {}
     for name, run in (
-        ("fused", lambda: batched_rounds(fla_backend, lambda: tree_gated_delta_rule_fla(
+        ("fused", lambda: batched_rounds(lambda: tree_gated_delta_rule_fla(
             *inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True), batched=False)),
-        ("batched", lambda: batched_rounds(fla_backend, lambda: tree_gated_delta_rule_fla(
+        ("batched", lambda: batched_rounds(lambda: tree_gated_delta_rule_fla(
             *inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True))),
         ("per_round", lambda: tree_gated_delta_rule_fla_autograd(*inputs, fla_plan, scale=128 ** -0.5,
                                                                  use_qk_l2norm_in_kernel=True)),
@@ -148,7 +148,6 @@ def handoff_parity(results: dict) -> None:
     from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
     from harts_hf.planner import plan
     from tests.test_handoff import _root_path, handoff_sequences
-    fla_backend = importlib.import_module("harts_hf.kernels.tree_gated_delta_rule.fla_backend")
 
     the_plan = plan(handoff_sequences(seed=3), token_budget=140)
     packed = the_plan.packed
@@ -175,7 +174,7 @@ def handoff_parity(results: dict) -> None:
             run = functools.partial(tree_gated_delta_rule, *(cast(t[tokens]) for t in inputs), sub_plan,
                                     backend=backend, use_qk_l2norm_in_kernel=True, initial_state=state,
                                     context=context, output_requested_states=True)
-            out, states = batched_rounds(fla_backend, run, batched=name == "fla_batched")
+            out, states = batched_rounds(run, batched=name == "fla_batched")
             loss = out.float().square().sum() + sum(s.square().sum() for s in states if s is not None)
             leaves = [*inputs, *([state] if state is not None else [])]
             outs[name] = (out.detach(), [s.detach() for s in states if s is not None],
@@ -220,10 +219,9 @@ def timing(results: dict, workload: str, scale: float) -> None:
     run_starts = torch.nonzero(packed.parent != torch.arange(U) - 1)[:, 0]
     run_lengths = torch.diff(torch.cat([run_starts, torch.tensor([U])]))
     cu_runs = torch.nn.functional.pad(run_lengths.cumsum(0), (1, 0)).to("cuda")
-    fla_backend = importlib.import_module("harts_hf.kernels.tree_gated_delta_rule.fla_backend")
-    row["gdn_tree_fused_s"] = bench(lambda: batched_rounds(fla_backend, lambda: backward(tree_gated_delta_rule(
+    row["gdn_tree_fused_s"] = bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
         *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), batched=False))
-    row["gdn_tree_batched_s"] = bench(lambda: batched_rounds(fla_backend, lambda: backward(tree_gated_delta_rule(
+    row["gdn_tree_batched_s"] = bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
         *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla"))))
     row["gdn_tree_per_round_s"] = bench(lambda: backward(tree_gated_delta_rule_fla_autograd(
         *inputs, plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import importlib
 import io
 import json
 import pstats
@@ -94,10 +93,9 @@ def main():
         if args.compare_fused and on_cuda:  # the same tree step with the fused per-round fla node, for the A/B
             from harts_hf.trees import PrefixForest
 
-            fla_backend = importlib.import_module("harts_hf.kernels.tree_gated_delta_rule.fla_backend")
             forest = PrefixForest.from_sequences(bench.workload_sequences(name, scale, model.config.vocab_size))
             seconds, peak = kernels.batched_rounds(
-                fla_backend, lambda: bench.timed(device, lambda: bench.run_tree(model, forest), 1), batched=False)
+                lambda: bench.timed(device, lambda: bench.run_tree(model, forest), 1), batched=False)
             row["tree_fused_node"] = {"seconds": seconds, "peak_gib": peak}
             print(f"  {name}@{scale}: tree with the fused per-round node {seconds:.3f} s", flush=True)
 
