@@ -123,6 +123,24 @@ def test_tree_attention(name, dtype, heads, kv_heads, head_dim):
     assert_paths_match(packed, by_runs, tree_attention_reference(q, k, v, packed, scaling=0.2), (q, k, v), dtype)
 
 
+def test_tree_attention_under_autocast_runs_in_the_autocast_dtype():
+    """fp32 weights + bf16 autocast leave q/k in fp32 (RoPE) and v in bf16: the kernel sees what SDPA would."""
+    torch.manual_seed(0)
+    packed = PrefixForest.from_sequences(FORESTS["random_a"]).pack()
+    U = packed.num_tokens
+    q, k = torch.randn(U, 4, 16), torch.randn(U, 2, 16)
+    v = torch.randn(U, 2, 16, dtype=torch.bfloat16)
+    context_k, context_v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    for context in (False, True):
+        extra = dict(context_k=context_k, context_v=context_v) if context else {}
+        expected = tree_attention(q.bfloat16(), k.bfloat16(), v, packed.subtree_end, scaling=0.25,
+                                  **{key: t.bfloat16() for key, t in extra.items()})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = tree_attention(q, k, v, packed.subtree_end, scaling=0.25, **extra)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, expected)
+
+
 def test_cpu_tensors_never_take_the_triton_backend(monkeypatch):
     import harts_hf.kernels._backend as backend
 

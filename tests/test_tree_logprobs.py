@@ -139,6 +139,26 @@ def test_attention_by_runs_in_the_model():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_attention_inputs_follow_autocast(monkeypatch):
+    """HF Trainer's bf16=True keeps fp32 weights under autocast; RoPE's fp32 cos/sin then leave q and k in fp32.
+    The tree attention must still get half-precision inputs (on CUDA that selects the varlen flash path; fp32
+    would fall back to SDPA per run), exactly as SDPA under autocast would compute them."""
+    import harts_hf.model_patches.core as core
+
+    seen = []
+    original = core.tree_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return original(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(core, "tree_attention", spy)
+    model = build("qwen3_next")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tree_logprobs(model, chunk_edge_sequences(vocab=VOCAB))
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_norms_in_row_blocks_change_nothing(family, monkeypatch):
     """fla's norm kernels autotune per 65,536-row bucket, so the patched layer applies the gated norm in blocks of

@@ -19,6 +19,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..kernels import TreeMetadata, tree_attention
+from ..kernels.tree_attention.ops import autocast_inputs
 
 __all__ = ["PatchHandle", "TreeFamily", "apply_tree_patches", "register_family", "supported_model_types",
            "TREE_ATTENTION_NAME", "TREE_KWARG"]
@@ -180,7 +181,8 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
                          "disable use_sliding_window in the config or train without trees.")
     if query.shape[0] != 1 or query.shape[2] != tree.num_tokens:
         raise ValueError(f"tree attention expects one packed row of {tree.num_tokens} tokens, got query {tuple(query.shape)}")
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
+    # under autocast, in its dtype before the kernel choice below (and before hand-off exports record keys)
+    q, k, v = autocast_inputs(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1))
     context_k = context_v = None
     if tree.context is not None or tree.exports:
         layer = layer_key(module)

@@ -26,6 +26,20 @@ def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0) -> t
     return mask
 
 
+def autocast_inputs(*tensors: torch.Tensor | None) -> tuple:
+    """Cast attention inputs to the autocast dtype when autocast is on for their device, as autocast does for SDPA.
+
+    Under mixed precision with fp32 weights (HF Trainer's ``bf16=True``), RoPE's fp32 cos/sin leave queries and keys
+    in fp32 while values come out of a linear in bf16; the flash kernels (and the choice of them) need the half
+    precision SDPA would see. ``None`` entries pass through.
+    """
+    device = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
+
+
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
                    scaling: float | None = None, mask: torch.Tensor | None = None,
                    backend: str = "auto", layout=None, context_k: torch.Tensor | None = None,
@@ -46,10 +60,11 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
             then be built with ``context_tokens=C``.
 
     Returns:
-        ``[U, HQ, D]`` in ``q.dtype``.
+        ``[U, HQ, D]`` in ``q.dtype`` (the autocast dtype under autocast, see :func:`autocast_inputs`).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"tree_attention: backend must be one of {_BACKENDS}, got {backend!r}")
+    q, k, v, context_k, context_v = autocast_inputs(q, k, v, context_k, context_v)
     U, HQ, D = q.shape
     if k.shape[0] != U or v.shape[0] != U or k.shape[1] != v.shape[1] or HQ % k.shape[1]:
         raise ValueError(f"tree_attention: expected q [U, HQ, D], k and v [U, HKV, D] with HQ % HKV == 0; got "
