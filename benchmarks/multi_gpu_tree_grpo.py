@@ -244,11 +244,16 @@ def step_recorder(trainer, records: list):
     class StepRecorder(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             _synchronize(trainer.accelerator.device)
+            if trainer.accelerator.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(trainer.accelerator.device)
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            _synchronize(trainer.accelerator.device)
-            records.append(dict(step=state.global_step, step_s=time.perf_counter() - self.start, **trainer.step_record))
+            device = trainer.accelerator.device
+            _synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+            records.append(dict(step=state.global_step, step_s=time.perf_counter() - self.start, peak_gib=peak,
+                                **trainer.step_record))
             trainer.step_record = trainer._fresh_record()
 
     return StepRecorder()
@@ -273,7 +278,7 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
             step_imbalance=max(step_s) / (sum(step_s) / world),
             forward_imbalance=max(forward_s) / max(sum(forward_s) / world, 1e-12),
             generate_s=[e["generate_s"] for e in entries], balance_s=[e["balance_s"] for e in entries],
-            path_tokens=[e["path_tokens"] for e in entries], unique_tokens=[e["unique_tokens"] for e in entries],
+            peak_gib=[e.get("peak_gib", float("nan")) for e in entries], path_tokens=[e["path_tokens"] for e in entries], unique_tokens=[e["unique_tokens"] for e in entries],
             local_loss=[e["local_loss"] for e in entries], loss=log.get("loss"), grad_norm=log.get("grad_norm"),
             tree={k: v for k, v in log.items() if k.startswith("tree/")}))
     measured = [row for row in rows if row["step"] > warmup] or rows
