@@ -198,7 +198,7 @@ def timed_trainer_class():
         @staticmethod
         def _fresh_record() -> dict:
             return dict(generate_s=0.0, balance_s=0.0, forward_s=0.0, path_tokens=0, unique_tokens=0, local_loss=0.0,
-                        microbatches=0)
+                        microbatches=0, plan_memory=[])
 
         def _timed(self, key, function, *args):
             _synchronize(self.accelerator.device)
@@ -232,6 +232,9 @@ def timed_trainer_class():
             loss = super().training_step(model, inputs, num_items_in_batch)
             self.step_record["local_loss"] += loss.item()
             self.step_record["microbatches"] += 1
+            # planner pieces (CUDA): allocated / peak GiB after each piece's phases, for the last microbatch
+            self.step_record["plan_memory"] = getattr(self, "last_plan_memory", [])
+            self.last_plan_memory = []
             return loss
 
     return TimedTreeGRPOTrainer

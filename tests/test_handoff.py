@@ -112,6 +112,7 @@ def check_plan(model, sequences, budget, *, reference: bool, dtype=torch.float32
     unique = the_plan.packed.num_tokens
     assert sum(counted) == unique == run.stats["grad_tokens"], "every unique token once with gradient"
     assert run.stats["grad_forwards"] == len(the_plan.pieces)
+    assert run.memory == []  # the allocator trace is CUDA-only
 
     tree, tree_grads = tree_objective(model, sequences, weights, entropy_weights)
     value_tol, grad_tol = (1e-5, 3e-5) if dtype == torch.float32 else (1e-6, 1e-6)

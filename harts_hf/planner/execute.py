@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -54,6 +54,9 @@ class PlanExecution:
     ``stats``: ``pieces``, ``handoffs``, ``grad_forwards`` / ``grad_tokens`` (forwards with gradient and the
     tokens they computed: every unique token once) and ``nograd_forwards`` / ``nograd_tokens`` (forwards without
     gradient: the sources' hand-off passes, or every piece in a forward-only pass).
+    ``memory`` (CUDA only, else empty): per piece and phase (``start``, ``handoff`` after a source's no-grad
+    forward, ``children``, ``forward``, ``backward``), ``(piece, phase, allocated GiB, peak GiB so far)`` from
+    torch's caching allocator (the peak is not reset here): where a microbatch's memory goes, piece by piece.
     """
 
     logprobs: list[torch.Tensor]
@@ -62,6 +65,7 @@ class PlanExecution:
     token_entropies: torch.Tensor | None
     loss: torch.Tensor | None
     stats: dict
+    memory: list = field(default_factory=list)
 
 
 def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=None,
@@ -159,6 +163,12 @@ class _PlanRunner:
         self.stats = {"pieces": 0, "handoffs": 0, "grad_forwards": 0, "grad_tokens": 0, "nograd_forwards": 0,
                       "nograd_tokens": 0}
         self._occurrences = None
+        self.memory: list[tuple[int, str, float, float]] = []
+
+    def _mark(self, piece: Piece, phase: str) -> None:
+        if self.device.type == "cuda":
+            self.memory.append((piece.index, phase, torch.cuda.memory_allocated(self.device) / 2**30,
+                                torch.cuda.max_memory_allocated(self.device) / 2**30))
 
     # ------------------------------------------------------------------ inputs
     def set_token_weights(self, logprob_weights, entropy_weights) -> None:
@@ -229,6 +239,7 @@ class _PlanRunner:
         global_parent = self.packed.parent[tokens]
         targets = torch.nonzero(global_parent >= 0).squeeze(1).to(self.device)
         training = self.loss_fn is not None or self.token_weights is not None
+        self._mark(piece, "start")
 
         if not training:
             output = self._forward(tree, targets, grad=False)
@@ -242,14 +253,18 @@ class _PlanRunner:
                 self._forward(tree, targets[:0], grad=False)
             else:
                 output = self._forward(tree, targets, grad=True)
+            self._mark(piece, "handoff")
         child_contexts = []
         for child, export in zip(children, tree.exports):
             child_context = export.as_context()
             self.run(child, child_context)
             child_contexts.append(child_context)
+        if children:
+            self._mark(piece, "children")
         with nullcontext() if last or self.no_sync is None else self.no_sync():
             if output is None:
                 output = self._forward(tree, targets, grad=True)
+            self._mark(piece, "forward")
             self._store(tokens, targets, output)
             loss = self._piece_loss(piece, tokens, targets, output)
             roots, grads = [], []
@@ -271,6 +286,7 @@ class _PlanRunner:
                     grads.append(torch.ones((), device=roots[-1].device))
             if roots:
                 torch.autograd.backward(roots, grads)
+            self._mark(piece, "backward")
         self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
 
     def _forward(self, tree: TreeMetadata, targets: torch.Tensor, *, grad: bool):
@@ -323,7 +339,7 @@ class _PlanRunner:
         logprobs = [x[1:] for x in packed.gather_sequences(self.token_logprobs)]
         entropies = [x[1:] for x in packed.gather_sequences(self.token_entropies)] if self.compute_entropy else None
         return PlanExecution(logprobs, entropies, self.token_logprobs, self.token_entropies, self.loss,
-                             dict(self.stats))
+                             dict(self.stats), list(self.memory))
 
 
 def _reentrant_checkpointing(model) -> bool:

@@ -194,8 +194,8 @@ class TreeGRPOTrainer(GRPOTrainer):
                                  on_last=lambda logps, entropies: self._replayed_loss(model, inputs, logps, entropies,
                                                                                       stats))
             with self.accelerator.autocast():
-                execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True, no_sync=no_sync,
-                             **self._execute_options())
+                execution = execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True,
+                                         no_sync=no_sync, **self._execute_options())
             loss = loss_fn.replayed
         else:  # sequence-coupled loss: values first, then the exact gradient of TRL's loss at those values
             with torch.no_grad(), self.accelerator.autocast():
@@ -207,8 +207,9 @@ class TreeGRPOTrainer(GRPOTrainer):
                 grads = torch.autograd.grad(loss, [logps, entropies], allow_unused=True)
             loss_fn = _PieceLoss(self, layout, inputs, len(the_plan.pieces), linear_weights=grads)
             with self.accelerator.autocast():
-                execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True, no_sync=no_sync,
-                             **self._execute_options())
+                execution = execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True,
+                                         no_sync=no_sync, **self._execute_options())
+        self.last_plan_memory = execution.memory  # CUDA allocator trace per piece (benchmarks read it)
         return loss.detach().requires_grad_()
 
     def _token_level_loss(self) -> bool:
