@@ -30,8 +30,14 @@ import torch
 
 from .._backend import in_row_blocks
 from .plan import CONTEXT_STATE, GatedDeltaPlan
+from .serial_state_pass import serial_units, tree_state_backward, tree_state_forward
 
 BATCH_ROUNDS = True  # False: the fused per-round node (see the module docstring)
+# The round-batched node's state pass: "rounds" (fla's state pass once per round) or "serial" (every unit in one
+# launch per direction, harts_hf.kernels.tree_gated_delta_rule.serial_state_pass). "serial" is checked through
+# Triton's interpreter on the CPU; it stays opt-in until it is timed on a GPU.
+STATE_PASS = "rounds"
+_STATE_PASSES = ("rounds", "serial")
 
 
 def _import_fla():
@@ -168,6 +174,37 @@ def _state_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, k, w, u, g, ini
     return torch.cat(hs, 1), torch.cat(v_news, 1)
 
 
+def _state_gradient_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, qe, ke, w, g, do, dv, initials, d_bank,
+                         scale):
+    """fla's state-gradient pass round by round, in reverse: every unit that starts from a state runs in a later
+    round than the one saving it, so a row of ``d_bank`` is complete (requested-state gradients plus every
+    starting unit's) before the unit that saved it reads it. Returns ``dh`` and ``dv2`` of all rounds."""
+    dh_parts, dv_parts = [None] * len(plan.rounds), [None] * len(plan.rounds)
+    for r in reversed(range(len(plan.rounds))):
+        t = batch.tokens[r]
+        dht = torch.zeros_like(initials[r]).index_copy_(0, batch.save_slots[r], d_bank[batch.save_ids[r]])
+        dh_parts[r], dh0, dv_parts[r] = stages["bwd_dhu"](
+            q=qe[:, t], k=ke[:, t], w=w[:, t], do=do[:, t], dv=dv[:, t], g=g[:, t], h0=initials[r],
+            dht=dht, scale=scale, cu_seqlens=batch.round_cu[r], chunk_size=plan.chunk_size,
+            chunk_indices=batch.round_chunk_indices[r], chunk_offsets=batch.round_chunk_offsets[r])
+        d_bank.index_add_(0, batch.initial_ids[r], dh0)
+    return torch.cat(dh_parts, 1), torch.cat(dv_parts, 1)
+
+
+def _state_bank(batch: RoundBatch, initial_state, HV: int, K: int, V: int, device) -> torch.Tensor:
+    """The fp32 state bank of a forward: zeros, and the handed-in state in its row."""
+    bank = torch.zeros(batch.num_states, HV, K, V, dtype=torch.float32, device=device)
+    if batch.context_id is not None and initial_state is not None:
+        bank[batch.context_id] = initial_state.float()
+    return bank
+
+
+def _serial_state_pass() -> bool:
+    if STATE_PASS not in _STATE_PASSES:
+        raise ValueError(f"fla_backend.STATE_PASS must be one of {_STATE_PASSES}, got {STATE_PASS!r}")
+    return STATE_PASS == "serial"
+
+
 class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
     """Same contract as :class:`_TreeGatedDeltaRuleFla`; state-independent stages batched over all rounds."""
 
@@ -187,11 +224,16 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         g_cumsum = stages["cumsum"](g.float()[index].unsqueeze(0), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
                                     **grid)
         w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
-        bank = q.new_zeros(batch.num_states, HV, K, V, dtype=torch.float32)
-        if batch.context_id is not None and initial_state is not None:
-            bank[batch.context_id] = initial_state.float()
+        bank = _state_bank(batch, initial_state, HV, K, V, q.device)
         initials: list = []
-        h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials, bank)
+        serial = _serial_state_pass()
+        if serial:
+            units = serial_units(plan, q.device)
+            h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
+            if initial_state is not None:  # the recomputation rebuilds the bank from the handed-in state
+                initials.append(initial_state)
+        else:
+            h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials, bank)
         o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size, **grid)
         out = v.new_zeros(U, HV, V)
         out[batch.output_token] = o[0, batch.output_position].to(v.dtype)
@@ -199,6 +241,7 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials)
         ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
         ctx.g_dtype, ctx.initial_dtype = g_dtype, None if initial_state is None else initial_state.dtype
+        ctx.serial = serial
         return out, requested
 
     @staticmethod
@@ -211,27 +254,26 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
         qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
         w, u = stages["recompute_w_u"](k=ke, v=ve, beta=be, A=A, g=g_cumsum, **grid)
-        h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials)
+        if ctx.serial:
+            units = serial_units(plan, q.device)
+            bank = _state_bank(batch, initials[0] if initials else None, HV, k.shape[-1], V, q.device)
+            h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
+        else:
+            h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials)
         do = d_out.new_zeros(index.shape[0], HV, V)
         do[batch.output_position] = d_out[batch.output_token]
         do = do.unsqueeze(0)
         dv = stages["bwd_dv_local"](q=qe, k=ke, g=g_cumsum, do=do, scale=scale, chunk_size=plan.chunk_size, **grid)
         # gradient flowing into every bank row: from requested states, then from the units that started from it
         # (rounds in reverse: every unit that starts from a state runs in a later round than the one saving it)
-        d_bank = torch.zeros(batch.num_states, *initials[0].shape[1:], dtype=torch.float32, device=v.device)
+        d_bank = torch.zeros(batch.num_states, HV, k.shape[-1], V, dtype=torch.float32, device=v.device)
         if d_requested is not None and batch.requested_ids.numel():
             d_bank.index_add_(0, batch.requested_ids, d_requested.float())
-        dh_parts, dv_parts = [None] * len(plan.rounds), [None] * len(plan.rounds)
-        for r in reversed(range(len(plan.rounds))):
-            t = batch.tokens[r]
-            dht = torch.zeros_like(initials[r]).index_copy_(0, batch.save_slots[r], d_bank[batch.save_ids[r]])
-            dh_parts[r], dh0, dv_parts[r] = stages["bwd_dhu"](
-                q=qe[:, t], k=ke[:, t], w=w[:, t], do=do[:, t], dv=dv[:, t], g=g_cumsum[:, t], h0=initials[r],
-                dht=dht, scale=scale, cu_seqlens=batch.round_cu[r], chunk_size=plan.chunk_size,
-                chunk_indices=batch.round_chunk_indices[r], chunk_offsets=batch.round_chunk_offsets[r])
-            d_bank.index_add_(0, batch.initial_ids[r], dh0)
+        if ctx.serial:
+            dh, dv = tree_state_backward(units, qe, ke, w, g_cumsum, do, dv, d_bank, scale, plan.chunk_size)
+        else:
+            dh, dv = _state_gradient_pass(stages, batch, plan, qe, ke, w, g_cumsum, do, dv, initials, d_bank, scale)
         d_state = {} if batch.context_id is None else {CONTEXT_STATE: d_bank[batch.context_id]}
-        dh, dv = torch.cat(dh_parts, 1), torch.cat(dv_parts, 1)
         dq_e, dk_e, dw, dg_e = stages["bwd_dqkwg"](q=qe, k=ke, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
                                                    scale=scale, chunk_size=plan.chunk_size, **grid)
         dk2, dv_e, db_e, dg2 = stages["wy_bwd"](k=ke, v=ve, beta=be, g=g_cumsum, A=A, dw=dw, du=dv, **grid)
