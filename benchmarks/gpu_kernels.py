@@ -3,7 +3,7 @@
     python benchmarks/gpu_kernels.py --out results/          # on the H200 (see ../shared/device/README.md)
 
 1. Parity (bf16 inputs): tree gated delta rule with the fused fla node, the round-batched node
-   (``fla_backend.BATCH_ROUNDS``) and fla's public function once per round vs the fp32 torch backend; outputs and
+   (``fla_backend.BATCH_ROUNDS``; with fla's state pass per round and with the serial one, ``STATE_PASS``) and fla's public function once per round vs the fp32 torch backend; outputs and
    every input gradient. Hand-off pieces (handed-in state, context rows, requested states) on both nodes, and fla's
    own bf16 level for gradients through final states (its public function, loss on outputs and final states).
 2. Timing (fwd+bwd, warm, CUDA-synchronised) at the ~2B Qwen3-Next layer shapes on a workload's forest:
@@ -54,16 +54,17 @@ def gdn_inputs(U, HK, HV, K, V, seed=0):
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
-def batched_rounds(run, batched: bool = True):
-    """``run()`` with ``fla_backend.BATCH_ROUNDS = batched`` (round-batched node or the fused per-round node),
-    restoring the switch."""
+def batched_rounds(run, batched: bool = True, state_pass: str = "rounds"):
+    """``run()`` with ``fla_backend.BATCH_ROUNDS = batched`` (round-batched node or the fused per-round node) and
+    the round-batched node's ``fla_backend.STATE_PASS`` ("rounds" or "serial"), restoring both switches."""
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
 
-    previous, fla_backend.BATCH_ROUNDS = fla_backend.BATCH_ROUNDS, batched
+    previous = fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS
+    fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS = batched, state_pass
     try:
         return run()
     finally:
-        fla_backend.BATCH_ROUNDS = previous
+        fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS = previous
 
 
 def final_state_parity(results: dict) -> None:
@@ -123,6 +124,8 @@ def parity(results: dict) -> None:
             *inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True), batched=False)),
         ("batched", lambda: batched_rounds(lambda: tree_gated_delta_rule_fla(
             *inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True))),
+        ("serial", lambda: batched_rounds(lambda: tree_gated_delta_rule_fla(
+            *inputs, fla_plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True), state_pass="serial")),
         ("per_round", lambda: tree_gated_delta_rule_fla_autograd(*inputs, fla_plan, scale=128 ** -0.5,
                                                                  use_qk_l2norm_in_kernel=True)),
         ("torch_fp32", lambda: tree_gated_delta_rule(*(x.float() for x in inputs), torch_plan,
@@ -131,11 +134,11 @@ def parity(results: dict) -> None:
         out = run()
         outs[name] = (out.detach(), torch.autograd.grad((out.float() * weight).sum(), inputs))
     report = {"plan": fla_plan.stats}
-    for name in ("fused", "per_round", "batched"):
+    for name in ("fused", "per_round", "batched", "serial"):
         report[f"{name}_vs_fp32_out"] = rel(outs[name][0], outs["torch_fp32"][0])
         for j, arg in enumerate("q k v g beta".split()):
             report[f"{name}_vs_fp32_grad_{arg}"] = rel(outs[name][1][j], outs["torch_fp32"][1][j])
-    for other in ("per_round", "batched"):
+    for other in ("per_round", "batched", "serial"):
         report[f"fused_vs_{other}_out"] = rel(outs["fused"][0], outs[other][0])
         for j, arg in enumerate("q k v g beta".split()):
             report[f"fused_vs_{other}_grad_{arg}"] = rel(outs["fused"][1][j], outs[other][1][j])
@@ -166,7 +169,7 @@ def handoff_parity(results: dict) -> None:
         branches = [int(torch.searchsorted(tokens.cpu(), child.handoff.branch_token)) for child in children]
         state = torch.randn(8, 128, 128, device="cuda").mul_(0.1).requires_grad_() if boundary else None
         outs = {}
-        for name in ("fla", "fla_batched", "torch"):
+        for name in ("fla", "fla_batched", "fla_serial", "torch"):
             backend = "torch" if name == "torch" else "fla"
             cast = (lambda x: x) if backend == "fla" else (lambda x: x.float())
             sub_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=branches).to("cuda")
@@ -174,14 +177,17 @@ def handoff_parity(results: dict) -> None:
             run = functools.partial(tree_gated_delta_rule, *(cast(t[tokens]) for t in inputs), sub_plan,
                                     backend=backend, use_qk_l2norm_in_kernel=True, initial_state=state,
                                     context=context, output_requested_states=True)
-            out, states = batched_rounds(run, batched=name == "fla_batched")
+            out, states = batched_rounds(run, batched=name != "fla",
+                                         state_pass="serial" if name == "fla_serial" else "rounds")
             loss = out.float().square().sum() + sum(s.square().sum() for s in states if s is not None)
             leaves = [*inputs, *([state] if state is not None else [])]
             outs[name] = (out.detach(), [s.detach() for s in states if s is not None],
                           torch.autograd.grad(loss, leaves))
         entry = {}
-        for name, against in (("", "torch"), ("batched_", "torch"), ("batched_vs_fused_", "fla")):
-            mine = outs["fla_batched" if name else "fla"]
+        for name, against, node in (("", "torch", "fla"), ("batched_", "torch", "fla_batched"),
+                                    ("batched_vs_fused_", "fla", "fla_batched"), ("serial_", "torch", "fla_serial"),
+                                    ("serial_vs_fused_", "fla", "fla_serial")):
+            mine = outs[node]
             entry[f"{name}out"] = rel(mine[0], outs[against][0])
             entry[f"{name}states"] = max([rel(a, b) for a, b in zip(mine[1], outs[against][1])], default=0.0)
             entry[f"{name}grads"] = max(rel(a, b) for a, b in zip(mine[2], outs[against][2]))
@@ -223,6 +229,8 @@ def timing(results: dict, workload: str, scale: float) -> None:
         *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), batched=False))
     row["gdn_tree_batched_s"] = bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
         *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla"))))
+    row["gdn_tree_serial_s"] = bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
+        *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), state_pass="serial"))
     row["gdn_tree_per_round_s"] = bench(lambda: backward(tree_gated_delta_rule_fla_autograd(
         *inputs, plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)))
     row["gdn_single_call_s"] = bench(lambda: backward(chunk_gated_delta_rule(
@@ -230,6 +238,7 @@ def timing(results: dict, workload: str, scale: float) -> None:
     row["gdn_single_call_runs"] = int(run_lengths.numel())
     row["gdn_tree_over_single"] = row["gdn_tree_fused_s"] / row["gdn_single_call_s"]
     row["gdn_tree_batched_over_single"] = row["gdn_tree_batched_s"] / row["gdn_single_call_s"]
+    row["gdn_tree_serial_over_single"] = row["gdn_tree_serial_s"] / row["gdn_single_call_s"]
     inputs = None  # free before the next op
 
     # attention: 16 query heads, 2 KV heads, head_dim 256

@@ -47,7 +47,8 @@ def main():
     parser.add_argument("--fit", nargs=3, type=float, metavar=("C", "A", "B"),
                         help="reuse a cost fit (s/call, s/token, s/pair) from an earlier run instead of fitting")
     parser.add_argument("--compare-fused", action="store_true",
-                        help="also time each workload's tree step with the fused per-round fla node (BATCH_ROUNDS off)")
+                        help="also time each workload's tree step with the fused per-round fla node (BATCH_ROUNDS off) and "
+                             "with the serial state pass (STATE_PASS='serial')")
     parser.add_argument("--skip", nargs="*", default=[], choices=["parity", "kernels", "padded", "loop", "packed"])
     args = parser.parse_args()
     began = time.perf_counter()
@@ -94,10 +95,13 @@ def main():
             from harts_hf.trees import PrefixForest
 
             forest = PrefixForest.from_sequences(bench.workload_sequences(name, scale, model.config.vocab_size))
-            seconds, peak = kernels.batched_rounds(
-                lambda: bench.timed(device, lambda: bench.run_tree(model, forest), 1), batched=False)
-            row["tree_fused_node"] = {"seconds": seconds, "peak_gib": peak}
-            print(f"  {name}@{scale}: tree with the fused per-round node {seconds:.3f} s", flush=True)
+            for key, label, switches in (("tree_fused_node", "the fused per-round node", dict(batched=False)),
+                                         ("tree_serial_state_pass", "the serial state pass",
+                                          dict(state_pass="serial"))):
+                seconds, peak = kernels.batched_rounds(
+                    lambda: bench.timed(device, lambda: bench.run_tree(model, forest), 1), **switches)
+                row[key] = {"seconds": seconds, "peak_gib": peak}
+                print(f"  {name}@{scale}: tree with {label} {seconds:.3f} s, {peak:.1f} GiB", flush=True)
 
     def padded(r):
         for key, row in r["workloads"].items():

@@ -274,3 +274,27 @@ def test_round_batch_lays_the_rounds_back_to_back(seed):
         row.update({key: saved for (_, _, key), saved in zip(round_.saved_states, batch.save_ids[r].tolist())})
     assert 0 not in row.values() and len(set(row.values())) == len(row) == batch.num_states - 1
     assert batch.context_id is None
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_serial_units_follow_the_bank(seed):
+    """The serial state pass's unit table (no Triton needed to build it): units in round order, every unit's start
+    row saved by an earlier unit (or zeros), chunk offsets matching fla's per-chunk ``h`` layout of the batch."""
+    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import round_batch
+    from harts_hf.kernels.tree_gated_delta_rule.serial_state_pass import serial_units
+
+    sequences = random_tree_sequences(random.Random(seed), 12, vocab=5, max_tail=300) + chunk_edge_sequences()
+    plan = build_gated_delta_plan(PrefixForest.from_sequences(sequences).pack(), final_states_only=True)
+    batch, units = round_batch(plan), serial_units(plan, "cpu")
+    assert serial_units(plan, "cpu") is units
+    assert torch.equal(units.bos, batch.cu_seqlens[:-1]) and torch.equal(units.eos, batch.cu_seqlens[1:])
+    chunks_per_unit = torch.bincount(batch.chunk_indices[:, 0], minlength=units.num_units)
+    assert units.num_chunks == batch.chunk_indices.shape[0]
+    assert torch.equal(units.chunk, torch.cumsum(chunks_per_unit, 0) - chunks_per_unit)
+    written = {0}
+    for i in range(units.num_units):
+        assert int(units.initial_row[i]) in written, f"unit {i} starts from a row no earlier unit saved"
+        if units.save_row[i] >= 0:
+            assert int(units.save_row[i]) not in written  # each row saved once
+            written.add(int(units.save_row[i]))
+    assert len(written) == batch.num_states

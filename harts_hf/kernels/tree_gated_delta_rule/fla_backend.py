@@ -18,8 +18,12 @@ tokens of all rounds, laid out round after round; per round only ``chunk_gated_d
 ``_bwd_dhu`` in the backward) runs on that round's slice. Every kernel works chunk by chunk, so the arithmetic is
 the per-round node's; the launches per round drop from ~20 to 3. Checked through fla's own Triton kernels on the
 CPU (Triton's interpreter, fp32; ``scripts/check_fla_nodes_on_cpu.py``): bit-identical to the fused node and within
-1e-6 of the torch backend, hand-offs included. Not yet run on a GPU (``benchmarks/gpu_kernels.py`` compares both
-nodes there); set ``BATCH_ROUNDS = False`` to use the fused per-round node.
+1e-6 of the torch backend, hand-offs included; on the H200 bit-identical outputs to the fused node and 2.7x faster
+per layer on ``swe`` (BENCHMARKS.md, fourth GPU session). ``BATCH_ROUNDS = False`` selects the fused per-round node.
+
+:data:`STATE_PASS` picks the round-batched node's state pass: ``"rounds"`` (fla's, once per round) or ``"serial"``
+(:mod:`.serial_state_pass`: all units in one launch forward and one backward; checked under the interpreter,
+not yet timed on a GPU, hence opt-in).
 """
 
 from __future__ import annotations
