@@ -49,7 +49,7 @@ def main():
     parser.add_argument("--compare-fused", action="store_true",
                         help="also time each workload's tree step with the fused per-round fla node (BATCH_ROUNDS off) and "
                              "with the serial state pass (STATE_PASS='serial')")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["parity", "kernels", "padded", "loop", "packed"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["parity", "kernels", "padded", "loop", "packed", "profile"])
     args = parser.parse_args()
     began = time.perf_counter()
     out = Path(args.out)
@@ -112,6 +112,41 @@ def main():
             bench.score(row)
             print(f"  {key}: padded {seconds:.3f} s, {peak:.1f} GiB", flush=True)
             save()
+
+    def profile(r):
+        """torch.profiler over one warm tree step and one warm packed step of the first workload: device time per
+        op (top 40) in ``profile_<path>.txt`` and, in the JSON, device time grouped by op family, to show where
+        the tree path's per-token time goes next to the same kernels without sharing."""
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        from harts_hf.trees import PrefixForest
+
+        name, scale = specs[0]
+        sequences = bench.workload_sequences(name, scale, model.config.vocab_size)
+        forests = {"tree": PrefixForest.from_sequences(sequences),
+                   "packed": PrefixForest.from_sequences(sequences, groups=list(range(len(sequences))))}
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        sort = "self_cuda_time_total" if on_cuda else "self_cpu_time_total"
+        report = {}
+        for path, forest in forests.items():
+            bench.run_tree(model, forest)  # warm
+            with torch_profile(activities=activities) as prof:
+                bench.run_tree(model, forest)
+                if on_cuda:
+                    torch.cuda.synchronize()
+            events = prof.key_averages()
+            (out / f"profile_{path}.txt").write_text(events.table(sort_by=sort, row_limit=40))
+            families: dict = {}
+            for event in events:
+                seconds = (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / 1e6
+                family = _op_family(event.key)
+                families[family] = families.get(family, 0.0) + seconds
+            report[path] = dict(sorted(families.items(), key=lambda kv: -kv[1]))
+            print(f"  profile {path}: " + ", ".join(f"{k} {v:.3f}s" for k, v in list(report[path].items())[:6]),
+                  flush=True)
+        r["profile"] = {"workload": f"{name}@{scale}", "device_seconds_by_family" if on_cuda else
+                        "cpu_seconds_by_family": report}
 
     def model_parity(r):
         small = bench.build_model("qwen3_next_2b_4layers", args.family, device, torch.bfloat16)
@@ -178,6 +213,8 @@ def main():
 
     stages = [("warmup", warmup), ("cost_fit", fit_costs)]
     stages += [(name, lambda r, s=(name, scale): workload(r, *s)) for name, scale in specs]
+    if "profile" not in args.skip:
+        stages.append(("profile", profile))
     if not on_cuda:
         for name in ("parity", "kernels"):
             if name not in args.skip:
@@ -212,6 +249,25 @@ def main():
     if "cost_fit" in results:
         bench.print_table(results)
     print(json.dumps({k: results[k] for k in ("model_parity", "parity") if k in results}, indent=1, default=str))
+
+
+_FAMILIES = (("gemm", ("gemm", "matmul", "mm", "addmm", "linear", "cutlass", "sm90_xmma", "nvjet")),
+             ("flash attention", ("flash", "fmha", "varlen", "attention")),
+             ("gated delta rule (fla / tilelang)", ("chunk_", "delta", "fwd_h", "dhu", "wy", "kkt", "solve_tril",
+                                                   "recompute_w_u", "cumsum", "tilelang", "kernel_h")),
+             ("norms", ("norm", "rms")),
+             ("softmax / log-prob", ("softmax", "logsumexp", "log_softmax", "nll", "gather")),
+             ("index / copy", ("index", "copy", "cat", "scatter", "gather", "to_copy", "elementwise_kernel_with_index")),
+             ("conv", ("conv",)))
+
+
+def _op_family(name: str) -> str:
+    """A coarse family for a profiler event name (kernel or aten op)."""
+    lowered = name.lower()
+    for family, needles in _FAMILIES:
+        if any(needle in lowered for needle in needles):
+            return family
+    return "other"
 
 
 if __name__ == "__main__":
