@@ -18,8 +18,9 @@ to run big microbatches as planner pieces, DDP only; on the lent machines, first
 
 At scale 0.05 a step is 4 tasks x 54 rows: ~510k path tokens, ~88.6k unique (R_tok ~5.7), completions up to 3,269
 tokens; the 1-GPU reference holds all of it in one tree forward (fp32 weights and AdamW state ~35 GiB for 2.2B
-parameters, plus activations; not yet run on a GPU). The first steps include fla's Triton autotuning and
-compilation (~100 s per process), hence ``--warmup 2``.
+parameters, plus activations). Measured on 2 x H200 (BENCHMARKS.md, "Multi-GPU training"): 9.03 s/step on one
+GPU, 4.55 with DDP, 4.20 with ZeRO-2. The first steps include fla's Triton autotuning and compilation (~100 s per
+process without a warm Triton cache), hence ``--warmup 2``.
 
 The first command is the 1-GPU reference: it trains the whole global batch (all tasks of a step) in one process,
 so its step time is the 1-GPU time of the work the 2-GPU runs split (add ``--grad-accum 2`` to it for the same
