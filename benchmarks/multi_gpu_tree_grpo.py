@@ -15,6 +15,11 @@ to run big microbatches as planner pieces, DDP only; on the lent machines, first
     accelerate launch --config_file examples/accelerate_deepspeed_zero2.yaml benchmarks/multi_gpu_tree_grpo.py \
         --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 --out results/mgpu/zero2 \
         --compare results/mgpu/one/summary.json          # needs `pip install deepspeed`; no --tree-token-budget
+    python benchmarks/multi_gpu_tree_grpo.py --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 \
+        --trainer trl --grad-accum 54 --out results/mgpu/trl --compare results/mgpu/one/summary.json
+
+The last one is TRL's own GRPOTrainer on the same rollouts (right-padded micro-batches, every trajectory computed
+alone): the end-to-end baseline, with the loss and grad norm to compare against the tree run.
 
 At scale 0.05 a step is 4 tasks x 54 rows: ~510k path tokens, ~88.6k unique (R_tok ~5.7), completions up to 3,269
 tokens; the 1-GPU reference holds all of it in one tree forward (fp32 weights and AdamW state ~35 GiB for 2.2B
@@ -184,13 +189,16 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_trainer_class():
-    """TreeGRPOTrainer that times, per optimizer step on this rank, TRL's generation + scoring, the placement of
-    groups on processes, and the forward (from ``compute_loss`` to the tree statistics, before their gather), and
-    keeps this rank's path / unique tokens and local loss."""
+def timed_trainer_class(tree: bool = True):
+    """TreeGRPOTrainer (or, ``tree=False``, TRL's own GRPOTrainer: padded rows, no sharing) that times, per
+    optimizer step on this rank, TRL's generation + scoring, the placement of groups on processes, and the forward
+    (tree: from ``compute_loss`` to the tree statistics, before their gather; TRL: ``compute_loss``), and keeps
+    this rank's path / unique tokens (TRL: both the unpadded tokens) and local loss."""
+    from trl import GRPOTrainer
+
     from harts_hf import TreeGRPOTrainer
 
-    class TimedTreeGRPOTrainer(TreeGRPOTrainer):
+    class TimedTreeGRPOTrainer(TreeGRPOTrainer if tree else GRPOTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.step_record = self._fresh_record()
@@ -218,7 +226,11 @@ def timed_trainer_class():
         def compute_loss(self, model, inputs, *args, **kwargs):
             _synchronize(self.accelerator.device)
             self._forward_start = time.perf_counter()
-            return super().compute_loss(model, inputs, *args, **kwargs)
+            loss = super().compute_loss(model, inputs, *args, **kwargs)
+            if not tree and self._forward_start is not None:  # TRL's padded forward: no tree statistics hook
+                tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+                self._record_tree_stats(dict(path_tokens=tokens, unique_tokens=tokens))
+            return loss
 
         def _record_tree_stats(self, stats):
             if self._forward_start is not None:  # the training forward of this microbatch (not TRL's old log-probs)
@@ -227,7 +239,8 @@ def timed_trainer_class():
                 self.step_record["path_tokens"] += int(stats["path_tokens"])
                 self.step_record["unique_tokens"] += int(stats["unique_tokens"])
                 self._forward_start = None
-            super()._record_tree_stats(stats)
+            if tree:
+                super()._record_tree_stats(stats)
 
         def training_step(self, model, inputs, num_items_in_batch=None):
             loss = super().training_step(model, inputs, num_items_in_batch)
@@ -366,6 +379,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="tree_gdn_backend: auto = fla on CUDA when installed (default: %(default)s)")
     parser.add_argument("--loss-type", default="dapo", choices=["grpo", "dapo", "dr_grpo", "cispo", "sapo"],
                         help="TRL loss; all of these keep tree_balance_replicas on (default: %(default)s)")
+    parser.add_argument("--trainer", default="tree", choices=["tree", "trl"],
+                        help="tree: TreeGRPOTrainer; trl: TRL's own GRPOTrainer on the same rollouts (padded rows, "
+                             "every trajectory computed alone; use --grad-accum to fit memory) (default: %(default)s)")
     parser.add_argument("--no-balance", dest="balance", action="store_false",
                         help="tree_balance_replicas=False: TRL's split of rows over processes")
     parser.add_argument("--workload-override", action="append", default=[], metavar="KEY=VALUE",
@@ -384,7 +400,7 @@ def main(argv=None) -> dict | None:
     from harts_hf import TreeGRPOConfig
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch; the trainer checks it below
-    if args.tasks_per_step % (world * args.grad_accum):
+    if args.trainer == "tree" and args.tasks_per_step % (world * args.grad_accum):
         raise ValueError(f"--tasks-per-step {args.tasks_per_step} must be a multiple of processes x --grad-accum "
                          f"({world} x {args.grad_accum}), so that every microbatch holds whole groups")
     cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
@@ -398,6 +414,9 @@ def main(argv=None) -> dict | None:
     if not cuda:
         model.gradient_checkpointing_disable()
     rows = args.tasks_per_step * rollouts.rows_per_task
+    if rows % (world * args.grad_accum):
+        raise ValueError(f"{rows} rows per step must split evenly over processes x --grad-accum "
+                         f"({world} x {args.grad_accum})")
     out = Path(args.out)
     config = TreeGRPOConfig(
         output_dir=str(out / "trainer"), max_steps=args.steps, learning_rate=args.learning_rate, seed=args.seed,
@@ -409,7 +428,7 @@ def main(argv=None) -> dict | None:
         report_to="none", save_strategy="no", disable_tqdm=True)
     from datasets import Dataset
 
-    trainer_class = timed_trainer_class()
+    trainer_class = timed_trainer_class(tree=args.trainer == "tree")
     trainer = trainer_class(model, reward_funcs=hash_reward, args=config, processing_class=id_tokenizer(spec["vocab_size"]),
                             train_dataset=Dataset.from_dict({"prompt": rollouts.prompts()}), rollout_func=rollouts)
     records: list[dict] = []

@@ -50,3 +50,19 @@ def test_two_processes_on_swe_trees_match_one_process(tmp_path):
           f"{second['loss_rel_diff']:.1e}, grad_norm rel {second['grad_norm_rel_diff']:.1e}; placement imbalance "
           f"{[r['tree']['tree/replica_imbalance_before'] for r in summary['steps']]} -> "
           f"{[r['tree']['tree/replica_imbalance'] for r in summary['steps']]}")
+
+
+def test_trl_trainer_on_the_same_rollouts_matches_the_tree_trainer(tmp_path):
+    """--trainer trl runs TRL's own GRPOTrainer (padded rows, micro-batches of 53 rows via --grad-accum 4) on the
+    same swe rollouts: the same loss and grad_norm as TreeGRPOTrainer's one tree forward per step, and every
+    path token is also a computed token (no sharing)."""
+    tree, trl = tmp_path / "tree", tmp_path / "trl"
+    run([sys.executable, str(SCRIPT), *ARGS, "--out", str(tree)])
+    run([sys.executable, str(SCRIPT), *ARGS, "--trainer", "trl", "--grad-accum", "4", "--out", str(trl),
+         "--compare", str(tree / "summary.json")])
+    summary = json.loads((trl / "summary.json").read_text())
+    assert summary["config"]["trainer"] == "trl" and summary["config"]["per_device_train_batch_size"] * 4 == 4 * 53
+    assert all(r["path_tokens"] == r["unique_tokens"] for r in summary["steps"])
+    first, second = summary["compare"]["steps"]
+    assert first["loss_rel_diff"] < 1e-5 and first["grad_norm_rel_diff"] < 1e-5, first
+    assert second["loss_rel_diff"] < 1e-4 and second["grad_norm_rel_diff"] < 1e-4, second
