@@ -15,6 +15,9 @@ to run big microbatches as planner pieces, DDP only; on the lent machines, first
     accelerate launch --config_file examples/accelerate_deepspeed_zero2.yaml benchmarks/multi_gpu_tree_grpo.py \
         --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 --out results/mgpu/zero2 \
         --compare results/mgpu/one/summary.json          # needs `pip install deepspeed`; no --tree-token-budget
+    accelerate launch --config_file examples/accelerate_deepspeed_zero3.yaml benchmarks/multi_gpu_tree_grpo.py \
+        --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 --out results/mgpu/zero3 \
+        --compare results/mgpu/one/summary.json          # ZeRO-3: not yet run
     python benchmarks/multi_gpu_tree_grpo.py --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 \
         --trainer trl --grad-accum 54 --out results/mgpu/trl --compare results/mgpu/one/summary.json
 

@@ -118,3 +118,27 @@ def test_transformers_generic_contract():
                                             **{cache_name: None})
     assert mask is placeholder
     assert callable(transformers.PreTrainedModel.get_decoder)
+
+
+def test_zero3_gathers_the_parameters_read_outside_their_module(monkeypatch):
+    """Under DeepSpeed ZeRO-3 (not runnable on this CPU machine: DeepSpeed needs an accelerator) the patch
+    registers the parameters the tree path reads inside another module's forward as that module's external
+    parameters: each Gated DeltaNet mixer's conv weight/bias, and the LM head on the model (fp32 head). A recording
+    stand-in for ``deepspeed.zero`` checks the calls; the GPU run with the ZeRO-3 config checks the training."""
+    import sys
+    import types
+
+    import transformers.integrations
+
+    calls = []
+    fake = types.ModuleType("deepspeed")
+    fake.zero = types.SimpleNamespace(register_external_parameter=lambda module, p: calls.append((module, p)))
+    monkeypatch.setitem(sys.modules, "deepspeed", fake)
+    monkeypatch.setattr(transformers.integrations, "is_deepspeed_zero3_enabled", lambda: True)
+    model = build("qwen3_next")
+    handle = apply_tree_patches(model)
+    mixers = handle.linear_modules
+    expected = {(id(m), id(p)) for m in mixers for p in (m.conv1d.weight, m.conv1d.bias) if p is not None}
+    expected.add((id(model), id(model.get_output_embeddings().weight)))
+    assert {(id(m), id(p)) for m, p in calls} == expected and mixers
+    handle.revert()

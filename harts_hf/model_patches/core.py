@@ -144,7 +144,33 @@ def apply_tree_patches(model) -> PatchHandle:
     for attribute, value in wrap_root_forward(model, model.forward).items():
         handle._set(model, attribute, value)
     handle._set(model, _PATCH_MARK, handle)
+    _register_zero3_external_parameters(model, handle)
     return handle
+
+
+def _register_zero3_external_parameters(model, handle: PatchHandle) -> None:
+    """Under DeepSpeed ZeRO-3 a parameter is gathered only while its own module's forward runs. The tree path
+    reads some parameters inside another module's forward: the depthwise conv weight and bias inside the Gated
+    DeltaNet mixer (the tree conv gathers ancestor windows instead of calling ``conv1d``), and the LM head's weight
+    inside the model's forward when the head is projected in fp32 (``cast_lm_head_to_fp32``). Registering them as
+    external parameters of that module makes ZeRO-3 gather them there (forward and backward)."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return
+    import deepspeed
+
+    for module in handle.linear_modules:
+        conv = getattr(module, "conv1d", None)
+        if conv is not None:
+            for parameter in (conv.weight, conv.bias):
+                if parameter is not None:
+                    deepspeed.zero.register_external_parameter(module, parameter)
+    head = model.get_output_embeddings()
+    if head is not None:
+        for parameter in (head.weight, getattr(head, "bias", None)):
+            if parameter is not None:
+                deepspeed.zero.register_external_parameter(model, parameter)
 
 
 # ---------------------------------------------------------------------------- attention
