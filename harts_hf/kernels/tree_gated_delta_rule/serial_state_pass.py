@@ -74,28 +74,28 @@ def serial_units(plan, device) -> SerialUnits:
     return units
 
 
-def _blocks(K: int, V: int) -> tuple[int, int]:
+def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_size: int, *scalars) -> None:
+    """One program per (value head, block of value columns); head counts and sizes from ``keys [1, T, H, K]`` and
+    ``values [1, T, HV, V]``."""
     import triton
 
-    return max(16, triton.next_power_of_2(K)), min(32, max(16, triton.next_power_of_2(V)))
+    from . import _serial_kernels
+
+    _, _, H, K = keys.shape
+    HV, V = values.shape[2], values.shape[3]
+    BK, BV = max(16, triton.next_power_of_2(K)), min(32, max(16, triton.next_power_of_2(V)))
+    getattr(_serial_kernels, name)[(triton.cdiv(V, BV), HV)](
+        *tensors, units.bos, units.eos, units.chunk, units.initial_row, units.save_row, units.num_units, *scalars,
+        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=4)
 
 
 def tree_state_forward(units: SerialUnits, k, w, u, g, bank, chunk_size: int):
     """``k [1, T, H, K]``, ``w [1, T, HV, K]``, ``u [1, T, HV, V]``, ``g [1, T, HV]`` (fp32, log2 cumsum within
     chunks) and the fp32 ``bank [S, HV, K, V]`` (rows read by units, final states written in place) ->
     ``h [1, NT, HV, K, V]`` (state at every chunk start, ``k.dtype``) and ``v_new`` like ``u``."""
-    import triton
-
-    _, T, H, K = k.shape
-    HV, V = u.shape[2], u.shape[3]
-    h = k.new_empty(1, units.num_chunks, HV, K, V)
+    h = k.new_empty(1, units.num_chunks, u.shape[2], k.shape[3], u.shape[3])
     v_new = torch.empty_like(u)
-    BK, BV = _blocks(K, V)
-    from ._serial_kernels import forward_kernel
-
-    forward_kernel[(triton.cdiv(V, BV), HV)](
-        k, w, u, g, h, v_new, bank, units.bos, units.eos, units.chunk, units.initial_row, units.save_row,
-        units.num_units, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=4)
+    _launch("forward_kernel", units, (k, w, u, g, h, v_new, bank), k, u, chunk_size)
     return h, v_new
 
 
@@ -103,16 +103,7 @@ def tree_state_backward(units: SerialUnits, q, k, w, g, do, dv, d_bank, scale: f
     """Backward of :func:`tree_state_forward`'s state pass: ``do``, ``dv [1, T, HV, V]`` (the output stage's local
     value gradient) and ``d_bank`` (fp32, holding the requested states' gradients; each unit's initial-state
     gradient is added to its row in place) -> ``dh [1, NT, HV, K, V]`` (``q.dtype``) and ``dv2`` like ``dv``."""
-    import triton
-
-    _, T, H, K = q.shape
-    HV, V = do.shape[2], do.shape[3]
-    dh = q.new_empty(1, units.num_chunks, HV, K, V)
+    dh = q.new_empty(1, units.num_chunks, do.shape[2], q.shape[3], do.shape[3])
     dv2 = torch.empty_like(dv)
-    BK, BV = _blocks(K, V)
-    from ._serial_kernels import backward_kernel
-
-    backward_kernel[(triton.cdiv(V, BV), HV)](
-        q, k, w, g, do, dv, dh, dv2, d_bank, units.bos, units.eos, units.chunk, units.initial_row, units.save_row,
-        units.num_units, scale, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=4)
+    _launch("backward_kernel", units, (q, k, w, g, do, dv, dh, dv2, d_bank), q, do, chunk_size, scale)
     return dh, dv2
