@@ -55,6 +55,7 @@ def forward_kernel(k, w, u, g, h, v_new, bank, unit_bos, unit_eos, unit_chunk, u
             tl.store(bank + (row_out * HV + i_h) * K * V + o_kv, b_h, mask=m_kv)
             tl.debug_barrier()  # a later unit of this program reads the row back
 
+
 @triton.jit
 def backward_kernel(q, k, w, g, do, dv, dh, dv2, d_bank, unit_bos, unit_eos, unit_chunk, unit_initial,
                     unit_save, num_units, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
