@@ -378,6 +378,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: %(default)s)")
     parser.add_argument("--tree-token-budget", type=int, default=None,
                         help="most unique tokens per tree forward; larger microbatches run as planner pieces (DDP only)")
+    parser.add_argument("--gdn-state-pass", default="rounds", choices=["rounds", "serial"],
+                        help="the fla node's state pass (fla_backend.STATE_PASS): fla's per round, or all units in "
+                             "one launch (default: %(default)s)")
     parser.add_argument("--gdn-backend", default="auto", choices=["auto", "torch", "fla"],
                         help="tree_gdn_backend: auto = fla on CUDA when installed (default: %(default)s)")
     parser.add_argument("--loss-type", default="dapo", choices=["grpo", "dapo", "dr_grpo", "cispo", "sapo"],
@@ -407,6 +410,9 @@ def main(argv=None) -> dict | None:
         raise ValueError(f"--tasks-per-step {args.tasks_per_step} must be a multiple of processes x --grad-accum "
                          f"({world} x {args.grad_accum}), so that every microbatch holds whole groups")
     cuda = torch.cuda.is_available() and os.environ.get("ACCELERATE_USE_CPU", "").lower() not in ("1", "true")
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend
+
+    fla_backend.STATE_PASS = args.gdn_state_pass  # used by the fla backend only (CUDA)
     spec = MODELS[PRESETS[args.preset]]
     overrides = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.workload_override)}
     rollouts = WorkloadRollouts(args.steps, args.tasks_per_step, args.scale, spec["vocab_size"], seed=args.seed,
