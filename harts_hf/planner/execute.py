@@ -6,6 +6,8 @@ see ``harts_hf.kernels.context``). Per tree, sources first: a no-grad forward of
 hand-off; each child runs forward + backward and leaves the hand-off's gradients in the leaves' ``.grad``;
 the source then runs again with gradient and backpropagates its own loss together with those gradients.
 Chains recurse. Only the with-gradient forwards build graphs, and they cover every unique token exactly once.
+With ``replica=r`` in a ``torch.distributed`` group, a hand-off may cross processes: the source's rank sends the
+context point to point and receives its gradient back (:class:`_Exchange`).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
                  temperature: float = 1.0, replica: int | None = None, recompute: bool = True,
                  gdn_backend: str = "auto", attention_backend: str = "auto", float32_head: bool = False,
                  head_chunk_size: int = 4096,
-                 no_sync: Callable[[], AbstractContextManager] | None = None) -> PlanExecution:
+                 no_sync: Callable[[], AbstractContextManager] | None = None, group=None) -> PlanExecution:
     """Run ``plan``'s pieces (one forward + backward each) and accumulate parameter gradients into ``.grad``,
     equal to the gradient of the same loss over one tree forward (:func:`harts_hf.tree_logprobs`).
 
@@ -93,8 +95,13 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
         plan: from :func:`harts_hf.planner.plan`.
         compute_entropy: also compute entropies (implied by ``entropy_weights``).
         temperature: logits are divided by it before the softmax.
-        replica: run only the pieces placed on this replica (None: all); their sources must be there too
-            (``plan(..., cross_replica=False)``).
+        replica: run only the pieces placed on this replica (None: all). When a hand-off crosses replicas
+            (``plan(..., cross_replica=True)``), every replica must call this at the same time in a
+            ``torch.distributed`` group whose rank ``r`` runs replica ``r``: a source sends its child's context
+            (point to point, after its hand-off forward) and receives the context's gradient back. Each rank
+            accumulates its own pieces' parameter gradients (sum them over ranks, as DDP's all-reduce does, for the
+            one-forward gradient); ``logprobs`` are filled for this replica's tokens only.
+        group: the ``torch.distributed`` process group of the replicas (default: the whole world).
         recompute: True: sources run a no-grad forward for the hand-off and again with gradient after their
             children (activations of one piece alive at a time). False: one forward with gradient, its graph kept
             while the children run (less compute, a chain's activations in memory).
@@ -127,9 +134,12 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
     elif loss_fn is not None:
         runner.loss_fn = loss_fn
     runner.no_sync = no_sync
-    roots = runner.root_pieces(replica)
-    for i, piece in enumerate(roots):
-        runner.run(piece, None, last=i == len(roots) - 1)
+    roots = runner.root_pieces(replica, group)
+    try:
+        for i, piece in enumerate(roots):
+            runner.visit(piece, last=i == len(roots) - 1)
+    finally:
+        runner.finish_sends()
     return runner.result()
 
 
@@ -164,6 +174,7 @@ class _PlanRunner:
                       "nograd_tokens": 0}
         self._occurrences = None
         self.memory: list[tuple[int, str, float, float]] = []
+        self.exchange: _Exchange | None = None
 
     def _mark(self, piece: Piece, phase: str) -> None:
         if self.device.type == "cuda":
@@ -201,24 +212,79 @@ class _PlanRunner:
             self._occurrences = tuple(x.to(self.device) for x in (sequence[keep], token, position[keep]))
         return self._occurrences
 
-    def root_pieces(self, replica: int | None) -> list[Piece]:
+    def root_pieces(self, replica: int | None, group=None) -> list[Piece]:
+        """The pieces this call starts from, in the order every replica walks them. Sets up the point-to-point
+        exchange when a hand-off crosses replicas."""
         pieces = self.plan.pieces
         if replica is None:
-            chosen = set(range(len(pieces)))
+            return [p for p in pieces if p.handoff is None]
+        if not isinstance(replica, int) or not 0 <= replica < len(self.plan.replicas):
+            raise ValueError(f"replica={replica!r}; the plan has replicas 0..{len(self.plan.replicas) - 1}")
+        owner = self.plan.replica_of_piece()
+        crossing = [p.index for p in pieces if p.handoff is not None
+                    and replica in (owner[p.index], owner[p.handoff.source_piece])
+                    and owner[p.index] != owner[p.handoff.source_piece]]
+        if not crossing:  # everything this replica needs is local
+            return [p for p in pieces if p.handoff is None and owner[p.index] == replica]
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(f"pieces {crossing} hand off across replicas, which needs torch.distributed: run every "
+                             "replica in its own process of an initialised process group (e.g. accelerate launch or "
+                             "torchrun), or plan with cross_replica=False")
+        if dist.get_world_size(group) != len(self.plan.replicas) or dist.get_rank(group) != replica:
+            raise ValueError(f"replica={replica} in a group of {dist.get_world_size(group)} processes (this one is "
+                             f"rank {dist.get_rank(group)}); the plan has {len(self.plan.replicas)} replicas: run "
+                             "replica r on group rank r")
+        if self.no_sync is not None:
+            raise ValueError("no_sync with hand-offs across replicas is not supported: each rank's backwards depend "
+                             "on the others' (pass no_sync=None and reduce the gradients after the call)")
+        self.exchange = _Exchange(replica, owner, group, self.device)
+        return [p for p in pieces if p.handoff is None]  # every replica walks every tree, in the same order
+
+    def visit(self, piece: Piece, last: bool = False) -> None:
+        """Run ``piece`` here, or, if another replica runs it, walk its subtree for the pieces placed here."""
+        if self.exchange is None or self.exchange.is_local(piece):
+            self.run(piece, None, last=last)
         else:
-            if not isinstance(replica, int) or not 0 <= replica < len(self.plan.replicas):
-                raise ValueError(f"replica={replica!r}; the plan has replicas 0..{len(self.plan.replicas) - 1}")
-            chosen = {i for mb in self.plan.replicas[replica] for i in mb.pieces}
-        roots = []
-        for i in sorted(chosen):
-            handoff = pieces[i].handoff
-            if handoff is None:
-                roots.append(pieces[i])
-            elif handoff.source_piece not in chosen:
-                raise NotImplementedError(
-                    f"piece {i} on replica {replica} hands off from piece {handoff.source_piece} on another replica; "
-                    "cross-replica hand-offs are not implemented: plan with cross_replica=False")
-        return roots
+            self._walk_remote(piece)
+
+    def _walk_remote(self, piece: Piece) -> None:
+        """``piece`` runs on another replica: its children placed here get their context from it and send the
+        context's gradient back; the others are walked further down."""
+        for child in self.children[piece.index]:
+            if not self.exchange.is_local(child):
+                self._walk_remote(child)
+                continue
+            source = self.exchange.owner[piece.index]
+            context = self.exchange.receive_context(source, child.handoff.ancestor_tokens, self.training)
+            self.run(child, context)
+            if self.training:
+                self.exchange.send_gradients(context, source)
+
+    def finish_sends(self) -> None:
+        if self.exchange is not None:
+            self.exchange.wait()
+
+    @property
+    def training(self) -> bool:
+        return self.loss_fn is not None or self.token_weights is not None
+
+    def _run_children(self, children: list[Piece], exports: list[TreeExport], training: bool) -> list[dict]:
+        """Each child, here or on its replica; per child the gradients of its context by key (empty without
+        training)."""
+        gradients = []
+        for child, export in zip(children, exports):
+            if self.exchange is None or self.exchange.is_local(child):
+                context = export.as_context(requires_grad=training)
+                self.run(child, context)
+                gradients.append({key: leaf.grad for key, leaf in context.tensors.items()} if training else {})
+                continue
+            destination = self.exchange.owner[child.index]
+            self.exchange.send_context(export, destination)
+            self._walk_remote(child)
+            gradients.append(self.exchange.receive_gradients(destination, export) if training else {})
+        return gradients
 
     # ------------------------------------------------------------------ execution
     def run(self, piece: Piece, context: TreeContext | None, last: bool = False) -> None:
@@ -238,14 +304,13 @@ class _PlanRunner:
         self.stats["handoffs"] += len(children)
         global_parent = self.packed.parent[tokens]
         targets = torch.nonzero(global_parent >= 0).squeeze(1).to(self.device)
-        training = self.loss_fn is not None or self.token_weights is not None
+        training = self.training
         self._mark(piece, "start")
 
         if not training:
             output = self._forward(tree, targets, grad=False)
             self._store(tokens, targets, output)
-            for child, export in zip(children, tree.exports):
-                self.run(child, export.as_context(requires_grad=False))
+            self._run_children(children, tree.exports, training=False)
             return
         output = None
         if children:
@@ -254,11 +319,7 @@ class _PlanRunner:
             else:
                 output = self._forward(tree, targets, grad=True)
             self._mark(piece, "handoff")
-        child_contexts = []
-        for child, export in zip(children, tree.exports):
-            child_context = export.as_context()
-            self.run(child, child_context)
-            child_contexts.append(child_context)
+        child_gradients = self._run_children(children, tree.exports, training=True)
         if children:
             self._mark(piece, "children")
         with nullcontext() if last or self.no_sync is None else self.no_sync():
@@ -271,11 +332,11 @@ class _PlanRunner:
             if loss.requires_grad:
                 roots.append(loss)
                 grads.append(torch.ones_like(loss))
-            for export, child_context in zip(tree.exports, child_contexts):
-                for key, leaf in child_context.tensors.items():
-                    if leaf.grad is not None and export.tensors[key].requires_grad:
+            for export, gradients in zip(tree.exports, child_gradients):
+                for key, gradient in gradients.items():
+                    if gradient is not None and export.tensors[key].requires_grad:
                         roots.append(export.tensors[key])
-                        grads.append(leaf.grad)
+                        grads.append(gradient)
             if last and self.no_sync is not None:
                 # the synchronised backward must reach every trainable parameter (DDP's reducer waits for all of
                 # them), but the last piece may not use them all (a 1-token root whose children were all cut off
@@ -340,6 +401,84 @@ class _PlanRunner:
         entropies = [x[1:] for x in packed.gather_sequences(self.token_entropies)] if self.compute_entropy else None
         return PlanExecution(logprobs, entropies, self.token_logprobs, self.token_entropies, self.loss,
                              dict(self.stats), list(self.memory))
+
+
+class _Exchange:
+    """Point-to-point hand-offs between replicas (rank ``r`` of ``group`` runs replica ``r``).
+
+    Every replica walks every tree in the same order, so the two ends of a hand-off meet in the same order: the
+    source sends its child's context right after its hand-off forward and receives the gradient when it needs it;
+    the child's replica receives the context when it reaches the child and sends the gradient after the child's
+    backward. Sends are asynchronous (a send never waits for its receiver), receives block; a receive only ever
+    waits for a send that comes earlier in the shared order, so the replicas cannot deadlock. A message is a
+    pickled header (keys, shapes, dtypes) and then the tensors, on CPU for gloo and on the device otherwise."""
+
+    def __init__(self, replica: int, owner: dict[int, int], group, device):
+        import torch.distributed as dist
+
+        self.dist, self.replica, self.owner, self.group, self.device = dist, replica, owner, group, device
+        self.wire = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+        self.pending: list = []
+
+    def is_local(self, piece: Piece) -> bool:
+        return self.owner[piece.index] == self.replica
+
+    def _peer(self, replica: int) -> int:
+        return replica if self.group is None else self.dist.get_global_rank(self.group, replica)
+
+    def _send(self, tensor: torch.Tensor, replica: int) -> None:
+        tensor = tensor.detach().to(self.wire).contiguous()
+        self.pending.append((tensor, self.dist.isend(tensor, self._peer(replica), group=self.group)))
+
+    def _receive(self, shape, dtype, replica: int) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype, device=self.wire)
+        self.dist.recv(tensor, self._peer(replica), group=self.group)
+        return tensor.to(self.device)
+
+    def _send_header(self, header: list, replica: int) -> None:
+        import pickle
+
+        payload = torch.frombuffer(bytearray(pickle.dumps(header)), dtype=torch.uint8)
+        self._send(torch.tensor([payload.numel()], dtype=torch.long), replica)
+        self._send(payload, replica)
+
+    def _receive_header(self, replica: int) -> list:
+        import pickle
+
+        size = int(self._receive((1,), torch.long, replica).item())
+        return pickle.loads(self._receive((size,), torch.uint8, replica).cpu().numpy().tobytes())
+
+    def send_context(self, export: TreeExport, replica: int) -> None:
+        items = list(export.tensors.items())
+        self._send_header([(key, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for key, t in items], replica)
+        for _, tensor in items:
+            self._send(tensor, replica)
+
+    def receive_context(self, replica: int, ancestor_tokens: int, requires_grad: bool) -> TreeContext:
+        tensors = {}
+        for key, shape, dtype in self._receive_header(replica):
+            tensors[key] = self._receive(shape, getattr(torch, dtype), replica).requires_grad_(requires_grad)
+        return TreeContext(ancestor_tokens, tensors)
+
+    def send_gradients(self, context: TreeContext, replica: int) -> None:
+        leaves = list(context.tensors.values())
+        self._send(torch.tensor([leaf.grad is not None for leaf in leaves], dtype=torch.uint8), replica)
+        for leaf in leaves:
+            if leaf.grad is not None:
+                self._send(leaf.grad, replica)
+
+    def receive_gradients(self, replica: int, export: TreeExport) -> dict:
+        """The gradients of the context sent from ``export`` (same keys, shapes and dtypes; None where the child did
+        not use a tensor)."""
+        items = list(export.tensors.items())
+        present = self._receive((len(items),), torch.uint8, replica).tolist()
+        return {key: self._receive(tuple(t.shape), t.dtype, replica) if flag else None
+                for (key, t), flag in zip(items, present)}
+
+    def wait(self) -> None:
+        for _, work in self.pending:
+            work.wait()
+        self.pending.clear()
 
 
 def _reentrant_checkpointing(model) -> bool:
