@@ -346,7 +346,7 @@ def test_bad_input():
     sub = the_plan.packed.select(piece.segments)
     with pytest.raises(ValueError, match="pass context=export.as_context"):
         TreeMetadata(sub)
-    with pytest.raises(ValueError, match="one tree whose root sits at that depth"):
+    with pytest.raises(ValueError, match="needs a forest whose roots all sit at that depth"):
         TreeMetadata(sub, context=TreeContext(piece.handoff.ancestor_tokens + 1))
     with pytest.raises(ValueError, match="pass initial_state"):
         sub_plan = build_gated_delta_plan(sub)
@@ -448,3 +448,22 @@ def test_handoffs_across_replicas(tmp_path, replicas, recompute, port):
         torch.testing.assert_close(sum(r[key] for r in ranks), getattr(run, key), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(sum(r["loss"] for r in ranks), run.loss, rtol=1e-5, atol=1e-5)
     assert sum(r["stats"]["grad_tokens"] for r in ranks) == the_plan.packed.num_tokens  # every token once
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_sibling_pieces_below_one_branch_token(family):
+    """A GRPO-like batch (one prompt, 20 completions) cut at budget 300: the completions below the prompt's last
+    token share pieces (several roots, one context: replayed GDN rows and conv window per root, attention context
+    for every query). Log-probs, entropies and every gradient match one tree forward and the per-trajectory path."""
+    rng = random.Random(0)
+    prompt = [rng.randrange(VOCAB) for _ in range(100)]
+    sequences = [prompt + [rng.randrange(VOCAB) for _ in range(50)] for _ in range(20)]
+    the_plan, _ = check_plan(build(family), sequences, 300, reference=True)
+    assert max(len(_piece_roots(the_plan, piece)) for piece in the_plan.pieces) > 1  # pieces with several roots
+
+
+def _piece_roots(the_plan, piece) -> set:
+    """Segments of ``piece`` whose parent segment lies outside it."""
+    parent = the_plan.packed.segment_parent.tolist()
+    inside = set(piece.segments)
+    return {s for s in piece.segments if parent[s] not in inside}

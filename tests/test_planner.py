@@ -47,9 +47,9 @@ def check_plan_invariants(the_plan, num_replicas, budget):
         source = where[handoff.source_piece]
         if source[0] == where[piece.index][0]:
             assert source[1:] < where[piece.index][1:]
-        # the piece's segments are connected below its root
+        # the piece's segments are connected below its roots, and its roots are siblings below one branch token
         for s in piece.segments[1:]:
-            assert piece_of[parent[s]] == piece.index
+            assert piece_of[parent[s]] == piece.index or parent[s] == parent[root]
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -74,6 +74,19 @@ def test_subtree_that_fits_is_never_split():
     assert len(the_plan.pieces) == 1 and the_plan.pieces[0].handoff is None
     cut = plan(sequences, num_replicas=1, token_budget=13)
     assert len(cut.pieces) > 1 and all(p.unique_tokens <= 13 for p in cut.pieces)
+
+
+def test_siblings_below_one_branch_token_share_pieces():
+    """A prompt with 20 completions of 50 tokens under a budget of 300: the cut completions fork at the same
+    branch token, so they are packed into pieces of up to 300 tokens (first fit) instead of one forward each."""
+    rng = random.Random(0)
+    prompt = [rng.randrange(90) for _ in range(100)]
+    sequences = [prompt + [rng.randrange(90) for _ in range(50)] for _ in range(20)]
+    the_plan = plan(sequences, token_budget=300)
+    check_plan_invariants(the_plan, 1, 300)
+    children = [p for p in the_plan.pieces if p.handoff is not None]
+    assert len(children) == 3  # 13 pieces of 50-99 tokens before siblings were packed together
+    assert all(p.unique_tokens <= 300 and len({p.handoff.branch_token for p in children}) == 1 for p in children)
 
 
 def test_agentic_batch_balances_across_replicas():

@@ -70,9 +70,10 @@ class TreeMetadata:
         if self.context is None and root_depth > 0:
             raise ValueError(f"the packed forest has a root at depth {root_depth} (a piece cut out below a branch "
                              "point); pass context=export.as_context() from the TreeExport of its source piece")
-        if self.context is not None and (roots.numel() != 1 or root_depth != self.context.ancestor_tokens):
-            raise ValueError(f"context.ancestor_tokens={self.context.ancestor_tokens} needs a forest of one tree whose "
-                             f"root sits at that depth; got {roots.numel()} roots, deepest at depth {root_depth}")
+        if self.context is not None and bool((host.position_ids[roots] != self.context.ancestor_tokens).any()):
+            raise ValueError(f"context.ancestor_tokens={self.context.ancestor_tokens} needs a forest whose roots all "
+                             f"sit at that depth (siblings below one branch token); got {roots.numel()} roots at "
+                             f"depths {sorted(set(host.position_ids[roots].tolist()))}")
         for export in self.exports:
             if not 0 <= export.branch_token < host.num_tokens or \
                     export.ancestor_tokens != int(host.position_ids[export.branch_token]) + 1:

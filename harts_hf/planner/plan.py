@@ -4,7 +4,9 @@ in microbatches, data-parallel replicas and gradient-accumulation slots.
 A piece is a subtree of the segment tree minus the child subtrees cut off into pieces of their own. Cuts
 happen only where a subtree does not fit (largest children first, bottom-up), so a subtree that fits is
 never split and no prefix token is computed twice: a cut-off piece receives its ancestors' keys/values and
-the linear-attention state at its chunk boundary from the piece that holds them (its ``handoff``). Pieces
+the linear-attention state at its chunk boundary from the piece that holds them (its ``handoff``). Cut
+subtrees below the same branch token (e.g. the completions of one prompt) share that hand-off, so they are
+packed together into pieces of up to the budget (several roots, one forward). Pieces
 are placed by longest-processing-time first (whole trees with ``cross_replica=False``); on each replica they
 run in depth-first order, so a source piece runs before its children there.
 """
@@ -173,12 +175,25 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
             total -= size
         kept_size[s] = total
 
+    # cut children of one segment fork at the same branch token, so they share one hand-off: pack them into as few
+    # pieces as fit (first fit, largest first) instead of one forward each
+    bin_of: dict[int, tuple[int, int]] = {}
+    for s in range(num_segments):
+        bins: list[int] = []
+        for size, c in sorted(((int(kept_size[c]), c) for c in children[s] if cut[c]), key=lambda x: (-x[0], x[1])):
+            slot = next((i for i, used in enumerate(bins) if used + size <= cut_size), len(bins))
+            if slot == len(bins):
+                bins.append(0)
+            bins[slot] += size
+            bin_of[c] = (s, slot)
+
     # pieces in preorder; every segment joins the piece of its nearest cut (or root) ancestor
     ends_per_segment = np.bincount(packed.segment_of_token()[packed.sequence_token_index[
         packed.sequence_offsets[1:] - 1]].cpu().numpy(), minlength=num_segments)
     piece_of = np.empty(num_segments, dtype=np.int64)
     tree_of = np.empty(num_segments, dtype=np.int64)
     members: list[list[int]] = []
+    piece_of_bin: dict[tuple[int, int], int] = {}
     tree_count = 0
     for s in range(num_segments):
         if parent[s] < 0:
@@ -186,9 +201,13 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
             tree_count += 1
         else:
             tree_of[s] = tree_of[parent[s]]
-        if parent[s] < 0 or cut[s]:
+        if parent[s] < 0 or (cut[s] and bin_of[s] not in piece_of_bin):
             piece_of[s] = len(members)
             members.append([])
+            if parent[s] >= 0:
+                piece_of_bin[bin_of[s]] = piece_of[s]
+        elif cut[s]:
+            piece_of[s] = piece_of_bin[bin_of[s]]
         else:
             piece_of[s] = piece_of[parent[s]]
         members[piece_of[s]].append(s)
@@ -196,8 +215,9 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
     pieces = []
     for index, segments in enumerate(members):
         root = segments[0]
-        # one connected subtree below one branch token: hand-offs carry a single root path (execute_plan relies on it)
-        assert all(piece_of[parent[s]] == index for s in segments[1:]), f"piece {index} is not connected"
+        # subtrees below ONE branch token: every root of the piece has the same root path, the one hand-off carries
+        assert all(piece_of[parent[s]] == index or (cut[s] and parent[s] == parent[root]) for s in segments[1:]), \
+            f"piece {index} has roots below different branch tokens"
         handoff = None
         if parent[root] >= 0:
             start = int(depth0[root])

@@ -187,8 +187,9 @@ class PackedForest:
     def ancestor_table(self, width: int, context_rows: int = 0) -> torch.Tensor:
         """``[U, width]`` long: column j holds the j-th ancestor of every token (0 = itself), -1 past a root.
 
-        ``context_rows = M``: the forest is one tree whose root (depth ``d0``) has ``M`` ancestors outside it
-        as rows ``U .. U + M - 1`` (depths ``d0 - M .. d0 - 1``); ancestors there get those row numbers.
+        ``context_rows = M``: every root of the forest sits at depth ``d0`` below the same ``M`` ancestors outside
+        it (sibling subtrees cut below one branch token), rows ``U .. U + M - 1`` (depths ``d0 - M .. d0 - 1``);
+        ancestors there get those row numbers.
         """
         key = ("ancestors", width, context_rows)
         if key not in self._cache:
@@ -199,9 +200,11 @@ class PackedForest:
                 current = torch.where(current >= 0, self.parent[current.clamp_min(0)], current)
             if context_rows:
                 roots = torch.nonzero(self.parent < 0).squeeze(1)
-                if roots.numel() != 1:
-                    raise ValueError(f"ancestor_table: context rows need a forest of one tree, got {roots.numel()} roots")
-                first = int(self.position_ids[roots[0]]) - context_rows  # depth of context row 0
+                depths = self.position_ids[roots]
+                if bool((depths != depths[0]).any()):
+                    raise ValueError(f"ancestor_table: context rows need every root at one depth (siblings below one "
+                                     f"branch token), got roots at depths {sorted(set(depths.tolist()))}")
+                first = int(depths[0]) - context_rows  # depth of context row 0
                 if first < 0:
                     raise ValueError(f"ancestor_table: {context_rows} context rows but the root has only "
                                      f"{first + context_rows} ancestors")

@@ -92,9 +92,10 @@ def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE
     gets runs cut at every chunk boundary a child restarts from; otherwise intermediate chunk states are
     read out of one longer unit.
 
-    A root at depth ``d0 > 0`` (a piece cut out below a branch point; the forest must then be that one tree)
-    restarts at ``c = C * (d0 // C)`` from :data:`CONTEXT_STATE` and replays context rows ``U .. U + d0 - c - 1``
-    (the post-conv inputs of its ancestors at depths ``c .. d0 - 1``, appended after the packed rows).
+    A root at depth ``d0 > 0`` (a piece cut out below a branch point; every root of the forest then sits at that
+    depth below the same branch token) restarts at ``c = C * (d0 // C)`` from :data:`CONTEXT_STATE` and replays
+    context rows ``U .. U + d0 - c - 1`` (the post-conv inputs of its ancestors at depths ``c .. d0 - 1``, appended
+    after the packed rows; each root replays them).
 
     ``state_requests``: packed tokens ``b``; for each, the state a run starting right below ``b`` would restart
     from (at ``C * ((depth[b] + 1) // C)`` on ``b``'s path) is kept; its key is in ``plan.requested_states``.
@@ -106,15 +107,16 @@ def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE
     num_tokens = parent.shape[0]
     roots = np.flatnonzero(parent < 0)
     root_depth = int(depth[roots].max()) if roots.size else 0
-    if root_depth > 0 and roots.size != 1:
-        raise ValueError(f"a forest with a root at depth {root_depth} (a piece cut out below a branch point) must be "
-                         f"one tree; got {roots.size} roots. Plan each cut-off piece on its own.")
+    if root_depth > 0 and bool((depth[roots] != root_depth).any()):
+        raise ValueError(f"a forest with a root at depth {root_depth} (pieces cut out below a branch point) must have "
+                         f"every root at that depth, below the same branch token; got roots at depths "
+                         f"{sorted(set(depth[roots].tolist()))}. Plan each cut-off piece on its own.")
     context_tokens = root_depth % chunk_size
     walk_parent = parent  # parents for replay walks: the context rows continue the root's path upwards
     if context_tokens:
         walk_parent = np.concatenate([parent, np.arange(num_tokens - 1, num_tokens + context_tokens - 1)])
         walk_parent[num_tokens] = -1
-        walk_parent[roots[0]] = num_tokens + context_tokens - 1
+        walk_parent[roots] = num_tokens + context_tokens - 1  # every root continues the same context path
     state_requests = [int(b) for b in state_requests]
     if any(not 0 <= b < num_tokens for b in state_requests):
         raise ValueError(f"state_requests must be packed token indices in [0, {num_tokens}), got {state_requests}")
