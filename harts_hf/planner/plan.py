@@ -176,12 +176,14 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
         kept_size[s] = total
 
     # cut children of one segment fork at the same branch token, so they share one hand-off: pack them into as few
-    # pieces as fit (first fit, largest first) instead of one forward each
+    # pieces as fit (first fit, largest first) instead of one forward each. Not when pieces are placed one by one
+    # on several replicas: there the small pieces are what balances the replicas.
+    pack_siblings = not (cross_replica and num_replicas > 1)
     bin_of: dict[int, tuple[int, int]] = {}
     for s in range(num_segments):
         bins: list[int] = []
         for size, c in sorted(((int(kept_size[c]), c) for c in children[s] if cut[c]), key=lambda x: (-x[0], x[1])):
-            slot = next((i for i, used in enumerate(bins) if used + size <= cut_size), len(bins))
+            slot = next((i for i, used in enumerate(bins) if pack_siblings and used + size <= cut_size), len(bins))
             if slot == len(bins):
                 bins.append(0)
             bins[slot] += size
