@@ -250,7 +250,7 @@ def timed_trainer_class(tree: bool = True):
             self.step_record["local_loss"] += loss.item()
             self.step_record["microbatches"] += 1
             # planner pieces (CUDA): allocated / peak GiB after each piece's phases, for the last microbatch
-            self.step_record["plan_memory"] = getattr(self, "last_plan_memory", [])
+            self.step_record["plan_memory"] = getattr(self, "last_plan_memory", [])  # TRL's trainer: none
             self.last_plan_memory = []
             return loss
 

@@ -242,9 +242,12 @@ class _PlanRunner:
         self.exchange = _Exchange(replica, owner, group, self.device)
         return [p for p in pieces if p.handoff is None]  # every replica walks every tree, in the same order
 
+    def _here(self, piece: Piece) -> bool:
+        return self.exchange is None or self.exchange.is_local(piece)
+
     def visit(self, piece: Piece, last: bool = False) -> None:
         """Run ``piece`` here, or, if another replica runs it, walk its subtree for the pieces placed here."""
-        if self.exchange is None or self.exchange.is_local(piece):
+        if self._here(piece):
             self.run(piece, None, last=last)
         else:
             self._walk_remote(piece)
@@ -270,12 +273,12 @@ class _PlanRunner:
     def training(self) -> bool:
         return self.loss_fn is not None or self.token_weights is not None
 
-    def _run_children(self, children: list[Piece], exports: list[TreeExport], training: bool) -> list[dict]:
+    def _run_children(self, children: list[Piece], exports: list[TreeExport]) -> list[dict]:
         """Each child, here or on its replica; per child the gradients of its context by key (empty without
         training)."""
-        gradients = []
+        training, gradients = self.training, []
         for child, export in zip(children, exports):
-            if self.exchange is None or self.exchange.is_local(child):
+            if self._here(child):
                 context = export.as_context(requires_grad=training)
                 self.run(child, context)
                 gradients.append({key: leaf.grad for key, leaf in context.tensors.items()} if training else {})
@@ -310,7 +313,7 @@ class _PlanRunner:
         if not training:
             output = self._forward(tree, targets, grad=False)
             self._store(tokens, targets, output)
-            self._run_children(children, tree.exports, training=False)
+            self._run_children(children, tree.exports)
             return
         output = None
         if children:
@@ -319,7 +322,7 @@ class _PlanRunner:
             else:
                 output = self._forward(tree, targets, grad=True)
             self._mark(piece, "handoff")
-        child_gradients = self._run_children(children, tree.exports, training=True)
+        child_gradients = self._run_children(children, tree.exports)
         if children:
             self._mark(piece, "children")
         with nullcontext() if last or self.no_sync is None else self.no_sync():

@@ -67,6 +67,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._balance_metrics = defaultdict(list)  # per generation batch; the same on every process
         self._replay = None  # (logps, entropies, tree stats) of planner pieces, for TRL's loss code
         self._layout_cache = None
+        self.last_plan_memory: list = []  # execute_plan's CUDA allocator trace of the last planner microbatch
         self._cost_model = CostModel.load(args.tree_cost_model) if args.tree_cost_model else None
         if args.use_tree and args.tree_token_budget is not None:
             self._check_planner_supported()
@@ -209,7 +210,7 @@ class TreeGRPOTrainer(GRPOTrainer):
             with self.accelerator.autocast():
                 execution = execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True,
                                          no_sync=no_sync, **self._execute_options())
-        self.last_plan_memory = execution.memory  # CUDA allocator trace per piece (benchmarks read it)
+        self.last_plan_memory = execution.memory
         return loss.detach().requires_grad_()
 
     def _token_level_loss(self) -> bool:
