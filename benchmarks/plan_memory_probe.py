@@ -1,0 +1,140 @@
+"""Where a planner microbatch's GPU memory goes: one tree forward vs the same forest as pieces.
+
+Runs :func:`harts_hf.planner.execute_plan` on one `swe` task (the rows the multi-GPU benchmark trains as one prompt
+group) with the ~2B preset (fp32 weights, bf16 autocast, non-reentrant gradient checkpointing: the trainer's
+setting), once as one piece and once per ``--budget``, and reports for each run the wall time, the peak allocated
+memory above the weights, the per-piece/phase trace of ``PlanExecution.memory``, and, from the CUDA caching
+allocator's recorded history, the blocks alive at the peak grouped by the Python line that allocated them (the
+innermost frame inside harts_hf / transformers / fla, and the innermost frame of any file).
+
+    python3 benchmarks/plan_memory_probe.py --scale 0.2 --budget 32768 --out results/memory
+
+Needs CUDA. Writes ``OUT/probe.json`` and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_tree_vs_trajectory import MODELS, build_model  # noqa: E402
+from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
+
+OURS = ("harts_hf", "transformers", "/fla/")
+
+
+def task_sequences(scale: float, vocab: int, seed: int = 0) -> list[list[int]]:
+    from harts_hf.workloads import make_workload
+
+    workload = make_workload("swe", scale=scale, seed=seed, num_tasks=1, vocab_size=vocab - len(SPECIAL))
+    prompt, completions, _ = _prompt_and_completions(_split_by_task(workload)[0])
+    return [prompt + completion for completion in completions]
+
+
+def live_at_peak(snapshot: dict, device: int) -> tuple[float, list, list]:
+    """Replay the allocator trace: the largest live total (GiB, relative to the recording's start) and the blocks
+    alive then, summed by allocating line (ours, any)."""
+    events = snapshot["device_traces"][device]
+    live, total, peak, peak_index = {}, 0, 0, -1
+    for i, event in enumerate(events):
+        if event["action"] == "alloc":
+            live[event["addr"]] = event["size"]
+            total += event["size"]
+            if total > peak:
+                peak, peak_index = total, i
+        elif event["action"] == "free_requested" and event["addr"] in live:
+            total -= live.pop(event["addr"])
+    alive = {}
+    for event in events[:peak_index + 1]:
+        if event["action"] == "alloc":
+            alive[event["addr"]] = event
+        elif event["action"] == "free_requested":
+            alive.pop(event["addr"], None)
+    ours, anywhere = Counter(), Counter()
+    for event in alive.values():
+        frames = event.get("frames") or []
+        where = [f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}" for f in frames]
+        mine = next((w for w, f in zip(where, frames) if any(k in f["filename"] for k in OURS)), "?")
+        ours[mine] += event["size"]
+        anywhere[where[0] if where else "?"] += event["size"]
+    top = lambda counter: [(k, round(v / 2**30, 3)) for k, v in counter.most_common(25)]  # noqa: E731
+    return peak / 2**30, top(ours), top(anywhere)
+
+
+def run(model, sequences, budget, device, history: bool) -> dict:
+    from harts_hf.planner import execute_plan, plan
+    from harts_hf.trees import PrefixForest
+
+    packed = PrefixForest.from_sequences(sequences).pack()
+    the_plan = plan(packed, num_replicas=1, token_budget=budget or packed.num_tokens)
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(len(s) - 1, generator=generator) * 1e-4 for s in sequences]
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    if history:
+        torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                                 max_entries=2_000_000)
+    start = time.perf_counter()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        execution = execute_plan(model, the_plan, logprob_weights=weights, float32_head=True)
+    torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    row = dict(budget=budget, unique_tokens=packed.num_tokens, pieces=len(the_plan.pieces), seconds=seconds,
+               base_gib=base / 2**30, peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+               reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30, stats=execution.stats,
+               memory=[(p, phase, round(a, 3), round(m, 3)) for p, phase, a, m in execution.memory],
+               piece_tokens=[int(sum(int(packed.cu_seqlens[s + 1] - packed.cu_seqlens[s]) for s in p.segments))
+                             for p in the_plan.pieces])
+    if history:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        row["trace_peak_gib"], row["peak_by_our_line"], row["peak_by_line"] = live_at_peak(snapshot, device.index or 0)
+    model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scale", type=float, default=0.2)
+    parser.add_argument("--budget", type=int, nargs="+", default=[32768])
+    parser.add_argument("--model", default="qwen3_next_2b", choices=sorted(MODELS))
+    parser.add_argument("--no-history", action="store_true", help="skip the allocator history (faster)")
+    parser.add_argument("--out", default="results/memory")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("plan_memory_probe needs CUDA (the allocator trace is CUDA's)")
+    device = torch.device("cuda", 0)
+    model = build_model(args.model, "qwen3_next", device, torch.float32)
+    sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"])
+    rows = [run(model, sequences, None, device, history=False)]  # warm-up (compilation, autotuning)
+    rows = []
+    for budget in [None, *args.budget]:
+        rows.append(run(model, sequences, budget, device, history=not args.no_history))
+        r = rows[-1]
+        print(f"budget {budget}: {r['pieces']} pieces, {r['seconds']:.2f} s, peak {r['peak_gib']:.1f} GiB "
+              f"(weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}", flush=True)
+        for p, phase, a, m in r["memory"]:
+            print(f"   piece {p:3d} {phase:9s} allocated {a:7.2f} peak {m:7.2f}")
+        for key in ("peak_by_our_line", "peak_by_line"):
+            print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
+            for where, gib in r.get(key, [])[:15]:
+                print(f"    {gib:8.3f}  {where}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "probe.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
