@@ -47,8 +47,9 @@ def main():
     parser.add_argument("--fit", nargs=3, type=float, metavar=("C", "A", "B"),
                         help="reuse a cost fit (s/call, s/token, s/pair) from an earlier run instead of fitting")
     parser.add_argument("--compare-fused", action="store_true",
-                        help="also time each workload's tree step with the fused per-round fla node (BATCH_ROUNDS off) and "
-                             "with the serial state pass (STATE_PASS='serial')")
+                        help="also time each workload's tree step with the fused per-round fla node (BATCH_ROUNDS off), with "
+                             "fla's state pass per round and with the serial one (STATE_PASS; the default 'auto' "
+                             "picks one per plan)")
     parser.add_argument("--skip", nargs="*", default=[], choices=["parity", "kernels", "padded", "loop", "packed", "profile"])
     args = parser.parse_args()
     began = time.perf_counter()
@@ -96,6 +97,8 @@ def main():
 
             forest = PrefixForest.from_sequences(bench.workload_sequences(name, scale, model.config.vocab_size))
             for key, label, switches in (("tree_fused_node", "the fused per-round node", dict(batched=False)),
+                                         ("tree_rounds_state_pass", "fla's state pass per round",
+                                          dict(state_pass="rounds")),
                                          ("tree_serial_state_pass", "the serial state pass",
                                           dict(state_pass="serial"))):
                 seconds, peak = kernels.batched_rounds(

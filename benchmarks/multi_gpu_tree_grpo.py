@@ -378,9 +378,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: %(default)s)")
     parser.add_argument("--tree-token-budget", type=int, default=None,
                         help="most unique tokens per tree forward; larger microbatches run as planner pieces (DDP only)")
-    parser.add_argument("--gdn-state-pass", default="rounds", choices=["rounds", "serial"],
-                        help="the fla node's state pass (fla_backend.STATE_PASS): fla's per round, or all units in "
-                             "one launch (default: %(default)s)")
+    parser.add_argument("--gdn-state-pass", default="auto", choices=["auto", "rounds", "serial"],
+                        help="the fla node's state pass (fla_backend.STATE_PASS): fla's per round, all units in one "
+                             "launch, or chosen per plan (default: %(default)s)")
     parser.add_argument("--gdn-backend", default="auto", choices=["auto", "torch", "fla"],
                         help="tree_gdn_backend: auto = fla on CUDA when installed (default: %(default)s)")
     parser.add_argument("--loss-type", default="dapo", choices=["grpo", "dapo", "dr_grpo", "cispo", "sapo"],

@@ -7,7 +7,7 @@ memory above the weights, the per-piece/phase trace of ``PlanExecution.memory``,
 allocator's recorded history, the blocks alive at the peak grouped by the Python line that allocated them (the
 innermost frame inside harts_hf / transformers / fla, and the innermost frame of any file).
 
-    python3 benchmarks/plan_memory_probe.py --scale 0.2 --budget 32768 --out results/memory
+    python3 benchmarks/plan_memory_probe.py --scale 0.2 --budget 0 32768 16384 --out results/memory
 
 Needs CUDA. Writes ``OUT/probe.json`` and prints the tables.
 """
@@ -108,7 +108,8 @@ def run(model, sequences, budget, device, history: bool) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=0.2)
-    parser.add_argument("--budget", type=int, nargs="+", default=[32768])
+    parser.add_argument("--budget", type=int, nargs="+", default=[0, 32768],
+                        help="token budgets to run, 0 = the whole forest as one piece (default: %(default)s)")
     parser.add_argument("--model", default="qwen3_next_2b", choices=sorted(MODELS))
     parser.add_argument("--no-history", action="store_true", help="skip the allocator history (faster)")
     parser.add_argument("--out", default="results/memory")
@@ -118,9 +119,9 @@ def main(argv=None):
     device = torch.device("cuda", 0)
     model = build_model(args.model, "qwen3_next", device, torch.float32)
     sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"])
-    rows = [run(model, sequences, None, device, history=False)]  # warm-up (compilation, autotuning)
+    run(model, sequences, min(args.budget) or None, device, history=False)  # warm-up (compilation, autotuning)
     rows = []
-    for budget in [None, *args.budget]:
+    for budget in [b or None for b in args.budget]:
         rows.append(run(model, sequences, budget, device, history=not args.no_history))
         r = rows[-1]
         print(f"budget {budget}: {r['pieces']} pieces, {r['seconds']:.2f} s, peak {r['peak_gib']:.1f} GiB "

@@ -241,6 +241,34 @@ def test_forward_only_pass_and_gradient_checkpointing():
     compare_grads(grads_of(model), tree_grads, 3e-5, "checkpointed plan vs tree")
 
 
+def test_handoff_tensors_do_not_hold_whole_forward_tensors(monkeypatch):
+    """What outlives a forward (the source's exports while its children run, each child's context gradients until
+    the source's backward) owns its storage: not a view of a whole layer's tensor (a hidden row of the final hidden
+    states; the context rows of ``cat([own, context])``'s gradient, which autograd hands to the leaf as a view).
+    On the GPU such views kept ~3 GiB alive per child piece (benchmarks/plan_memory_probe.py)."""
+    from harts_hf.planner import execute as execute_module
+
+    def owns_storage(tensor):
+        return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+    kept = []
+    run_children = execute_module._PlanRunner._run_children
+
+    def checked(self, children, exports):
+        kept.extend(t for export in exports for t in export.tensors.values())
+        gradients = run_children(self, children, exports)
+        kept.extend(g for grads in gradients for g in grads.values() if g is not None)
+        return gradients
+
+    monkeypatch.setattr(execute_module._PlanRunner, "_run_children", checked)
+    sequences = handoff_sequences(seed=3)
+    model = build("qwen3_next")
+    the_plan = plan(sequences, token_budget=140)
+    execute_plan(model, the_plan, logprob_weights=weights_for(sequences))
+    assert len(kept) > 20
+    assert all(owns_storage(t) for t in kept), [tuple(t.shape) for t in kept if not owns_storage(t)][:5]
+
+
 # ---------------------------------------------------------------------------- kernels with context
 def test_kernels_with_context_match_the_whole_forest():
     """Each piece's kernels, given context rows gathered from the whole forest's inputs, reproduce the whole

@@ -216,6 +216,36 @@ def test_chunked_logprobs_match_full_softmax(chunk_size):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_chunked_logprobs_entropies_without_gradient_leave_nothing_behind():
+    """An entropy with gradient that the loss leaves out keeps each chunk's recomputed ``[rows, vocab]`` tensors
+    stashed by the checkpoint until the entropies are dropped (the GPU's 37 GiB per 30k-token planner piece);
+    ``entropy_grad=False`` computes the same values with no such stash and the same log-prob gradients."""
+    import gc
+
+    from harts_hf.kernels.chunked_logprobs import chunked_logprobs
+
+    torch.manual_seed(0)
+    rows, vocab = 12, 97
+    head = torch.nn.Linear(8, vocab)
+    hidden = torch.randn(rows, 8, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows,))
+
+    def stashed():  # live tensors shaped like a chunk's logits
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and tuple(o.shape) == (4, vocab))
+
+    results = {}
+    for entropy_grad in (True, False):
+        logprobs, entropies = chunked_logprobs(head, hidden, labels, chunk_size=4, compute_entropy=True,
+                                               entropy_grad=entropy_grad)
+        assert entropies.requires_grad == entropy_grad
+        grads = torch.autograd.grad(logprobs.sum(), (hidden, head.weight))
+        results[entropy_grad] = (logprobs.detach(), entropies.detach(), grads, stashed())
+        del logprobs, entropies
+    assert results[True][3] > 0 and results[False][3] == 0, (results[True][3], results[False][3])
+    for a, b in zip(results[True][:2] + results[True][2], results[False][:2] + results[False][2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("name", list(FORESTS))
 def test_varlen_layout_gives_ancestor_or_self_visibility(name):
     """The varlen path's key rows under bottom-right causal alignment are exactly each token's root path."""
@@ -274,6 +304,31 @@ def test_round_batch_lays_the_rounds_back_to_back(seed):
         row.update({key: saved for (_, _, key), saved in zip(round_.saved_states, batch.save_ids[r].tolist())})
     assert 0 not in row.values() and len(set(row.values())) == len(row) == batch.num_states - 1
     assert batch.context_id is None
+
+
+def test_state_pass_choice(monkeypatch):
+    """``STATE_PASS='auto'`` picks the serial pass where the H200 measured it faster (swe, tau: many rounds of
+    short units) and fla's per-round pass on grpo (2 rounds, one long chain of completions in parallel); explicit
+    values win; a bad value names the choices."""
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend
+    from harts_hf.workloads import make_workload
+
+    def plan_of(name, scale):
+        sequences = make_workload(name, scale=scale, seed=0).sequences
+        return build_gated_delta_plan(PrefixForest.from_sequences(sequences).pack(), final_states_only=True)
+
+    monkeypatch.setattr(fla_backend, "STATE_PASS", "auto")
+    assert fla_backend.STATE_PASS == "auto"
+    chosen = {name: fla_backend.state_pass_for(plan_of(name, scale))
+              for name, scale in (("swe", 0.02), ("tau", 0.02), ("grpo", 0.05))}
+    assert chosen == {"swe": "serial", "tau": "serial", "grpo": "rounds"}
+    the_plan = plan_of("grpo", 0.05)
+    for value in ("rounds", "serial"):
+        monkeypatch.setattr(fla_backend, "STATE_PASS", value)
+        assert fla_backend.state_pass_for(the_plan) == value
+    monkeypatch.setattr(fla_backend, "STATE_PASS", "fast")
+    with pytest.raises(ValueError, match="STATE_PASS must be one of"):
+        fla_backend.state_pass_for(the_plan)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

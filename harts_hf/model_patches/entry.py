@@ -33,7 +33,8 @@ class TreeRequest:
     ``tree``: the forest on the model's device; ``targets [n]`` (long): packed tokens whose log-prob is wanted
     (each predicted from its parent's hidden row); ``temperature``; ``compute_entropy``; ``aux_loss``: return
     the MoE load-balancing loss weighted by multiplicity; ``float32_head``: LM head in fp32; ``chunk_size``:
-    rows per LM-head chunk.
+    rows per LM-head chunk; ``entropy_grad``: entropies with gradient (False when the loss does not use them, see
+    :func:`harts_hf.kernels.chunked_logprobs.chunked_logprobs`).
     """
 
     tree: TreeMetadata
@@ -43,6 +44,7 @@ class TreeRequest:
     aux_loss: bool = False
     float32_head: bool = False
     chunk_size: int = 4096
+    entropy_grad: bool = True
 
 
 @dataclass
@@ -101,7 +103,8 @@ def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
     hidden = hidden_rows.index_select(0, parents)
     logprobs, entropies = chunked_logprobs(
         model.get_output_embeddings(), hidden, packed.input_ids[request.targets], temperature=request.temperature,
-        chunk_size=request.chunk_size, compute_entropy=request.compute_entropy, float32_head=request.float32_head)
+        chunk_size=request.chunk_size, compute_entropy=request.compute_entropy, float32_head=request.float32_head,
+        entropy_grad=request.entropy_grad)
     aux_loss = router_logits = None
     if request.aux_loss:
         router_logits = tuple(outputs.router_logits)

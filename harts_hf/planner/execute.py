@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..kernels import TreeContext, TreeExport, TreeMetadata
+from ..kernels.context import compact
 from ..logprobs import _ensure_patched, check_tree_inputs, unwrap_model
 from ..model_patches.entry import TREE_REQUEST_KWARG, TreeRequest
 from .plan import Piece, Plan
@@ -74,7 +75,7 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
                  loss_fn: Callable[[PieceLogprobs], torch.Tensor] | None = None, compute_entropy: bool = False,
                  temperature: float = 1.0, replica: int | None = None, recompute: bool = True,
                  gdn_backend: str = "auto", attention_backend: str = "auto", float32_head: bool = False,
-                 head_chunk_size: int = 4096,
+                 head_chunk_size: int = 4096, entropy_grad: bool | None = None,
                  no_sync: Callable[[], AbstractContextManager] | None = None, group=None) -> PlanExecution:
     """Run ``plan``'s pieces (one forward + backward each) and accumulate parameter gradients into ``.grad``,
     equal to the gradient of the same loss over one tree forward (:func:`harts_hf.tree_logprobs`).
@@ -106,6 +107,10 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
             children (activations of one piece alive at a time). False: one forward with gradient, its graph kept
             while the children run (less compute, a chain's activations in memory).
         gdn_backend / attention_backend / float32_head / head_chunk_size: as in :func:`harts_hf.tree_logprobs`.
+        entropy_grad: entropies with gradient. Default: with ``entropy_weights`` or a ``loss_fn`` (which may use
+            them), not with ``logprob_weights`` alone. Pass False with a ``loss_fn`` that leaves entropies out of the
+            loss: an entropy with gradient that the backward never reaches keeps its LM-head chunk's ``[rows,
+            vocab]`` tensors until the piece ends (~37 GiB for a 30k-token piece at vocabulary 152k).
         no_sync: a context manager factory (e.g. DDP's ``model.no_sync``) entered around every forward with
             gradient and its backward except the last pair, so a data-parallel wrapper all-reduces the gradients
             once, in the last backward (needs ``recompute=True``: each forward with gradient is then directly
@@ -128,7 +133,9 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
     runner = _PlanRunner(model, plan, compute_entropy=compute_entropy or entropy_weights is not None,
                          temperature=temperature, recompute=recompute, gdn_backend=gdn_backend,
                          attention_backend=attention_backend, float32_head=float32_head,
-                         head_chunk_size=head_chunk_size)
+                         head_chunk_size=head_chunk_size,
+                         entropy_grad=entropy_weights is not None or loss_fn is not None if entropy_grad is None
+                         else entropy_grad)
     if logprob_weights is not None:
         runner.set_token_weights(logprob_weights, entropy_weights)
     elif loss_fn is not None:
@@ -147,7 +154,7 @@ class _PlanRunner:
     """State of one :func:`execute_plan` call: per-piece packings, per-token outputs and counters."""
 
     def __init__(self, model, plan: Plan, *, compute_entropy, temperature, recompute, gdn_backend,
-                 attention_backend, float32_head, head_chunk_size):
+                 attention_backend, float32_head, head_chunk_size, entropy_grad):
         self.model, self.plan, self.packed = model, plan, plan.packed
         base = unwrap_model(model)
         _ensure_patched(base)
@@ -159,7 +166,7 @@ class _PlanRunner:
         self.device = base.get_input_embeddings().weight.device
         self.compute_entropy, self.temperature, self.recompute = compute_entropy, temperature, recompute
         self.backends = dict(gdn_backend=gdn_backend, attention_backend=attention_backend)
-        self.head = dict(float32_head=float32_head, chunk_size=head_chunk_size)
+        self.head = dict(float32_head=float32_head, chunk_size=head_chunk_size, entropy_grad=entropy_grad)
         self.loss_fn = self.no_sync = None
         self.token_weights = self.entropy_token_weights = None
         self.children: list[list[Piece]] = [[] for _ in plan.pieces]
@@ -281,7 +288,9 @@ class _PlanRunner:
             if self._here(child):
                 context = export.as_context(requires_grad=training)
                 self.run(child, context)
-                gradients.append({key: leaf.grad for key, leaf in context.tensors.items()} if training else {})
+                # kept until the source's backward: a gradient that is a view of a whole layer's input gradient
+                # (the context rows of a cat) would hold that gradient alive for every child
+                gradients.append({key: compact(leaf.grad) for key, leaf in context.tensors.items()} if training else {})
                 continue
             destination = self.exchange.owner[child.index]
             self.exchange.send_context(export, destination)
@@ -468,7 +477,7 @@ class _Exchange:
         self._send(torch.tensor([leaf.grad is not None for leaf in leaves], dtype=torch.uint8), replica)
         for leaf in leaves:
             if leaf.grad is not None:
-                self._send(leaf.grad, replica)
+                self._send(compact(leaf.grad), replica)
 
     def receive_gradients(self, replica: int, export: TreeExport) -> dict:
         """The gradients of the context sent from ``export`` (same keys, shapes and dtypes; None where the child did

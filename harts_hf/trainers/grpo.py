@@ -196,7 +196,8 @@ class TreeGRPOTrainer(GRPOTrainer):
                                                                                       stats))
             with self.accelerator.autocast():
                 execution = execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True,
-                                         no_sync=no_sync, **self._execute_options())
+                                         entropy_grad=loss_fn.entropy_weight is not None, no_sync=no_sync,
+                                         **self._execute_options())
             loss = loss_fn.replayed
         else:  # sequence-coupled loss: values first, then the exact gradient of TRL's loss at those values
             with torch.no_grad(), self.accelerator.autocast():
@@ -209,7 +210,8 @@ class TreeGRPOTrainer(GRPOTrainer):
             loss_fn = _PieceLoss(self, layout, inputs, len(the_plan.pieces), linear_weights=grads)
             with self.accelerator.autocast():
                 execution = execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True,
-                                         no_sync=no_sync, **self._execute_options())
+                                         entropy_grad=loss_fn.entropy_weight is not None, no_sync=no_sync,
+                                         **self._execute_options())
         self.last_plan_memory = execution.memory
         return loss.detach().requires_grad_()
 

@@ -21,9 +21,12 @@ CPU (Triton's interpreter, fp32; ``scripts/check_fla_nodes_on_cpu.py``): bit-ide
 1e-6 of the torch backend, hand-offs included; on the H200 bit-identical outputs to the fused node and 2.7x faster
 per layer on ``swe`` (BENCHMARKS.md, fourth GPU session). ``BATCH_ROUNDS = False`` selects the fused per-round node.
 
-:data:`STATE_PASS` picks the round-batched node's state pass: ``"rounds"`` (fla's, once per round) or ``"serial"``
-(:mod:`.serial_state_pass`: all units in one launch forward and one backward; checked under the interpreter,
-not yet timed on a GPU, hence opt-in).
+:data:`STATE_PASS` picks the round-batched node's state pass: ``"rounds"`` (fla's, once per round), ``"serial"``
+(:mod:`.serial_state_pass`: all units in one launch forward and one backward, one program per value head and block
+of value columns walking every chunk of every unit in turn) or ``"auto"`` (the default: per plan, whichever
+:func:`state_pass_for` estimates faster). Measured per layer on the H200 (BENCHMARKS.md, fifth GPU session): the
+serial pass takes swe@0.02's GDN fwd+bwd from 11.6 ms to 6.7 ms, the time of ONE varlen fla call over the same
+tokens; at the model level it is faster on swe and tau and slower on grpo (2 rounds, 154 chunks in a row).
 """
 
 from __future__ import annotations
@@ -37,11 +40,15 @@ from .plan import CONTEXT_STATE, GatedDeltaPlan
 from .serial_state_pass import serial_units, tree_state_backward, tree_state_forward
 
 BATCH_ROUNDS = True  # False: the fused per-round node (see the module docstring)
-# The round-batched node's state pass: "rounds" (fla's state pass once per round) or "serial" (every unit in one
-# launch per direction, harts_hf.kernels.tree_gated_delta_rule.serial_state_pass). "serial" is checked through
-# Triton's interpreter on the CPU; it stays opt-in until it is timed on a GPU.
-STATE_PASS = "rounds"
-_STATE_PASSES = ("rounds", "serial")
+# The round-batched node's state pass: "rounds" (fla's state pass once per round), "serial" (every unit in one
+# launch per direction, harts_hf.kernels.tree_gated_delta_rule.serial_state_pass) or "auto" (state_pass_for).
+STATE_PASS = "auto"
+_STATE_PASSES = ("auto", "rounds", "serial")
+SERIAL_ROUND_CHUNKS = 45
+"""What one round of fla's state pass costs beyond its longest unit, in chunk steps of the serial pass (host work,
+three launches, the bank gather/scatter; ~0.3 ms on the H200 against ~6.8 us per serial chunk step). Fitted so that
+the choice matches all four model-level measurements of the fifth GPU session (BENCHMARKS.md): swe@0.02, tau@0.02
+and swe@0.05 serial, grpo@0.05 rounds."""
 
 
 def _import_fla():
@@ -203,10 +210,28 @@ def _state_bank(batch: RoundBatch, initial_state, HV: int, K: int, V: int, devic
     return bank
 
 
-def _serial_state_pass() -> bool:
+def state_pass_for(plan: GatedDeltaPlan) -> str:
+    """``"serial"`` or ``"rounds"`` for ``plan`` under :data:`STATE_PASS`. ``"auto"`` compares the serial pass's
+    chain (every chunk of every unit, one after another) with the per-round pass (the longest unit of each round,
+    plus :data:`SERIAL_ROUND_CHUNKS` per round), from the host copy of the plan (no device reads); a plan that saves
+    one unit's state under two keys (which the serial pass does not keep) takes the rounds."""
     if STATE_PASS not in _STATE_PASSES:
         raise ValueError(f"fla_backend.STATE_PASS must be one of {_STATE_PASSES}, got {STATE_PASS!r}")
-    return STATE_PASS == "serial"
+    if STATE_PASS != "auto":
+        return STATE_PASS
+    cache = plan.__dict__.setdefault("_state_pass", {})
+    if "auto" not in cache:
+        batch = round_batch(plan, torch.device("cpu"))
+        counts = [offsets[1:] - offsets[:-1] for offsets in batch.round_chunk_offsets]
+        serial = sum(int(c.sum()) for c in counts)
+        rounds = sum(int(c.max()) + SERIAL_ROUND_CHUNKS for c in counts if c.numel())
+        unique_saves = all(torch.unique(slots).numel() == slots.numel() for slots in batch.save_slots)
+        cache["auto"] = "serial" if serial <= rounds and unique_saves else "rounds"
+    return cache["auto"]
+
+
+def _serial_state_pass(plan: GatedDeltaPlan) -> bool:
+    return state_pass_for(plan) == "serial"
 
 
 class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
@@ -230,7 +255,7 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
         bank = _state_bank(batch, initial_state, HV, K, V, q.device)
         initials: list = []
-        serial = _serial_state_pass()
+        serial = _serial_state_pass(plan)
         if serial:
             units = serial_units(plan, q.device)
             h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)

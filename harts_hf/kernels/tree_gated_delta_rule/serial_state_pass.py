@@ -16,8 +16,9 @@ Per chunk the arithmetic is the chunkwise recurrence fla's ``chunk_gated_delta_r
 at every chunk start (the state the chunk's output reads), as fla stores it.
 
 Trade-off: a program's serial chain is every chunk of every unit (fla's varlen call runs units in parallel), so
-this wins while the per-round launch overhead exceeds the chunk steps: small and medium forests. ``STATE_PASS`` in
-:mod:`.fla_backend` selects it.
+this wins while the per-round launch overhead exceeds the chunk steps: small and medium forests with several rounds.
+``STATE_PASS`` in :mod:`.fla_backend` selects it (``"auto"``, the default: per plan, by
+:func:`.fla_backend.state_pass_for`).
 """
 
 from __future__ import annotations
