@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_tree_vs_trajectory import MODELS, build_model  # noqa: E402
+from bench_tree_vs_trajectory import MODELS, build_model, run_loop  # noqa: E402
 from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
 
 OURS = ("harts_hf", "transformers", "/fla/")
@@ -112,6 +112,11 @@ def main(argv=None):
                         help="token budgets to run, 0 = the whole forest as one piece (default: %(default)s)")
     parser.add_argument("--model", default="qwen3_next_2b", choices=sorted(MODELS))
     parser.add_argument("--no-history", action="store_true", help="skip the allocator history (faster)")
+    parser.add_argument("--loop-sample", type=int, default=0,
+                        help="also time this many of the task's trajectories alone through the unpatched model (the "
+                             "per-trajectory loop of bench_tree_vs_trajectory, second of two runs each), at length "
+                             "quantiles 0.1..0.75, next to the cost fit's price of each (--fit)")
+    parser.add_argument("--fit", nargs=3, type=float, default=[0.1595, 4.6416e-05, 1.5976e-09], metavar=("C", "A", "B"))
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -132,6 +137,29 @@ def main(argv=None):
             print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
             for where, gib in r.get(key, [])[:15]:
                 print(f"    {gib:8.3f}  {where}")
+    c, a, b = args.fit
+    if args.loop_sample:
+        lengths = sorted(len(s) for s in sequences)
+        picks = sorted({lengths[int(q * (len(lengths) - 1))] for q in
+                        [0.1 + 0.65 * i / max(args.loop_sample - 1, 1) for i in range(args.loop_sample)]})
+        loop = []
+        for length in picks:
+            sequence = next(s for s in sequences if len(s) == length)
+            try:
+                for _ in range(2):
+                    torch.cuda.synchronize(device)
+                    start = time.perf_counter()
+                    run_loop(model, [sequence], device)
+                    torch.cuda.synchronize(device)
+                    seconds = time.perf_counter() - start
+            except torch.OutOfMemoryError:
+                seconds = float("nan")
+            fit = c + a * length + b * length ** 2 / 2
+            loop.append(dict(length=length, seconds=seconds, fit_seconds=fit))
+            print(f"loop: one trajectory of {length} tokens {seconds:.3f} s (fit {fit:.3f} s)", flush=True)
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+        rows.append(dict(loop_sample=loop))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe.json").write_text(json.dumps(rows, indent=1))
