@@ -17,7 +17,7 @@ to run big microbatches as planner pieces, DDP only; on the lent machines, first
         --compare results/mgpu/one/summary.json          # needs `pip install deepspeed`; no --tree-token-budget
     accelerate launch --config_file examples/accelerate_deepspeed_zero3.yaml benchmarks/multi_gpu_tree_grpo.py \
         --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 --out results/mgpu/zero3 \
-        --compare results/mgpu/one/summary.json          # ZeRO-3: not yet run
+        --compare results/mgpu/one/summary.json          # ZeRO-3: on CPU in tests/test_deepspeed.py
     python benchmarks/multi_gpu_tree_grpo.py --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 \
         --trainer trl --grad-accum 54 --out results/mgpu/trl --compare results/mgpu/one/summary.json
 
@@ -381,6 +381,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--gdn-state-pass", default="auto", choices=["auto", "rounds", "serial"],
                         help="the fla node's state pass (fla_backend.STATE_PASS): fla's per round, all units in one "
                              "launch, or chosen per plan (default: %(default)s)")
+    parser.add_argument("--head-chunk-size", type=int, default=4096,
+                        help="tree_head_chunk_size: LM-head rows per chunk (default: %(default)s)")
+    parser.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], default="auto",
+                        help="auto: on with CUDA, off on CPU (default: %(default)s)")
     parser.add_argument("--gdn-backend", default="auto", choices=["auto", "torch", "fla"],
                         help="tree_gdn_backend: auto = fla on CUDA when installed (default: %(default)s)")
     parser.add_argument("--loss-type", default="dapo", choices=["grpo", "dapo", "dr_grpo", "cispo", "sapo"],
@@ -420,7 +424,8 @@ def main(argv=None) -> dict | None:
     torch.manual_seed(args.seed)  # the same initial weights in every run on the same kind of device
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     model = build_model(PRESETS[args.preset], "qwen3_next", device, torch.float32)  # fp32 weights, bf16 autocast
-    if not cuda:
+    checkpointing = cuda if args.gradient_checkpointing == "auto" else args.gradient_checkpointing == "on"
+    if not checkpointing:
         model.gradient_checkpointing_disable()
     rows = args.tasks_per_step * rollouts.rows_per_task
     if rows % (world * args.grad_accum):
@@ -432,8 +437,9 @@ def main(argv=None) -> dict | None:
         num_generations=rollouts.rows_per_task, per_device_train_batch_size=rows // (world * args.grad_accum),
         gradient_accumulation_steps=args.grad_accum, max_completion_length=rollouts.max_completion_length,
         loss_type=args.loss_type, beta=0.0, shuffle_dataset=False, tree_token_budget=args.tree_token_budget,
-        tree_balance_replicas=args.balance, tree_gdn_backend=args.gdn_backend, bf16=cuda, use_cpu=not cuda, gradient_checkpointing=cuda,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if cuda else None, logging_steps=1,
+        tree_balance_replicas=args.balance, tree_gdn_backend=args.gdn_backend, bf16=cuda, use_cpu=not cuda,
+        gradient_checkpointing=checkpointing, tree_head_chunk_size=args.head_chunk_size,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None, logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True)
     from datasets import Dataset
 
@@ -454,7 +460,8 @@ def main(argv=None) -> dict | None:
               if "loss" in entry and "grad_norm" in entry]
     run_config = dict(vars(args), rows_per_task=rollouts.rows_per_task, world_size=world,
                       per_device_train_batch_size=config.per_device_train_batch_size,
-                      distributed_type=str(trainer.accelerator.distributed_type), torch=torch.__version__)
+                      distributed_type=str(trainer.accelerator.distributed_type), torch=torch.__version__,
+                      zero_stage=getattr(trainer.accelerator.state.deepspeed_plugin, "zero_stage", None))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(
         dict(rank=rank, world_size=world, device=device, config=run_config, steps=records, logged=logged), indent=1))

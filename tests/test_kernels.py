@@ -214,6 +214,16 @@ def test_chunked_logprobs_match_full_softmax(chunk_size):
     want = torch.autograd.grad((expected * weights[0]).sum() + (expected_entropy * weights[1]).sum(), inputs)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # ZeRO-3's path: the weight read directly instead of one module call per chunk, same values and gradients
+    calls = []
+    hook = head.register_forward_hook(lambda *_: calls.append(1))
+    functional = chunked_logprobs(head, hidden, labels, temperature=0.7, chunk_size=chunk_size, compute_entropy=True,
+                                  functional_head=True)
+    hook.remove()
+    assert not calls
+    got = torch.autograd.grad((functional[0] * weights[0]).sum() + (functional[1] * weights[1]).sum(), inputs)
+    for a, b in zip((*functional, *got), (logprobs, entropies, *want)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_chunked_logprobs_entropies_without_gradient_leave_nothing_behind():

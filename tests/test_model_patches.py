@@ -121,10 +121,10 @@ def test_transformers_generic_contract():
 
 
 def test_zero3_gathers_the_parameters_read_outside_their_module(monkeypatch):
-    """Under DeepSpeed ZeRO-3 (not runnable on this CPU machine: DeepSpeed needs an accelerator) the patch
-    registers the parameters the tree path reads inside another module's forward as that module's external
-    parameters: each Gated DeltaNet mixer's conv weight/bias, and the LM head on the model (fp32 head). A recording
-    stand-in for ``deepspeed.zero`` checks the calls; the GPU run with the ZeRO-3 config checks the training."""
+    """Under DeepSpeed ZeRO-3 the patch registers the parameters the tree path reads inside another module's
+    forward as that module's external parameters: each Gated DeltaNet mixer's conv weight/bias, and the LM head on
+    the model (the chunked head reads its weight directly under ZeRO-3). A recording stand-in for
+    ``deepspeed.zero`` checks the calls here; tests/test_deepspeed.py trains with the real DeepSpeed (CI's venv)."""
     import sys
     import types
 

@@ -1,8 +1,12 @@
 """Log-probs (and entropies) of chosen tokens through the LM head, a chunk of rows at a time.
 
 Each chunk runs under activation checkpointing, so only one chunk's ``[rows, vocab]`` logits exist at a
-time, in the forward and again in the backward. The head is called as a module (ZeRO-3 / FSDP hooks
-fire). Math in fp32: ``z = head(h) / T``, ``logp = z[y] - logsumexp(z)``, ``H = -sum(p log p)``.
+time, in the forward and again in the backward. The head is called as a module (FSDP hooks fire), except
+under DeepSpeed ZeRO-3 (``functional_head``): there every module call all-gathers the weight, a collective
+that each process must issue equally often, but the chunk count follows each process's own token count (two
+processes with 11 and 10 chunks wait on each other forever); so the weight is read directly, an external
+parameter of the model that ZeRO-3 gathers once for the whole forward and backward (``apply_tree_patches``).
+Math in fp32: ``z = head(h) / T``, ``logp = z[y] - logsumexp(z)``, ``H = -sum(p log p)``.
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ __all__ = ["chunked_logprobs"]
 
 
 def _score_chunk(head, hidden, labels, temperature: float, compute_entropy: bool, float32_head: bool,
-                 entropy_grad: bool = True):
+                 entropy_grad: bool = True, functional_head: bool = False):
+    bias = getattr(head, "bias", None)
     if float32_head:
         with torch.autocast(hidden.device.type, enabled=False):
             logits = torch.nn.functional.linear(hidden.float(), head.weight.float(),
-                                                None if head.bias is None else head.bias.float())
+                                                None if bias is None else bias.float())
+    elif functional_head:
+        logits = torch.nn.functional.linear(hidden, head.weight, bias)
     else:
         logits = head(hidden)
     log_probs = (logits.float() / temperature).log_softmax(-1)
@@ -31,20 +38,23 @@ def _score_chunk(head, hidden, labels, temperature: float, compute_entropy: bool
 
 def chunked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                      chunk_size: int = 4096, compute_entropy: bool = False,
-                     float32_head: bool = False, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     float32_head: bool = False, entropy_grad: bool = True,
+                     functional_head: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hidden [N, H]`` through ``head`` (the LM head), ``labels [N]`` -> fp32 ``logprobs [N]`` and
     ``entropies [N]`` (or None). ``float32_head``: project in fp32 outside autocast (TRL's cast_lm_head_to_fp32).
     ``entropy_grad=False``: entropies without gradient (metrics, masks). Pass it whenever the loss does not
     differentiate them: an entropy with gradient that the backward never reaches leaves its chunk's recomputed
     ``[rows, vocab]`` tensors stashed by the checkpoint until the entropies are dropped (~4.6 GiB per 4096 rows
-    at vocabulary 152k; measured on the GPU as ~37 GiB for a 30k-token planner piece)."""
+    at vocabulary 152k; measured on the GPU as ~37 GiB for a 30k-token planner piece). ``functional_head``:
+    ``linear(hidden, head.weight, head.bias)`` instead of calling the module (ZeRO-3, see the module doc)."""
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"chunked_logprobs: {hidden.shape[0]} rows but {labels.shape[0]} labels")
     logprobs, entropies = [], []
     use_checkpoint = torch.is_grad_enabled() and hidden.shape[0] > chunk_size
     for start in range(0, max(hidden.shape[0], 1), chunk_size):
         rows = slice(start, start + chunk_size)
-        arguments = (head, hidden[rows], labels[rows], float(temperature), compute_entropy, float32_head, entropy_grad)
+        arguments = (head, hidden[rows], labels[rows], float(temperature), compute_entropy, float32_head, entropy_grad,
+                     functional_head)
         if use_checkpoint:
             picked, entropy = checkpoint(_score_chunk, *arguments, use_reentrant=False)
         else:

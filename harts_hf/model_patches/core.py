@@ -152,7 +152,8 @@ def _register_zero3_external_parameters(model, handle: PatchHandle) -> None:
     """Under DeepSpeed ZeRO-3 a parameter is gathered only while its own module's forward runs. The tree path
     reads some parameters inside another module's forward: the depthwise conv weight and bias inside the Gated
     DeltaNet mixer (the tree conv gathers ancestor windows instead of calling ``conv1d``), and the LM head's weight
-    inside the model's forward when the head is projected in fp32 (``cast_lm_head_to_fp32``). Registering them as
+    inside the model's forward (the chunked head projects with it directly under ZeRO-3: calling the head module
+    once per chunk would all-gather it a different number of times on each process, a hang). Registering them as
     external parameters of that module makes ZeRO-3 gather them there (forward and backward)."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 

@@ -80,6 +80,12 @@ def text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _zero3() -> bool:
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    return is_deepspeed_zero3_enabled()
+
+
 def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
     """One decoder pass over the forest, then the LM head on the parents of ``request.targets``; a piece with a
     hand-off predicts its root from the handed-in hidden row and exports its branch tokens' rows."""
@@ -104,7 +110,7 @@ def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
     logprobs, entropies = chunked_logprobs(
         model.get_output_embeddings(), hidden, packed.input_ids[request.targets], temperature=request.temperature,
         chunk_size=request.chunk_size, compute_entropy=request.compute_entropy, float32_head=request.float32_head,
-        entropy_grad=request.entropy_grad)
+        entropy_grad=request.entropy_grad, functional_head=_zero3())
     aux_loss = router_logits = None
     if request.aux_loss:
         router_logits = tuple(outputs.router_logits)

@@ -1,0 +1,57 @@
+"""Real DeepSpeed (ZeRO-2 and ZeRO-3) on CPU: 2 processes over gloo, DeepSpeed's CPU accelerator.
+
+DeepSpeed is not a dependency of harts_hf; `.ci/run` installs it in a venv of its own (/tmp/harts-ds, on top of
+the test environment) and runs this file there. Elsewhere the tests are reported as skipped with the reason.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed here: `.ci/run` runs this file in its own venv "
+                                        "with deepspeed (pip install deepspeed to run it)")
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "multi_gpu_tree_grpo.py"
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", DS_ACCELERATOR="cpu")
+# a 16-row LM-head chunk: each process runs a different number of chunks (its own token count), the case that hung
+# ZeRO-3 when the head was called as a module per chunk (one all-gather per call)
+ARGS = ["--preset", "tiny", "--scale", "0.002", "--steps", "2", "--tasks-per-step", "4", "--head-chunk-size", "16",
+        "--gradient-checkpointing", "on"]
+
+
+def run(command: list[str]) -> None:
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("one")
+    run([sys.executable, str(SCRIPT), *ARGS, "--out", str(out)])
+    return out / "summary.json"
+
+
+@pytest.mark.parametrize("stage, port", [(3, "29531"), (2, "29532")])
+def test_deepspeed_zero_trains_like_one_process(tmp_path, reference, stage, port):
+    """TreeGRPOTrainer under ``accelerate launch`` with the repository's DeepSpeed config (examples/) on 2
+    processes: same loss and grad_norm as one process at both steps (the 'dapo' objective is the same), ranks in
+    lock-step, and ZeRO really at the configured stage."""
+    config = ROOT / "examples" / f"accelerate_deepspeed_zero{stage}.yaml"
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", port,
+         str(SCRIPT), *ARGS, "--out", str(tmp_path), "--compare", str(reference)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["same_steps_on_every_rank"]
+    assert summary["config"]["distributed_type"] == "DistributedType.DEEPSPEED"
+    assert summary["config"]["zero_stage"] == stage
+    first, second = summary["compare"]["steps"]
+    assert abs(first["reference_loss"]) > 1e-4 and first["reference_grad_norm"] > 1e-4
+    assert first["loss_rel_diff"] < 1e-5 and first["grad_norm_rel_diff"] < 1e-5, first
+    assert second["loss_rel_diff"] < 1e-4 and second["grad_norm_rel_diff"] < 1e-4, second
+    print(f"\n[ZeRO-{stage}, 2 CPU processes vs 1] loss rel {first['loss_rel_diff']:.1e} / "
+          f"{second['loss_rel_diff']:.1e}, grad_norm rel {first['grad_norm_rel_diff']:.1e} / "
+          f"{second['grad_norm_rel_diff']:.1e}")
