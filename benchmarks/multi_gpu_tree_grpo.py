@@ -5,7 +5,7 @@ workload preset (harts_hf.workloads), one prompt group per task. Launch it with 
 DeepSpeed ZeRO-2), or as plain ``python`` for the one-process reference over the same global batch.
 
 On the 2-GPU machine, from the repository root (bf16 + gradient checkpointing on CUDA; add ``--tree-token-budget N``
-to run big microbatches as planner pieces, DDP only; on the lent machines, first unpack the package bundle as
+to run big microbatches as planner pieces, DDP or DeepSpeed; on the lent machines, first unpack the package bundle as
 ../shared/device/README.md says, `python3` there):
 
     python benchmarks/multi_gpu_tree_grpo.py --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 \
@@ -210,7 +210,7 @@ def timed_trainer_class(tree: bool = True):
         @staticmethod
         def _fresh_record() -> dict:
             return dict(generate_s=0.0, balance_s=0.0, forward_s=0.0, path_tokens=0, unique_tokens=0, local_loss=0.0,
-                        microbatches=0, plan_memory=[])
+                        microbatches=0, plan_memory=[], piece_padding=0)
 
         def _timed(self, key, function, *args):
             _synchronize(self.accelerator.device)
@@ -252,6 +252,9 @@ def timed_trainer_class(tree: bool = True):
             # planner pieces (CUDA): allocated / peak GiB after each piece's phases, for the last microbatch
             self.step_record["plan_memory"] = getattr(self, "last_plan_memory", [])  # TRL's trainer: none
             self.last_plan_memory = []
+            # DeepSpeed with planner pieces: filler backwards this process ran to match the others' piece count
+            self.step_record["piece_padding"] += getattr(self, "last_piece_padding", 0)
+            self.last_piece_padding = 0
             return loss
 
     return TimedTreeGRPOTrainer
@@ -377,7 +380,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="sequences per task = num_generations (default: the smallest task's count)")
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: %(default)s)")
     parser.add_argument("--tree-token-budget", type=int, default=None,
-                        help="most unique tokens per tree forward; larger microbatches run as planner pieces (DDP only)")
+                        help="most unique tokens per tree forward; larger microbatches run as planner pieces")
     parser.add_argument("--gdn-state-pass", default="auto", choices=["auto", "rounds", "serial"],
                         help="the fla node's state pass (fla_backend.STATE_PASS): fla's per round, all units in one "
                              "launch, or chosen per plan (default: %(default)s)")

@@ -36,15 +36,24 @@ def reference(tmp_path_factory) -> Path:
     return out / "summary.json"
 
 
-@pytest.mark.parametrize("stage, port", [(3, "29531"), (2, "29532")])
-def test_deepspeed_zero_trains_like_one_process(tmp_path, reference, stage, port):
+@pytest.mark.parametrize("stage, budget, port", [(3, None, "29531"), (2, None, "29532"), (2, 300, "29534")])
+def test_deepspeed_zero_trains_like_one_process(tmp_path, reference, stage, budget, port):
     """TreeGRPOTrainer under ``accelerate launch`` with the repository's DeepSpeed config (examples/) on 2
     processes: same loss and grad_norm as one process at both steps (the 'dapo' objective is the same), ranks in
-    lock-step, and ZeRO really at the configured stage."""
+    lock-step, and ZeRO really at the configured stage. With a token budget each process's microbatch runs as
+    planner pieces, one DeepSpeed backward per piece with hand-offs between them."""
     config = ROOT / "examples" / f"accelerate_deepspeed_zero{stage}.yaml"
+    extra = [] if budget is None else ["--tree-token-budget", str(budget)]
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", port,
-         str(SCRIPT), *ARGS, "--out", str(tmp_path), "--compare", str(reference)])
+         str(SCRIPT), *ARGS, *extra, "--out", str(tmp_path), "--compare", str(reference)])
     summary = json.loads((tmp_path / "summary.json").read_text())
+    if budget is not None:
+        pieces = [row["tree"]["tree/pieces"] for row in summary["steps"]]
+        handoffs = [row["tree"]["tree/handoffs"] for row in summary["steps"]]
+        assert min(pieces) > 2 and min(handoffs) > 0, (pieces, handoffs)  # really cut, with hand-offs
+        ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+        padding = [step["piece_padding"] for rank in ranks for step in rank["steps"]]
+        assert max(padding) > 0, padding  # the processes had different piece counts: filler backwards ran
     assert summary["world_size"] == 2 and summary["same_steps_on_every_rank"]
     assert summary["config"]["distributed_type"] == "DistributedType.DEEPSPEED"
     assert summary["config"]["zero_stage"] == stage

@@ -269,6 +269,33 @@ def test_handoff_tensors_do_not_hold_whole_forward_tensors(monkeypatch):
     assert all(owns_storage(t) for t in kept), [tuple(t.shape) for t in kept if not owns_storage(t)][:5]
 
 
+def test_custom_backward_and_deferred_last_backward():
+    """The path DeepSpeed takes (tests/test_deepspeed.py runs it for real): every piece's backward through a
+    ``backward(roots, gradients)`` callable on ``backward_surrogate`` except the last, which the caller runs from
+    ``PlanExecution.deferred``; the parameter gradients equal the plain executor's."""
+    from harts_hf.planner.execute import backward_surrogate
+
+    sequences = handoff_sequences(seed=4)
+    model = build("qwen3_next")
+    the_plan = plan(sequences, token_budget=140)
+    weights = weights_for(sequences)
+    execute_plan(model, the_plan, logprob_weights=weights)
+    expected = grads_of(model)
+    model.zero_grad()
+    calls = []
+
+    def backward(roots, gradients):
+        calls.append(len(roots))
+        backward_surrogate(roots, gradients).backward()
+
+    run = execute_plan(model, the_plan, logprob_weights=weights, backward=backward, defer_last_backward=True)
+    roots, gradients = run.deferred
+    assert len(calls) == run.stats["pieces"] - 1 and max(calls) > 1  # hand-off roots go through the callable too
+    backward_surrogate(roots, gradients).backward()
+    compare_grads(grads_of(model), expected, 1e-6, "custom + deferred backward vs plain")
+    assert execute_plan(model, the_plan, logprob_weights=weights).deferred is None
+
+
 # ---------------------------------------------------------------------------- kernels with context
 def test_kernels_with_context_match_the_whole_forest():
     """Each piece's kernels, given context rows gathered from the whole forest's inputs, reproduce the whole

@@ -101,16 +101,26 @@ def test_aux_loss_with_budget_is_refused(saved_model, tmp_path):  # noqa: F811
         tree.compute_loss(tree.model, prepared(tree))
 
 
-@pytest.mark.parametrize("attribute, value, words", [
-    ("is_deepspeed_enabled", True, ["DeepSpeed", "tree_token_budget=None"]),
-    ("is_fsdp_enabled", True, ["FSDP", "tree_token_budget=None"]),
+@pytest.mark.parametrize("attribute, stage, words", [
+    ("is_deepspeed_enabled", 2, ["DeepSpeed", "fp16", "bf16=True", "tree_token_budget=None"]),
+    ("is_deepspeed_enabled", 3, ["ZeRO-3", "same sequence", "ZeRO-2", "tree_token_budget=None"]),
+    ("is_fsdp_enabled", None, ["FSDP", "tree_token_budget=None"]),
 ])
-def test_engines_with_their_own_backward_are_refused(saved_model, tmp_path, attribute, value, words):  # noqa: F811
+def test_unsupported_engines_are_refused(saved_model, tmp_path, monkeypatch, attribute, stage, words):  # noqa: F811
+    """FSDP; DeepSpeed ZeRO-3 (every process would need the same sequence of piece forwards and backwards); and
+    DeepSpeed with fp16 (its loss scale would apply twice to hand-off gradients). DeepSpeed ZeRO-2 in bf16 or fp32
+    trains with pieces (tests/test_deepspeed.py, real DeepSpeed)."""
+    import types
+
     _, tree = make_trainers(saved_model, tmp_path, **NO_AUX)
     tree.args.tree_token_budget = BUDGET["tree_token_budget"]
-    setattr(tree, attribute, value)
+    inputs = prepared(tree)  # generation first, as the plain trainer (TRL would gather ZeRO-3 weights for it)
+    setattr(tree, attribute, True)
+    monkeypatch.setattr(type(tree.accelerator), "mixed_precision", property(lambda self: "fp16"))
+    plugin = None if stage is None else types.SimpleNamespace(zero_stage=stage)
+    monkeypatch.setattr(type(tree.accelerator.state), "deepspeed_plugin", property(lambda self: plugin))
     with pytest.raises(ValueError) as info:
-        tree.compute_loss(tree.model, prepared(tree))
+        tree.compute_loss(tree.model, inputs)
     assert all(word in str(info.value) for word in words)
 
 

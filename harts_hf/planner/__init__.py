@@ -8,11 +8,11 @@ from .plan import Handoff, Microbatch, Piece, Plan, plan
 from .replicas import assign_groups, group_cost, imbalance
 
 __all__ = ["FEATURES", "CostModel", "Handoff", "Microbatch", "PieceLogprobs", "Piece", "Plan", "PlanExecution",
-           "assign_groups", "execute_plan", "group_cost", "imbalance", "nnls", "plan"]
+           "assign_groups", "engine_backward", "execute_plan", "group_cost", "imbalance", "nnls", "plan"]
 
 
 def __getattr__(name):
-    if name in ("PieceLogprobs", "PlanExecution", "execute_plan"):
+    if name in ("PieceLogprobs", "PlanExecution", "engine_backward", "execute_plan"):
         from . import execute
 
         return getattr(execute, name)

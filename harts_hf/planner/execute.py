@@ -25,7 +25,7 @@ from ..logprobs import _ensure_patched, check_tree_inputs, unwrap_model
 from ..model_patches.entry import TREE_REQUEST_KWARG, TreeRequest
 from .plan import Piece, Plan
 
-__all__ = ["PieceLogprobs", "PlanExecution", "execute_plan"]
+__all__ = ["PieceLogprobs", "PlanExecution", "engine_backward", "execute_plan"]
 
 
 @dataclass
@@ -60,6 +60,7 @@ class PlanExecution:
     ``memory`` (CUDA only, else empty): per piece and phase (``start``, ``handoff`` after a source's no-grad
     forward, ``children``, ``forward``, ``backward``), ``(piece, phase, allocated GiB, peak GiB so far)`` from
     torch's caching allocator (the peak is not reset here): where a microbatch's memory goes, piece by piece.
+    ``deferred``: with ``defer_last_backward``, the last backward's ``(roots, gradients)`` (else None).
     """
 
     logprobs: list[torch.Tensor]
@@ -69,6 +70,7 @@ class PlanExecution:
     loss: torch.Tensor | None
     stats: dict
     memory: list = field(default_factory=list)
+    deferred: tuple | None = None
 
 
 def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=None,
@@ -76,7 +78,9 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
                  temperature: float = 1.0, replica: int | None = None, recompute: bool = True,
                  gdn_backend: str = "auto", attention_backend: str = "auto", float32_head: bool = False,
                  head_chunk_size: int = 4096, entropy_grad: bool | None = None,
-                 no_sync: Callable[[], AbstractContextManager] | None = None, group=None) -> PlanExecution:
+                 no_sync: Callable[[], AbstractContextManager] | None = None, group=None,
+                 backward: Callable[[list, list], None] | None = None,
+                 defer_last_backward: bool = False) -> PlanExecution:
     """Run ``plan``'s pieces (one forward + backward each) and accumulate parameter gradients into ``.grad``,
     equal to the gradient of the same loss over one tree forward (:func:`harts_hf.tree_logprobs`).
 
@@ -115,6 +119,13 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
             gradient and its backward except the last pair, so a data-parallel wrapper all-reduces the gradients
             once, in the last backward (needs ``recompute=True``: each forward with gradient is then directly
             followed by its backward). None: every backward as it comes.
+        backward: runs one piece's backward, ``backward(roots, gradients)`` (the piece's loss with gradient 1 and
+            the hand-off tensors with their children's gradients); default ``torch.autograd.backward``. A
+            DeepSpeed engine, which reduces ZeRO gradients around its own backward, goes through
+            :func:`engine_backward`.
+        defer_last_backward: leave the call's last backward (the last root piece's, after all its children) to the
+            caller: ``PlanExecution.deferred`` holds its ``(roots, gradients)``, and the parameter gradients are
+            complete once the caller backpropagates them (a trainer whose framework runs the micro-step's backward).
 
     Returns:
         :class:`PlanExecution`.
@@ -140,7 +151,7 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
         runner.set_token_weights(logprob_weights, entropy_weights)
     elif loss_fn is not None:
         runner.loss_fn = loss_fn
-    runner.no_sync = no_sync
+    runner.no_sync, runner.backward, runner.defer_last = no_sync, backward, defer_last_backward
     roots = runner.root_pieces(replica, group)
     try:
         for i, piece in enumerate(roots):
@@ -148,6 +159,26 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
     finally:
         runner.finish_sends()
     return runner.result()
+
+
+def engine_backward(engine) -> Callable[[list, list], None]:
+    """``backward`` for :func:`execute_plan` through a DeepSpeed engine: one ``engine.backward`` per piece on the
+    scalar ``sum(root * gradient)`` (its gradient in every root is that root's gradient), so ZeRO reduces (stage 2:
+    reduce-scatters) each piece's gradients and accumulates them as it does over micro-steps, none of them a
+    gradient accumulation boundary (the caller's own last backward is: ``defer_last_backward``). Each such backward
+    is a collective: every process must run as many (TreeGRPOTrainer pads with zero-loss backwards). Not rescaled by the
+    gradient accumulation steps (the pieces' losses carry that factor, as ``accelerator.backward`` would apply it),
+    and no loss scaling: children's gradients would be scaled twice, so fp16 is refused by the caller."""
+    def backward(roots: list, gradients: list) -> None:
+        engine.set_gradient_accumulation_boundary(False)
+        engine.backward(backward_surrogate(roots, gradients), scale_wrt_gas=False)
+
+    return backward
+
+
+def backward_surrogate(roots: list, gradients: list) -> torch.Tensor:
+    """A scalar whose gradient in each root is that root's gradient: ``sum(root * gradient)`` (fp32)."""
+    return sum((root * gradient.to(root.dtype)).sum().float() for root, gradient in zip(roots, gradients))
 
 
 class _PlanRunner:
@@ -167,7 +198,8 @@ class _PlanRunner:
         self.compute_entropy, self.temperature, self.recompute = compute_entropy, temperature, recompute
         self.backends = dict(gdn_backend=gdn_backend, attention_backend=attention_backend)
         self.head = dict(float32_head=float32_head, chunk_size=head_chunk_size, entropy_grad=entropy_grad)
-        self.loss_fn = self.no_sync = None
+        self.loss_fn = self.no_sync = self.backward = self.deferred = None
+        self.defer_last = False
         self.token_weights = self.entropy_token_weights = None
         self.children: list[list[Piece]] = [[] for _ in plan.pieces]
         for piece in plan.pieces:
@@ -357,8 +389,10 @@ class _PlanRunner:
                 if trainable:
                     roots.append(torch.stack([p.reshape(-1)[0].float() for p in trainable]).sum() * 0.0)
                     grads.append(torch.ones((), device=roots[-1].device))
-            if roots:
-                torch.autograd.backward(roots, grads)
+            if last and self.defer_last:
+                self.deferred = (roots, grads)
+            elif roots:
+                (self.backward or torch.autograd.backward)(roots, grads)
             self._mark(piece, "backward")
         self.loss = loss.detach() if self.loss is None else self.loss + loss.detach()
 
@@ -412,7 +446,7 @@ class _PlanRunner:
         logprobs = [x[1:] for x in packed.gather_sequences(self.token_logprobs)]
         entropies = [x[1:] for x in packed.gather_sequences(self.token_entropies)] if self.compute_entropy else None
         return PlanExecution(logprobs, entropies, self.token_logprobs, self.token_entropies, self.loss,
-                             dict(self.stats), list(self.memory))
+                             dict(self.stats), list(self.memory), self.deferred)
 
 
 class _Exchange:

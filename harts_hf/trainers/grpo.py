@@ -25,7 +25,7 @@ from ..model_patches import apply_tree_patches
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
 from ..planner import CostModel, Plan, imbalance, plan
-from ..planner.execute import PieceLogprobs, execute_plan
+from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan
 from .config import TreeGRPOConfig
 from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
 from .replica_balance import (
@@ -68,6 +68,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._replay = None  # (logps, entropies, tree stats) of planner pieces, for TRL's loss code
         self._layout_cache = None
         self.last_plan_memory: list = []  # execute_plan's CUDA allocator trace of the last planner microbatch
+        self.last_piece_padding = 0  # DeepSpeed: filler backwards run by this process in the last planner microbatch
         self._cost_model = CostModel.load(args.tree_cost_model) if args.tree_cost_model else None
         if args.use_tree and args.tree_token_budget is not None:
             self._check_planner_supported()
@@ -188,16 +189,20 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._check_planner_supported()
         the_plan = self._plan(layout)
         stats = self._plan_stats(the_plan)
-        # DDP: all-reduce once, in the last piece's backward (earlier ones accumulate locally)
-        no_sync = functools.partial(self.accelerator.no_sync, model)
+        # DDP: all-reduce once, in the last piece's backward (earlier ones accumulate locally). DeepSpeed: one engine
+        # backward per piece (ZeRO reduces each piece's gradients, as over micro-steps; no_sync is refused by ZeRO 2/3)
+        deepspeed = self.is_deepspeed_enabled
+        backward = engine_backward(self.deepspeed) if deepspeed else None
+        no_sync = None if deepspeed else functools.partial(self.accelerator.no_sync, model)
+        options = dict(no_sync=no_sync, backward=backward, defer_last_backward=deepspeed, **self._execute_options())
+        self.last_piece_padding = self._pad_piece_backwards(model, len(the_plan.pieces) - 1, backward) if deepspeed else 0
         if self._token_level_loss():
             loss_fn = _PieceLoss(self, layout, inputs, len(the_plan.pieces),
                                  on_last=lambda logps, entropies: self._replayed_loss(model, inputs, logps, entropies,
                                                                                       stats))
             with self.accelerator.autocast():
                 execution = execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True,
-                                         entropy_grad=loss_fn.entropy_weight is not None, no_sync=no_sync,
-                                         **self._execute_options())
+                                         entropy_grad=loss_fn.entropy_weight is not None, **options)
             loss = loss_fn.replayed
         else:  # sequence-coupled loss: values first, then the exact gradient of TRL's loss at those values
             with torch.no_grad(), self.accelerator.autocast():
@@ -210,10 +215,32 @@ class TreeGRPOTrainer(GRPOTrainer):
             loss_fn = _PieceLoss(self, layout, inputs, len(the_plan.pieces), linear_weights=grads)
             with self.accelerator.autocast():
                 execution = execute_plan(model, the_plan, loss_fn=loss_fn, compute_entropy=True,
-                                         entropy_grad=loss_fn.entropy_weight is not None, no_sync=no_sync,
-                                         **self._execute_options())
+                                         entropy_grad=loss_fn.entropy_weight is not None, **options)
         self.last_plan_memory = execution.memory
-        return loss.detach().requires_grad_()
+        if execution.deferred is not None:
+            # DeepSpeed: the micro-step's own backward (Trainer -> accelerator -> engine, which divides by the
+            # accumulation steps the piece losses already carry) runs the last piece's; the value stays TRL's loss
+            surrogate = backward_surrogate(*execution.deferred) * self.accelerator.gradient_accumulation_steps
+            return loss.detach() + surrogate - surrogate.detach()
+        return loss.detach().requires_grad_()  # TRL's value; its backward reaches no parameter
+
+    def _pad_piece_backwards(self, model, backwards: int, backward) -> int:
+        """ZeRO-2 reduces gradients in every engine backward, a collective: every process must run as many piece
+        backwards as the one with the most pieces. Those with fewer first run zero-loss backwards of a 2-token
+        forest (the same parameters in the same order as a piece, nothing added to the gradients). Returns how many
+        this process ran."""
+        counts = torch.tensor([backwards], device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            counts = self.accelerator.gather(counts)
+        missing = int(counts.max()) - backwards
+        if missing:
+            tokens = [0, 1]
+            filler = plan([tokens], num_replicas=1, token_budget=len(tokens))
+            for _ in range(missing):
+                with self.accelerator.autocast():
+                    execute_plan(model, filler, logprob_weights=[torch.zeros(len(tokens) - 1)], backward=backward,
+                                 **self._execute_options())
+        return missing
 
     def _token_level_loss(self) -> bool:
         """True when TRL's loss is a sum of per-token terms known before the forward (one pass suffices)."""
@@ -247,10 +274,19 @@ class TreeGRPOTrainer(GRPOTrainer):
             raise ValueError(f"the MoE load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef}) depends "
                              "on the whole microbatch's routing, so it cannot be split over planner pieces; set "
                              f"router_aux_loss_coef=0.0 in the TreeGRPOConfig, {fix}.")
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
-            raise ValueError(f"{engine} runs backward through its own engine, which planner pieces (one backward "
-                             f"each) do not drive yet; train with DDP, {fix}.")
+        if self.is_fsdp_enabled:
+            raise ValueError("FSDP runs backward through its own wrapper, which planner pieces (one backward each) do "
+                             f"not drive yet; train with DDP or DeepSpeed ZeRO, {fix}.")
+        zero_stage = getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None) if self.is_deepspeed_enabled \
+            else None
+        if zero_stage == 3:
+            raise ValueError("planner pieces under DeepSpeed ZeRO-3: ZeRO-3 all-gathers parameters in every module "
+                             "forward and backward, so every process would have to run the same sequence of piece "
+                             "forwards and backwards, which the pieces of different trees do not; use ZeRO-2 (or "
+                             f"DDP), {fix}.")
+        if self.is_deepspeed_enabled and self.accelerator.mixed_precision == "fp16":
+            raise ValueError("planner pieces under DeepSpeed with fp16: the dynamic loss scale would apply twice to "
+                             "the gradients handed between pieces; use bf16 (TreeGRPOConfig(bf16=True)), " + fix + ".")
         if self.args.optim in ("lomo", "adalomo"):
             raise ValueError(f"optim={self.args.optim!r} updates parameters inside backward, but planner pieces run one "
                              f"backward each; choose another optimizer, {fix}.")
