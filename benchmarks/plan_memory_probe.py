@@ -8,6 +8,10 @@ allocator's recorded history, the blocks alive at the peak grouped by the Python
 innermost frame inside harts_hf / transformers / fla, and the innermost frame of any file).
 
     python3 benchmarks/plan_memory_probe.py --scale 0.2 --budget 0 32768 16384 --out results/memory
+    python3 benchmarks/plan_memory_probe.py --scale 1.0 --budget 65536 --no-history --loop-sample 12   # full size
+
+``--loop-sample`` also times trajectories alone through the same kernels (the per-trajectory baseline at lengths
+where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the cost fit's price.
 
 Needs CUDA. Writes ``OUT/probe.json`` and prints the tables.
 """
@@ -26,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_tree_vs_trajectory import MODELS, build_model, run_loop  # noqa: E402
+from bench_tree_vs_trajectory import MODELS, build_model, run_tree  # noqa: E402
 from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
 
 OURS = ("harts_hf", "transformers", "/fla/")
@@ -87,7 +91,7 @@ def run(model, sequences, budget, device, history: bool) -> dict:
                                                  max_entries=2_000_000)
     start = time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        execution = execute_plan(model, the_plan, logprob_weights=weights, float32_head=True)
+        execution = execute_plan(model, the_plan, logprob_weights=weights)  # bf16 head, as the trainer's default
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     row = dict(budget=budget, unique_tokens=packed.num_tokens, pieces=len(the_plan.pieces), seconds=seconds,
@@ -105,6 +109,47 @@ def run(model, sequences, budget, device, history: bool) -> dict:
     return row
 
 
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def loop_sample(model, sequences, count: int, device, fit) -> dict:
+    """The per-trajectory path on ``count`` trajectories (all for -1): each alone, fwd+bwd, with its fitted price;
+    with all of them, ``measured_seconds`` is the whole per-trajectory loop."""
+    from harts_hf.trees import PrefixForest
+
+    c, a, b = fit
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    if count < 0 or count >= len(order):
+        picks = order
+    else:
+        picks = sorted({order[int(q * (len(order) - 1))] for q in
+                        [0.1 + 0.8 * i / max(count - 1, 1) for i in range(count)]})
+    rows = []
+    for i in picks:
+        forest = PrefixForest.from_sequences([sequences[i]])
+        try:
+            for _ in range(2):  # the second run is timed (the first compiles / autotunes new lengths)
+                _sync(device)
+                start = time.perf_counter()
+                run_tree(model, forest)
+                _sync(device)
+                seconds = time.perf_counter() - start
+        except torch.OutOfMemoryError:
+            seconds = float("nan")
+        length = len(sequences[i])
+        rows.append(dict(length=length, seconds=seconds, fit_seconds=c + a * length + b * length ** 2 / 2))
+        print(f"per-trajectory: {length} tokens {seconds:.3f} s (fit {rows[-1]['fit_seconds']:.3f} s)", flush=True)
+        model.zero_grad(set_to_none=True)
+    measured, priced = sum(r["seconds"] for r in rows), sum(r["fit_seconds"] for r in rows)
+    total_priced = sum(c + a * len(s) + b * len(s) ** 2 / 2 for s in sequences)
+    print(f"per-trajectory: {len(rows)} of {len(sequences)} trajectories measured {measured:.2f} s, priced "
+          f"{priced:.2f} s; the whole loop priced {total_priced:.2f} s", flush=True)
+    return dict(trajectories=rows, measured_seconds=measured, priced_seconds=priced, all=len(rows) == len(sequences),
+                whole_loop_priced_seconds=total_priced)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=0.2)
@@ -113,9 +158,10 @@ def main(argv=None):
     parser.add_argument("--model", default="qwen3_next_2b", choices=sorted(MODELS))
     parser.add_argument("--no-history", action="store_true", help="skip the allocator history (faster)")
     parser.add_argument("--loop-sample", type=int, default=0,
-                        help="also time this many of the task's trajectories alone through the unpatched model (the "
-                             "per-trajectory loop of bench_tree_vs_trajectory, second of two runs each), at length "
-                             "quantiles 0.1..0.75, next to the cost fit's price of each (--fit)")
+                        help="also time this many of the task's trajectories alone (-1: all), each its own forward "
+                             "and backward through the same kernels (the tree path on a one-sequence forest: fla, "
+                             "flash varlen, chunked LM head, so long trajectories fit), second of two runs each, at "
+                             "length quantiles 0.1..0.9, next to the cost fit's price of each (--fit)")
     parser.add_argument("--fit", nargs=3, type=float, default=[0.1595, 4.6416e-05, 1.5976e-09], metavar=("C", "A", "B"))
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
@@ -139,27 +185,7 @@ def main(argv=None):
                 print(f"    {gib:8.3f}  {where}")
     c, a, b = args.fit
     if args.loop_sample:
-        lengths = sorted(len(s) for s in sequences)
-        picks = sorted({lengths[int(q * (len(lengths) - 1))] for q in
-                        [0.1 + 0.65 * i / max(args.loop_sample - 1, 1) for i in range(args.loop_sample)]})
-        loop = []
-        for length in picks:
-            sequence = next(s for s in sequences if len(s) == length)
-            try:
-                for _ in range(2):
-                    torch.cuda.synchronize(device)
-                    start = time.perf_counter()
-                    run_loop(model, [sequence], device)
-                    torch.cuda.synchronize(device)
-                    seconds = time.perf_counter() - start
-            except torch.OutOfMemoryError:
-                seconds = float("nan")
-            fit = c + a * length + b * length ** 2 / 2
-            loop.append(dict(length=length, seconds=seconds, fit_seconds=fit))
-            print(f"loop: one trajectory of {length} tokens {seconds:.3f} s (fit {fit:.3f} s)", flush=True)
-            model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
-        rows.append(dict(loop_sample=loop))
+        rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe.json").write_text(json.dumps(rows, indent=1))

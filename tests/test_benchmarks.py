@@ -30,3 +30,25 @@ def test_gpu_suite_model_stages_on_cpu(tmp_path):
     families = results["profile"]["cpu_seconds_by_family"]
     assert set(families) == {"tree", "packed"} and all(sum(f.values()) > 0 for f in families.values())
     assert (tmp_path / "profile_tree.txt").read_text().count("\n") > 10
+
+
+def test_plan_memory_probe_per_trajectory_sample_on_cpu():
+    """plan_memory_probe's per-trajectory baseline (each trajectory alone through the same kernels, for lengths
+    where the unpatched model's full logits do not fit) picks quantiles or all trajectories and prices them."""
+    import random
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_tree_vs_trajectory import build_model
+    from plan_memory_probe import loop_sample
+
+    model = build_model("tiny", "qwen3_next", torch.device("cpu"), torch.float32)
+    rng = random.Random(0)
+    sequences = [[rng.randrange(1000) for _ in range(n)] for n in (30, 50, 70, 90, 110)]
+    fit = (0.1, 1e-4, 1e-9)
+    some = loop_sample(model, sequences, 2, torch.device("cpu"), fit)
+    assert not some["all"] and [r["length"] for r in some["trajectories"]] == [30, 90]  # quantiles 0.1 and 0.9
+    every = loop_sample(model, sequences, -1, torch.device("cpu"), fit)
+    assert every["all"] and every["measured_seconds"] > 0
+    assert abs(every["priced_seconds"] - every["whole_loop_priced_seconds"]) < 1e-9
