@@ -276,7 +276,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                              f"router_aux_loss_coef=0.0 in the TreeGRPOConfig, {fix}.")
         if self.is_fsdp_enabled:
             raise ValueError("FSDP runs backward through its own wrapper, which planner pieces (one backward each) do "
-                             f"not drive yet; train with DDP or DeepSpeed ZeRO, {fix}.")
+                             f"not drive yet; train with DDP or DeepSpeed ZeRO-2, {fix}.")
         zero_stage = getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None) if self.is_deepspeed_enabled \
             else None
         if zero_stage == 3:
@@ -284,6 +284,12 @@ class TreeGRPOTrainer(GRPOTrainer):
                              "forward and backward, so every process would have to run the same sequence of piece "
                              "forwards and backwards, which the pieces of different trees do not; use ZeRO-2 (or "
                              f"DDP), {fix}.")
+        if self.is_deepspeed_enabled and self.accelerator.gradient_accumulation_steps > 1:
+            raise ValueError("planner pieces under DeepSpeed with gradient_accumulation_steps="
+                             f"{self.accelerator.gradient_accumulation_steps}: ZeRO-2's accumulation across "
+                             "micro-steps does not survive several engine backwards per micro-step (measured: the "
+                             "grad norm 40% off on CPU); use gradient_accumulation_steps=1 with a larger "
+                             f"per_device_train_batch_size (the pieces bound the memory), or DDP, {fix}.")
         if self.is_deepspeed_enabled and self.accelerator.mixed_precision == "fp16":
             raise ValueError("planner pieces under DeepSpeed with fp16: the dynamic loss scale would apply twice to "
                              "the gradients handed between pieces; use bf16 (TreeGRPOConfig(bf16=True)), " + fix + ".")
