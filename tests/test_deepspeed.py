@@ -36,14 +36,16 @@ def reference(tmp_path_factory) -> Path:
     return out / "summary.json"
 
 
-@pytest.mark.parametrize("stage, budget, port", [(3, None, "29531"), (2, None, "29532"), (2, 300, "29534")])
-def test_deepspeed_zero_trains_like_one_process(tmp_path, reference, stage, budget, port):
+@pytest.mark.parametrize("stage, budget, accumulation, port", [(3, None, 1, "29531"), (2, None, 1, "29532"),
+                                                              (2, 300, 1, "29534"), (2, 300, 2, "29535")])
+def test_deepspeed_zero_trains_like_one_process(tmp_path, reference, stage, budget, accumulation, port):
     """TreeGRPOTrainer under ``accelerate launch`` with the repository's DeepSpeed config (examples/) on 2
     processes: same loss and grad_norm as one process at both steps (the 'dapo' objective is the same), ranks in
     lock-step, and ZeRO really at the configured stage. With a token budget each process's microbatch runs as
-    planner pieces, one DeepSpeed backward per piece with hand-offs between them."""
+    planner pieces, one DeepSpeed backward per piece with hand-offs between them; with 2 accumulation steps each
+    process runs 2 microbatches per step (the same objective: TRL's 'dapo' normalises by the whole batch)."""
     config = ROOT / "examples" / f"accelerate_deepspeed_zero{stage}.yaml"
-    extra = [] if budget is None else ["--tree-token-budget", str(budget)]
+    extra = ([] if budget is None else ["--tree-token-budget", str(budget)]) + ["--grad-accum", str(accumulation)]
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", port,
          str(SCRIPT), *ARGS, *extra, "--out", str(tmp_path), "--compare", str(reference)])
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -104,14 +104,12 @@ def test_aux_loss_with_budget_is_refused(saved_model, tmp_path):  # noqa: F811
 @pytest.mark.parametrize("attribute, stage, words", [
     ("is_deepspeed_enabled", 2, ["DeepSpeed", "fp16", "bf16=True", "tree_token_budget=None"]),
     ("is_deepspeed_enabled", 3, ["ZeRO-3", "same sequence", "ZeRO-2", "tree_token_budget=None"]),
-    ("is_deepspeed_enabled", "accumulation", ["gradient_accumulation_steps=2", "DDP", "tree_token_budget=None"]),
     ("is_fsdp_enabled", None, ["FSDP", "tree_token_budget=None"]),
 ])
 def test_unsupported_engines_are_refused(saved_model, tmp_path, monkeypatch, attribute, stage, words):  # noqa: F811
-    """FSDP; DeepSpeed ZeRO-3 (every process would need the same sequence of piece forwards and backwards);
-    DeepSpeed with gradient accumulation (wrong gradients with several engine backwards per micro-step, measured) and
-    with fp16 (its loss scale would apply twice to hand-off gradients). DeepSpeed ZeRO-2 in bf16 or fp32 without
-    accumulation trains with pieces (tests/test_deepspeed.py, real DeepSpeed)."""
+    """FSDP; DeepSpeed ZeRO-3 (every process would need the same sequence of piece forwards and backwards); and
+    DeepSpeed with fp16 (its loss scale would apply twice to hand-off gradients). DeepSpeed ZeRO-2 in bf16 or fp32
+    trains with pieces (tests/test_deepspeed.py, real DeepSpeed, with and without gradient accumulation)."""
     import types
 
     _, tree = make_trainers(saved_model, tmp_path, **NO_AUX)
@@ -119,9 +117,6 @@ def test_unsupported_engines_are_refused(saved_model, tmp_path, monkeypatch, att
     inputs = prepared(tree)  # generation first, as the plain trainer (TRL would gather ZeRO-3 weights for it)
     setattr(tree, attribute, True)
     monkeypatch.setattr(type(tree.accelerator), "mixed_precision", property(lambda self: "fp16"))
-    if stage == "accumulation":
-        monkeypatch.setattr(type(tree.accelerator), "gradient_accumulation_steps", property(lambda self: 2))
-        stage = 2
     plugin = None if stage is None else types.SimpleNamespace(zero_stage=stage)
     monkeypatch.setattr(type(tree.accelerator.state), "deepspeed_plugin", property(lambda self: plugin))
     with pytest.raises(ValueError) as info:

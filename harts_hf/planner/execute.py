@@ -166,9 +166,10 @@ def engine_backward(engine) -> Callable[[list, list], None]:
     scalar ``sum(root * gradient)`` (its gradient in every root is that root's gradient), so ZeRO reduces (stage 2:
     reduce-scatters) each piece's gradients and accumulates them as it does over micro-steps, none of them a
     gradient accumulation boundary (the caller's own last backward is: ``defer_last_backward``). Each such backward
-    is a collective: every process must run as many (TreeGRPOTrainer pads with zero-loss backwards). Not rescaled by the
-    gradient accumulation steps (the pieces' losses carry that factor, as ``accelerator.backward`` would apply it),
-    and no loss scaling: children's gradients would be scaled twice, so fp16 is refused by the caller."""
+    is a collective: every process must run as many (TreeGRPOTrainer pads with zero-loss backwards). Not divided by
+    the gradient accumulation steps (``scale_wrt_gas=False``, as transformers' Trainer calls DeepSpeed: the losses
+    carry their own normalisation), and no loss scaling: children's gradients would be scaled twice, so fp16 is
+    refused by the caller."""
     def backward(roots: list, gradients: list) -> None:
         engine.set_gradient_accumulation_boundary(False)
         engine.backward(backward_surrogate(roots, gradients), scale_wrt_gas=False)

@@ -218,9 +218,9 @@ class TreeGRPOTrainer(GRPOTrainer):
                                          entropy_grad=loss_fn.entropy_weight is not None, **options)
         self.last_plan_memory = execution.memory
         if execution.deferred is not None:
-            # DeepSpeed: the micro-step's own backward (Trainer -> accelerator -> engine, which divides by the
-            # accumulation steps the piece losses already carry) runs the last piece's; the value stays TRL's loss
-            surrogate = backward_surrogate(*execution.deferred) * self.accelerator.gradient_accumulation_steps
+            # DeepSpeed: the micro-step's own backward (Trainer -> accelerator -> engine with scale_wrt_gas=False, as
+            # for TRL's own loss) runs the last piece's; the value stays TRL's loss
+            surrogate = backward_surrogate(*execution.deferred)
             return loss.detach() + surrogate - surrogate.detach()
         return loss.detach().requires_grad_()  # TRL's value; its backward reaches no parameter
 
@@ -284,12 +284,6 @@ class TreeGRPOTrainer(GRPOTrainer):
                              "forward and backward, so every process would have to run the same sequence of piece "
                              "forwards and backwards, which the pieces of different trees do not; use ZeRO-2 (or "
                              f"DDP), {fix}.")
-        if self.is_deepspeed_enabled and self.accelerator.gradient_accumulation_steps > 1:
-            raise ValueError("planner pieces under DeepSpeed with gradient_accumulation_steps="
-                             f"{self.accelerator.gradient_accumulation_steps}: ZeRO-2's accumulation across "
-                             "micro-steps does not survive several engine backwards per micro-step (measured: the "
-                             "grad norm 40% off on CPU); use gradient_accumulation_steps=1 with a larger "
-                             f"per_device_train_batch_size (the pieces bound the memory), or DDP, {fix}.")
         if self.is_deepspeed_enabled and self.accelerator.mixed_precision == "fp16":
             raise ValueError("planner pieces under DeepSpeed with fp16: the dynamic loss scale would apply twice to "
                              "the gradients handed between pieces; use bf16 (TreeGRPOConfig(bf16=True)), " + fix + ".")
@@ -454,5 +448,6 @@ class _PieceLoss:
             with torch.no_grad():
                 self.replayed = self.on_last(self.logps, self.entropies)
         accelerator = self.trainer.accelerator
-        loss = loss / accelerator.gradient_accumulation_steps
+        if not self.trainer.is_deepspeed_enabled:  # under DeepSpeed, Trainer passes scale_wrt_gas=False: no division
+            loss = loss / accelerator.gradient_accumulation_steps
         return accelerator.scaler.scale(loss) if accelerator.scaler is not None else loss
