@@ -145,7 +145,7 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
                          temperature=temperature, recompute=recompute, gdn_backend=gdn_backend,
                          attention_backend=attention_backend, float32_head=float32_head,
                          head_chunk_size=head_chunk_size,
-                         entropy_grad=entropy_weights is not None or loss_fn is not None if entropy_grad is None
+                         entropy_grad=(entropy_weights is not None or loss_fn is not None) if entropy_grad is None
                          else entropy_grad)
     if logprob_weights is not None:
         runner.set_token_weights(logprob_weights, entropy_weights)
@@ -474,7 +474,8 @@ class _Exchange:
         return replica if self.group is None else self.dist.get_global_rank(self.group, replica)
 
     def _send(self, tensor: torch.Tensor, replica: int) -> None:
-        tensor = tensor.detach().to(self.wire).contiguous()
+        # kept in ``pending`` until the send completes: not as a view of a larger tensor (a context row's gradient)
+        tensor = compact(tensor.detach().to(self.wire).contiguous())
         self.pending.append((tensor, self.dist.isend(tensor, self._peer(replica), group=self.group)))
 
     def _receive(self, shape, dtype, replica: int) -> torch.Tensor:
@@ -512,7 +513,7 @@ class _Exchange:
         self._send(torch.tensor([leaf.grad is not None for leaf in leaves], dtype=torch.uint8), replica)
         for leaf in leaves:
             if leaf.grad is not None:
-                self._send(compact(leaf.grad), replica)
+                self._send(leaf.grad, replica)
 
     def receive_gradients(self, replica: int, export: TreeExport) -> dict:
         """The gradients of the context sent from ``export`` (same keys, shapes and dtypes; None where the child did

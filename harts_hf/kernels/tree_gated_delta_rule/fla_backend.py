@@ -37,7 +37,7 @@ import torch
 
 from .._backend import in_row_blocks
 from .plan import CONTEXT_STATE, GatedDeltaPlan
-from .serial_state_pass import serial_units, tree_state_backward, tree_state_forward
+from .serial_state_pass import one_save_per_unit, serial_units, tree_state_backward, tree_state_forward
 
 BATCH_ROUNDS = True  # False: the fused per-round node (see the module docstring)
 # The round-batched node's state pass: "rounds" (fla's state pass once per round), "serial" (every unit in one
@@ -225,8 +225,7 @@ def state_pass_for(plan: GatedDeltaPlan) -> str:
         counts = [offsets[1:] - offsets[:-1] for offsets in batch.round_chunk_offsets]
         serial = sum(int(c.sum()) for c in counts)
         rounds = sum(int(c.max()) + SERIAL_ROUND_CHUNKS for c in counts if c.numel())
-        unique_saves = all(torch.unique(slots).numel() == slots.numel() for slots in batch.save_slots)
-        cache["auto"] = "serial" if serial <= rounds and unique_saves else "rounds"
+        cache["auto"] = "serial" if serial <= rounds and one_save_per_unit(batch) else "rounds"
     return cache["auto"]
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SerialUnits", "serial_units", "tree_state_backward", "tree_state_forward"]
+__all__ = ["SerialUnits", "one_save_per_unit", "serial_units", "tree_state_backward", "tree_state_forward"]
 
 
 @dataclass
@@ -47,6 +47,12 @@ class SerialUnits:
         return int(self.bos.shape[0])
 
 
+def one_save_per_unit(batch) -> bool:
+    """True when no unit of the round batch saves its final state under two keys (the serial pass keeps one bank
+    row per unit)."""
+    return all(torch.unique(slots).numel() == slots.numel() for slots in batch.save_slots)
+
+
 def serial_units(plan, device) -> SerialUnits:
     """The :class:`SerialUnits` of ``plan`` (cached on the plan per device), from its round batch."""
     from .fla_backend import round_batch
@@ -55,6 +61,9 @@ def serial_units(plan, device) -> SerialUnits:
     if str(device) in cache:
         return cache[str(device)]
     batch = round_batch(plan, torch.device("cpu"))
+    if not one_save_per_unit(batch):
+        raise ValueError("a unit's final state is saved under two keys; the serial state pass keeps one row per "
+                         "unit (use fla_backend.STATE_PASS = 'rounds')")
     cu = batch.cu_seqlens.long()
     lengths = cu[1:] - cu[:-1]
     counts = (lengths + plan.chunk_size - 1) // plan.chunk_size
@@ -63,11 +72,7 @@ def serial_units(plan, device) -> SerialUnits:
     save_row = torch.full_like(initial_row, -1)
     offset = 0
     for initial_ids, save_ids, save_slots in zip(batch.initial_ids, batch.save_ids, batch.save_slots):
-        units = offset + save_slots
-        if torch.unique(units).numel() != units.numel():
-            raise ValueError("a unit's final state is saved under two keys; the serial state pass keeps one row per "
-                             "unit (use fla_backend.STATE_PASS = 'rounds')")
-        save_row[units] = save_ids
+        save_row[offset + save_slots] = save_ids
         offset += initial_ids.numel()
     units = SerialUnits(cu[:-1].to(device), cu[1:].to(device), chunk[:-1].to(device), initial_row.to(device),
                         save_row.to(device), int(chunk[-1]))
