@@ -403,6 +403,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--learning-rate", type=float, default=1e-5, help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     parser.add_argument("--out", default="results/multi_gpu_tree_grpo", help="(default: %(default)s)")
+    parser.add_argument("--dump-stacks-after", type=float, default=None, metavar="SECONDS",
+                        help="write every thread's Python stack to OUT/stacks<rank>.txt every SECONDS (to locate a hang)")
     parser.add_argument("--compare", default=None, metavar="REFERENCE_JSON",
                         help="summary.json of a reference run (e.g. 1 process) to compare loss and grad_norm with")
     return parser.parse_args(argv)
@@ -411,6 +413,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     from harts_hf import TreeGRPOConfig
+
+    if args.dump_stacks_after:
+        import faulthandler
+
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        stacks = open(Path(args.out) / f"stacks{os.environ.get('RANK', '0')}.txt", "w")  # noqa: SIM115 (process-long)
+        faulthandler.dump_traceback_later(args.dump_stacks_after, repeat=True, file=stacks)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch; the trainer checks it below
     if args.trainer == "tree" and args.tasks_per_step % (world * args.grad_accum):
