@@ -386,6 +386,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "launch, or chosen per plan (default: %(default)s)")
     parser.add_argument("--head-chunk-size", type=int, default=4096,
                         help="tree_head_chunk_size: LM-head rows per chunk (default: %(default)s)")
+    parser.add_argument("--row-block-size", type=int, default=None,
+                        help="rows per call of the row-wise fla kernels and the gated norm (default: the library's "
+                             "FLA_ROW_BUCKET); small values give each process a different call count, as large "
+                             "batches do")
     parser.add_argument("--gradient-checkpointing", choices=["auto", "on", "off"], default="auto",
                         help="auto: on with CUDA, off on CPU (default: %(default)s)")
     parser.add_argument("--gdn-backend", default="auto", choices=["auto", "torch", "fla"],
@@ -429,6 +433,10 @@ def main(argv=None) -> dict | None:
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
 
     fla_backend.STATE_PASS = args.gdn_state_pass  # used by the fla backend only (CUDA)
+    if args.row_block_size:
+        from harts_hf.kernels import _backend
+
+        _backend.FLA_ROW_BUCKET = args.row_block_size
     spec = MODELS[PRESETS[args.preset]]
     overrides = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.workload_override)}
     rollouts = WorkloadRollouts(args.steps, args.tasks_per_step, args.scale, spec["vocab_size"], seed=args.seed,

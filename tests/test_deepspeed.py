@@ -18,10 +18,11 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is not installed here: `.ci/r
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "multi_gpu_tree_grpo.py"
 ENV = dict(os.environ, OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1", DS_ACCELERATOR="cpu")
-# a 16-row LM-head chunk: each process runs a different number of chunks (its own token count), the case that hung
-# ZeRO-3 when the head was called as a module per chunk (one all-gather per call)
+# 16-row LM-head chunks and 64-row blocks of the gated norm: each process runs a different number of chunks and
+# blocks (its own token count), the cases that hung ZeRO-3 when the head / the norm was called as a module per
+# chunk / block (one all-gather per call); at full size the norm's 65,536-row blocks do the same
 ARGS = ["--preset", "tiny", "--scale", "0.002", "--steps", "2", "--tasks-per-step", "4", "--head-chunk-size", "16",
-        "--gradient-checkpointing", "on"]
+        "--row-block-size", "64", "--gradient-checkpointing", "on"]
 
 
 def run(command: list[str]) -> None:

@@ -148,25 +148,30 @@ def apply_tree_patches(model) -> PatchHandle:
     return handle
 
 
-def _register_zero3_external_parameters(model, handle: PatchHandle) -> None:
-    """Under DeepSpeed ZeRO-3 a parameter is gathered only while its own module's forward runs. The tree path
-    reads some parameters inside another module's forward: the depthwise conv weight and bias inside the Gated
-    DeltaNet mixer (the tree conv gathers ancestor windows instead of calling ``conv1d``), and the LM head's weight
-    inside the model's forward (the chunked head projects with it directly under ZeRO-3: calling the head module
-    once per chunk would all-gather it a different number of times on each process, a hang). Registering them as
-    external parameters of that module makes ZeRO-3 gather them there (forward and backward)."""
+def zero3_enabled() -> bool:
+    """DeepSpeed ZeRO-3 is on (transformers' global flag, set by the Trainer's DeepSpeed config)."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    if not is_deepspeed_zero3_enabled():
+    return is_deepspeed_zero3_enabled()
+
+
+def _register_zero3_external_parameters(model, handle: PatchHandle) -> None:
+    """Under DeepSpeed ZeRO-3 a parameter is gathered only while its own module's forward runs, and every
+    module call is a collective that each process must issue equally often. The tree path reads some parameters
+    inside another module's forward: the depthwise conv weight and bias inside the Gated DeltaNet mixer (the tree
+    conv gathers ancestor windows instead of calling ``conv1d``); the gated norm's weight, applied to blocks of
+    rows whose count follows each process's own token count (its ``forward`` is called per block, not the module:
+    one module call per block hung 2 processes with different block counts); the LM head's weight inside the
+    model's forward (the chunked head projects with it directly, for the same reason per chunk). Registering them
+    as external parameters of that module makes ZeRO-3 gather them there (forward and backward)."""
+    if not zero3_enabled():
         return
     import deepspeed
 
     for module in handle.linear_modules:
-        conv = getattr(module, "conv1d", None)
-        if conv is not None:
-            for parameter in (conv.weight, conv.bias):
-                if parameter is not None:
-                    deepspeed.zero.register_external_parameter(module, parameter)
+        for child in (getattr(module, "conv1d", None), getattr(module, "norm", None)):
+            for parameter in () if child is None else child.parameters(recurse=False):
+                deepspeed.zero.register_external_parameter(module, parameter)
     head = model.get_output_embeddings()
     if head is not None:
         for parameter in (head.weight, getattr(head, "bias", None)):

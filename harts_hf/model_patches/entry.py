@@ -17,7 +17,7 @@ from transformers.utils import ModelOutput
 
 from ..kernels import TreeMetadata
 from ..kernels.chunked_logprobs import chunked_logprobs
-from .core import TREE_KWARG
+from .core import TREE_KWARG, zero3_enabled
 
 __all__ = ["TREE_REQUEST_KWARG", "TreeForwardOutput", "TreeRequest", "wrap_root_forward"]
 
@@ -80,12 +80,6 @@ def text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _zero3() -> bool:
-    from transformers.integrations import is_deepspeed_zero3_enabled
-
-    return is_deepspeed_zero3_enabled()
-
-
 def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
     """One decoder pass over the forest, then the LM head on the parents of ``request.targets``; a piece with a
     hand-off predicts its root from the handed-in hidden row and exports its branch tokens' rows."""
@@ -110,7 +104,7 @@ def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
     logprobs, entropies = chunked_logprobs(
         model.get_output_embeddings(), hidden, packed.input_ids[request.targets], temperature=request.temperature,
         chunk_size=request.chunk_size, compute_entropy=request.compute_entropy, float32_head=request.float32_head,
-        entropy_grad=request.entropy_grad, functional_head=_zero3())
+        entropy_grad=request.entropy_grad, functional_head=zero3_enabled())
     aux_loss = router_logits = None
     if request.aux_loss:
         router_logits = tuple(outputs.router_logits)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..kernels import TreeMetadata, tree_causal_conv1d, tree_gated_delta_rule
 from ..kernels._backend import in_row_blocks
 from ..kernels.context import GDN_REPLAY_NAMES
-from .core import TREE_KWARG, layer_key
+from .core import TREE_KWARG, layer_key, zero3_enabled
 
 __all__ = ["make_tree_gdn_forward"]
 
@@ -90,7 +90,10 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
                 export.record((layer, "state"), state)
         _export_rows(tree, layer, own, replay or dict.fromkeys(GDN_REPLAY_NAMES),
                      lambda export: export.ancestor_tokens % plan.chunk_size)
-    core = in_row_blocks(module.norm, core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    # under ZeRO-3 a module call is a collective and the block count differs between processes: call the norm's
+    # forward per block (its weight is an external parameter of this module, gathered once)
+    norm = module.norm.forward if zero3_enabled() else module.norm
+    core = in_row_blocks(norm, core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(1, U, -1))
 
 
