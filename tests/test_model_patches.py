@@ -122,8 +122,9 @@ def test_transformers_generic_contract():
 
 def test_zero3_gathers_the_parameters_read_outside_their_module(monkeypatch):
     """Under DeepSpeed ZeRO-3 the patch registers the parameters the tree path reads inside another module's
-    forward as that module's external parameters: each Gated DeltaNet mixer's conv weight/bias, and the LM head on
-    the model (the chunked head reads its weight directly under ZeRO-3). A recording stand-in for
+    forward as that module's external parameters: each Gated DeltaNet mixer's conv weight/bias and gated norm weight
+    (its forward runs per row block), and the LM head on the model (the chunked head reads its weight directly
+    under ZeRO-3). A recording stand-in for
     ``deepspeed.zero`` checks the calls here; tests/test_deepspeed.py trains with the real DeepSpeed (CI's venv)."""
     import sys
     import types
@@ -138,7 +139,7 @@ def test_zero3_gathers_the_parameters_read_outside_their_module(monkeypatch):
     model = build("qwen3_next")
     handle = apply_tree_patches(model)
     mixers = handle.linear_modules
-    expected = {(id(m), id(p)) for m in mixers for p in (m.conv1d.weight, m.conv1d.bias) if p is not None}
+    expected = {(id(m), id(p)) for m in mixers for p in (m.conv1d.weight, m.conv1d.bias, m.norm.weight) if p is not None}
     expected.add((id(model), id(model.get_output_embeddings().weight)))
     assert {(id(m), id(p)) for m, p in calls} == expected and mixers
     handle.revert()
