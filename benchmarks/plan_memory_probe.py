@@ -156,6 +156,7 @@ def main(argv=None):
     parser.add_argument("--budget", type=int, nargs="+", default=[0, 32768],
                         help="token budgets to run, 0 = the whole forest as one piece (default: %(default)s)")
     parser.add_argument("--model", default="qwen3_next_2b", choices=sorted(MODELS))
+    parser.add_argument("--loop-only", action="store_true", help="only the per-trajectory sample (--loop-sample)")
     parser.add_argument("--no-history", action="store_true", help="skip the allocator history (faster)")
     parser.add_argument("--loop-sample", type=int, default=0,
                         help="also time this many of the task's trajectories alone (-1: all), each its own forward "
@@ -170,9 +171,10 @@ def main(argv=None):
     device = torch.device("cuda", 0)
     model = build_model(args.model, "qwen3_next", device, torch.float32)
     sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"])
-    run(model, sequences, min(args.budget) or None, device, history=False)  # warm-up (compilation, autotuning)
     rows = []
-    for budget in [b or None for b in args.budget]:
+    if not args.loop_only:
+        run(model, sequences, min(args.budget) or None, device, history=False)  # warm-up (compilation, autotuning)
+    for budget in [] if args.loop_only else [b or None for b in args.budget]:
         rows.append(run(model, sequences, budget, device, history=not args.no_history))
         r = rows[-1]
         print(f"budget {budget}: {r['pieces']} pieces, {r['seconds']:.2f} s, peak {r['peak_gib']:.1f} GiB "
