@@ -318,7 +318,8 @@ def test_round_batch_lays_the_rounds_back_to_back(seed):
 
 def test_state_pass_choice(monkeypatch):
     """``STATE_PASS='auto'`` picks the serial pass where the H200 measured it faster (swe, tau: many rounds of
-    short units) and fla's per-round pass on grpo (2 rounds, one long chain of completions in parallel); explicit
+    short units) and fla's per-round pass on grpo (2 rounds, one long chain of completions in parallel) and on a
+    single sequence (one round: exactly fla's kernel, the per-trajectory baseline's); explicit
     values win; a bad value names the choices."""
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
     from harts_hf.workloads import make_workload
@@ -332,6 +333,8 @@ def test_state_pass_choice(monkeypatch):
     chosen = {name: fla_backend.state_pass_for(plan_of(name, scale))
               for name, scale in (("swe", 0.02), ("tau", 0.02), ("grpo", 0.05))}
     assert chosen == {"swe": "serial", "tau": "serial", "grpo": "rounds"}
+    one = make_workload("swe", scale=0.02, seed=0).sequences[:1]  # one round: fla's own kernel
+    assert fla_backend.state_pass_for(build_gated_delta_plan(PrefixForest.from_sequences(one).pack())) == "rounds"
     the_plan = plan_of("grpo", 0.05)
     for value in ("rounds", "serial"):
         monkeypatch.setattr(fla_backend, "STATE_PASS", value)

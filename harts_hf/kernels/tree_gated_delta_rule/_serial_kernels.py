@@ -22,9 +22,7 @@ def _unit(unit_bos, unit_eos, unit_chunk, unit_initial, unit_save, i_u):
     return bos, length, first, tl.load(unit_initial + i_u).to(tl.int64), tl.load(unit_save + i_u).to(tl.int64)
 
 
-# not specialised on num_units == 1: that variant pipelined the chunk loop deeper and needed 246 KB of shared
-# memory on the H200 (limit 227 KB) for a one-sequence forest
-@triton.jit(do_not_specialize=["num_units"])
+@triton.jit
 def forward_kernel(k, w, u, g, h, v_new, bank, unit_bos, unit_eos, unit_chunk, unit_initial, unit_save,
                    num_units, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
@@ -58,9 +56,7 @@ def forward_kernel(k, w, u, g, h, v_new, bank, unit_bos, unit_eos, unit_chunk, u
             tl.debug_barrier()  # a later unit of this program reads the row back
 
 
-# not specialised on num_units == 1: that variant pipelined the chunk loop deeper and needed 246 KB of shared
-# memory on the H200 (limit 227 KB) for a one-sequence forest
-@triton.jit(do_not_specialize=["num_units"])
+@triton.jit
 def backward_kernel(q, k, w, g, do, dv, dh, dv2, d_bank, unit_bos, unit_eos, unit_chunk, unit_initial,
                     unit_save, num_units, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):

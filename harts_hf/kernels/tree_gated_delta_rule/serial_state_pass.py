@@ -80,19 +80,37 @@ def serial_units(plan, device) -> SerialUnits:
     return units
 
 
+# pipelining stages per (kernel, 16-byte alignment of its tensors) that fit in shared memory (Triton specialises
+# on the alignment: a one-sequence forest's aligned variant pipelined deeper and asked for 246 KB of the H200's
+# 227 KB at the default stages)
+_STAGES: dict[tuple, int] = {}
+
+
 def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_size: int, *scalars) -> None:
     """One program per (value head, block of value columns); head counts and sizes from ``keys [1, T, H, K]`` and
-    ``values [1, T, HV, V]``."""
+    ``values [1, T, HV, V]``. A variant that needs more shared memory than the GPU has is compiled again with
+    fewer pipelining stages."""
     import triton
+    from triton.runtime.errors import OutOfResources
 
     from . import _serial_kernels
 
     _, _, H, K = keys.shape
     HV, V = values.shape[2], values.shape[3]
     BK, BV = max(16, triton.next_power_of_2(K)), min(32, max(16, triton.next_power_of_2(V)))
-    getattr(_serial_kernels, name)[(triton.cdiv(V, BV), HV)](
-        *tensors, units.bos, units.eos, units.chunk, units.initial_row, units.save_row, units.num_units, *scalars,
-        H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=4)
+    key = (name, keys.device.index, tuple(t.data_ptr() % 16 == 0 for t in tensors))
+    while True:
+        stages = {} if key not in _STAGES else {"num_stages": _STAGES[key]}
+        try:
+            getattr(_serial_kernels, name)[(triton.cdiv(V, BV), HV)](
+                *tensors, units.bos, units.eos, units.chunk, units.initial_row, units.save_row, units.num_units,
+                *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=4, **stages)
+            return
+        except OutOfResources:
+            fewer = _STAGES.get(key, 3) - 1
+            if fewer < 1:
+                raise
+            _STAGES[key] = fewer
 
 
 def tree_state_forward(units: SerialUnits, k, w, u, g, bank, chunk_size: int):
