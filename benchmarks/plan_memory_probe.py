@@ -133,7 +133,8 @@ def loop_sample(model, sequences, count: int, device, fit) -> dict:
             for _ in range(2):  # the second run is timed (the first compiles / autotunes new lengths)
                 _sync(device)
                 start = time.perf_counter()
-                run_tree(model, forest)
+                with torch.autocast(device.type, dtype=torch.bfloat16):  # as the tree run (and the trainer)
+                    run_tree(model, forest)
                 _sync(device)
                 seconds = time.perf_counter() - start
         except torch.OutOfMemoryError:
