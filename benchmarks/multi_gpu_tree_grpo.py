@@ -2,7 +2,7 @@
 
 No generation: a TRL ``rollout_func`` (:class:`WorkloadRollouts`) hands the trainer the trajectories of the `swe`
 workload preset (harts_hf.workloads), one prompt group per task. Launch it with ``accelerate launch`` (DDP or
-DeepSpeed ZeRO-2), or as plain ``python`` for the one-process reference over the same global batch.
+DeepSpeed ZeRO-2/3), or as plain ``python`` for the one-process reference over the same global batch.
 
 On the 2-GPU machine, from the repository root (bf16 + gradient checkpointing on CUDA; add ``--tree-token-budget N``
 to run big microbatches as planner pieces, DDP or DeepSpeed; on the lent machines, first unpack the package bundle as
@@ -14,10 +14,10 @@ to run big microbatches as planner pieces, DDP or DeepSpeed; on the lent machine
         --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 --out results/mgpu/ddp --compare results/mgpu/one/summary.json
     accelerate launch --config_file examples/accelerate_deepspeed_zero2.yaml benchmarks/multi_gpu_tree_grpo.py \
         --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 --out results/mgpu/zero2 \
-        --compare results/mgpu/one/summary.json          # needs `pip install deepspeed`; no --tree-token-budget
+        --compare results/mgpu/one/summary.json          # needs `pip install deepspeed`
     accelerate launch --config_file examples/accelerate_deepspeed_zero3.yaml benchmarks/multi_gpu_tree_grpo.py \
         --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 --out results/mgpu/zero3 \
-        --compare results/mgpu/one/summary.json          # ZeRO-3: on CPU in tests/test_deepspeed.py
+        --compare results/mgpu/one/summary.json          # ZeRO-3 (also on CPU in tests/test_deepspeed.py)
     python benchmarks/multi_gpu_tree_grpo.py --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 \
         --trainer trl --grad-accum 54 --out results/mgpu/trl --compare results/mgpu/one/summary.json
 
@@ -394,6 +394,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="auto: on with CUDA, off on CPU (default: %(default)s)")
     parser.add_argument("--gdn-backend", default="auto", choices=["auto", "torch", "fla"],
                         help="tree_gdn_backend: auto = fla on CUDA when installed (default: %(default)s)")
+    parser.add_argument("--num-iterations", type=int, default=1,
+                        help="TRL's num_iterations: > 1 reuses each generation batch and computes old log-probs in a "
+                             "forward-only pass (default: %(default)s)")
     parser.add_argument("--loss-type", default="dapo", choices=["grpo", "dapo", "dr_grpo", "cispo", "sapo"],
                         help="TRL loss; all of these keep tree_balance_replicas on (default: %(default)s)")
     parser.add_argument("--trainer", default="tree", choices=["tree", "trl"],
@@ -456,7 +459,7 @@ def main(argv=None) -> dict | None:
         output_dir=str(out / "trainer"), max_steps=args.steps, learning_rate=args.learning_rate, seed=args.seed,
         num_generations=rollouts.rows_per_task, per_device_train_batch_size=rows // (world * args.grad_accum),
         gradient_accumulation_steps=args.grad_accum, max_completion_length=rollouts.max_completion_length,
-        loss_type=args.loss_type, beta=0.0, shuffle_dataset=False, tree_token_budget=args.tree_token_budget,
+        loss_type=args.loss_type, beta=0.0, num_iterations=args.num_iterations, shuffle_dataset=False, tree_token_budget=args.tree_token_budget,
         tree_balance_replicas=args.balance, tree_gdn_backend=args.gdn_backend, bf16=cuda, use_cpu=not cuda,
         gradient_checkpointing=checkpointing, tree_head_chunk_size=args.head_chunk_size,
         gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None, logging_steps=1,

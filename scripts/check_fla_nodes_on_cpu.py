@@ -125,6 +125,8 @@ def main() -> None:
     worst = report(f"forest: {plans['fla'].stats['rounds']} rounds, {packed.num_tokens} tokens", run_all(
         lambda backend: (tree_gated_delta_rule(*inputs, plans[backend], backend=backend,
                                                use_qk_l2norm_in_kernel=True), []), inputs))
+    check_fewer_stages(lambda: tree_gated_delta_rule(*inputs, plans["fla"], backend="fla",
+                                                     use_qk_l2norm_in_kernel=True), inputs)
 
     # planner pieces with hand-offs
     the_plan = plan(handoff_sequences(seed=3), token_budget=140)
@@ -158,6 +160,52 @@ def main() -> None:
     assert worst < 1e-5, f"fla nodes differ from the fp32 torch backend by {worst:.1e}"
     print(f"OK: worst relative error against the torch backend {worst:.1e}; round-batched == fused bit for bit; "
           "the serial state pass within the same tolerance")
+
+
+def check_fewer_stages(run, leaves) -> None:
+    """A serial-pass kernel variant that needs more shared memory than the GPU has (Triton's OutOfResources, as
+    a one-sequence forest's variant on the H200) is compiled again with fewer pipelining stages: a stand-in kernel
+    refuses the default stages here, and the pass must still give the same outputs and gradients."""
+    import torch
+    from triton.runtime.errors import OutOfResources
+
+    from harts_hf.kernels.tree_gated_delta_rule import _serial_kernels, fla_backend, serial_state_pass
+
+    fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS = True, "serial"
+
+    def outputs():
+        out = run()
+        return out.detach(), torch.autograd.grad(out.square().sum(), leaves)
+
+    expected = outputs()
+    originals = {name: getattr(_serial_kernels, name) for name in ("forward_kernel", "backward_kernel")}
+
+    class Refusing:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if kwargs.get("num_stages", 3) > 2:
+                    raise OutOfResources(246280, 232448, "shared memory")
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    serial_state_pass._STAGES.clear()
+    try:
+        for name, kernel in originals.items():
+            setattr(_serial_kernels, name, Refusing(kernel))
+        got = outputs()
+    finally:
+        for name, kernel in originals.items():
+            setattr(_serial_kernels, name, kernel)
+    stages = sorted(set(serial_state_pass._STAGES.values()))
+    serial_state_pass._STAGES.clear()
+    fla_backend.STATE_PASS = "rounds"
+    assert stages == [2], stages
+    assert torch.equal(got[0], expected[0]) and all(torch.equal(a, b) for a, b in zip(got[1], expected[1]))
+    print("serial pass: a variant refused at the default pipelining stages ran again with 2, same outputs and "
+          "gradients", flush=True)
 
 
 def check_model() -> float:

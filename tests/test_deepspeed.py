@@ -37,14 +37,22 @@ def reference(tmp_path_factory) -> Path:
     return out / "summary.json"
 
 
-@pytest.mark.parametrize("stage, budget, accumulation, port", [(3, None, 1, "29531"), (2, None, 1, "29532"),
-                                                              (2, 300, 1, "29534"), (2, 300, 2, "29535")])
+# budget 2400: in step 2 one process's microbatch (2401 unique tokens) needs pieces and the other's (2400) fits
+MIXED_BUDGET = 2400
+
+
+@pytest.mark.parametrize("stage, budget, accumulation, port", [
+    (3, None, 1, "29531"), (2, None, 1, "29532"), (2, 300, 1, "29534"), (2, 300, 2, "29535"), (3, 300, 1, "29536"),
+    (3, 300, 2, "29537"), (3, MIXED_BUDGET, 1, "29538")])
 def test_deepspeed_zero_trains_like_one_process(tmp_path, reference, stage, budget, accumulation, port):
     """TreeGRPOTrainer under ``accelerate launch`` with the repository's DeepSpeed config (examples/) on 2
     processes: same loss and grad_norm as one process at both steps (the 'dapo' objective is the same), ranks in
     lock-step, and ZeRO really at the configured stage. With a token budget each process's microbatch runs as
-    planner pieces, one DeepSpeed backward per piece with hand-offs between them; with 2 accumulation steps each
-    process runs 2 microbatches per step (the same objective: TRL's 'dapo' normalises by the whole batch)."""
+    planner pieces, one DeepSpeed backward per piece with hand-offs between them, padded with filler passes to the
+    same collectives on every process (ZeRO-3: phased, hand-off forwards then forward+backward pairs); with 2
+    accumulation steps each process runs 2 microbatches per step (the same objective: TRL's 'dapo' normalises by
+    the whole batch). With the mixed budget one process's microbatch fits and the other's does not: both run
+    pieces (a piece's backward is a collective), which hung before."""
     config = ROOT / "examples" / f"accelerate_deepspeed_zero{stage}.yaml"
     extra = ([] if budget is None else ["--tree-token-budget", str(budget)]) + ["--grad-accum", str(accumulation)]
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", port,
@@ -53,10 +61,14 @@ def test_deepspeed_zero_trains_like_one_process(tmp_path, reference, stage, budg
     if budget is not None:
         pieces = [row["tree"]["tree/pieces"] for row in summary["steps"]]
         handoffs = [row["tree"]["tree/handoffs"] for row in summary["steps"]]
-        assert min(pieces) > 2 and min(handoffs) > 0, (pieces, handoffs)  # really cut, with hand-offs
         ranks = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
         padding = [step["piece_padding"] for rank in ranks for step in rank["steps"]]
-        assert max(padding) > 0, padding  # the processes had different piece counts: filler backwards ran
+        if budget == MIXED_BUDGET:
+            sizes = [[step["unique_tokens"] for step in rank["steps"]] for rank in ranks]
+            assert pieces == [2, 3] and handoffs == [0, 1], (pieces, handoffs, sizes)  # 1 + 1 pieces, then 2 + 1
+        else:
+            assert min(pieces) > 2 and min(handoffs) > 0, (pieces, handoffs)  # really cut, with hand-offs
+        assert max(padding) > 0, padding  # the processes had different piece counts: filler passes ran
     assert summary["world_size"] == 2 and summary["same_steps_on_every_rank"]
     assert summary["config"]["distributed_type"] == "DistributedType.DEEPSPEED"
     assert summary["config"]["zero_stage"] == stage
@@ -67,3 +79,21 @@ def test_deepspeed_zero_trains_like_one_process(tmp_path, reference, stage, budg
     print(f"\n[ZeRO-{stage}, 2 CPU processes vs 1] loss rel {first['loss_rel_diff']:.1e} / "
           f"{second['loss_rel_diff']:.1e}, grad_norm rel {first['grad_norm_rel_diff']:.1e} / "
           f"{second['grad_norm_rel_diff']:.1e}")
+
+
+def test_deepspeed_zero3_forward_only_pieces_like_one_process(tmp_path):
+    """num_iterations=2: TRL computes old log-probs in a forward-only pass, which runs as planner pieces here;
+    under ZeRO-3 every forward is a collective, so each process pads its forwards to the most any process runs.
+    Loss and grad_norm equal one process at both steps (the second step reuses the generation batch)."""
+    extra = ["--num-iterations", "2"]
+    reference = tmp_path / "one"
+    run([sys.executable, str(SCRIPT), *ARGS, *extra, "--out", str(reference)])
+    config = ROOT / "examples" / "accelerate_deepspeed_zero3.yaml"
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port",
+         "29539", str(SCRIPT), *ARGS, *extra, "--tree-token-budget", "300", "--out", str(tmp_path / "zero3"),
+         "--compare", str(reference / "summary.json")])
+    summary = json.loads((tmp_path / "zero3" / "summary.json").read_text())
+    assert summary["config"]["zero_stage"] == 3 and summary["config"]["num_iterations"] == 2
+    assert min(row["tree"]["tree/pieces"] for row in summary["steps"]) > 2
+    for step in summary["compare"]["steps"]:
+        assert step["loss_rel_diff"] < 1e-5 and step["grad_norm_rel_diff"] < 1e-5, step

@@ -296,6 +296,49 @@ def test_custom_backward_and_deferred_last_backward():
     assert execute_plan(model, the_plan, logprob_weights=weights).deferred is None
 
 
+def test_phased_schedule_pads_like_zero3_needs():
+    """``schedule='phased'`` (DeepSpeed ZeRO-3 with planner pieces): every hand-off forward first, then every
+    forward+backward with the last one deferred; the same gradients, log-probs and loss as the depth-first walk,
+    and a process's sequence of passes is exactly "k no-grad forwards, between_phases, n (forward, backward)
+    pairs", so fillers can pad it to the same counts on every process."""
+    from harts_hf.planner.execute import backward_surrogate
+
+    sequences = handoff_sequences(seed=4)
+    model = build("qwen3_next")
+    the_plan = plan(sequences, token_budget=110)
+    children = {p.handoff.source_piece for p in the_plan.pieces if p.handoff is not None}
+    nested = [p for p in the_plan.pieces if p.handoff is not None and p.index in children]
+    assert nested, "the plan should have a piece that is both a child and a source"
+    weights = weights_for(sequences)
+    expected_run = execute_plan(model, the_plan, logprob_weights=weights)
+    expected = grads_of(model)
+    model.zero_grad()
+    events = []
+    hook = model.register_forward_pre_hook(lambda module, args: events.append("P" if torch.is_grad_enabled() else "F"))
+
+    def backward(roots, gradients):
+        events.append("B")
+        backward_surrogate(roots, gradients).backward()
+
+    try:
+        run = execute_plan(model, the_plan, logprob_weights=weights, backward=backward, defer_last_backward=True,
+                           schedule="phased", between_phases=lambda: events.append("|"))
+    finally:
+        hook.remove()
+    backward_surrogate(*run.deferred).backward()
+    n, k = len(the_plan.pieces), len(children)
+    assert "".join(events) == "F" * k + "|" + "PB" * (n - 1) + "P"
+    compare_grads(grads_of(model), expected, 1e-6, "phased vs depth-first")
+    for got, want in zip(run.logprobs, expected_run.logprobs):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(run.loss, expected_run.loss, rtol=1e-6, atol=1e-6)
+    assert run.stats["pieces"] == n and run.stats["nograd_forwards"] == k and run.stats["grad_forwards"] == n
+    with pytest.raises(ValueError, match="recompute=True"):
+        execute_plan(model, the_plan, logprob_weights=weights, schedule="phased", recompute=False)
+    with pytest.raises(ValueError, match="schedule must be"):
+        execute_plan(model, the_plan, logprob_weights=weights, schedule="breadth_first")
+
+
 # ---------------------------------------------------------------------------- kernels with context
 def test_kernels_with_context_match_the_whole_forest():
     """Each piece's kernels, given context rows gathered from the whole forest's inputs, reproduce the whole

@@ -2,7 +2,9 @@
 
 Features per piece: unique tokens, attention pairs (sum of depth + 1), replayed tokens, gated-delta-rule
 rounds, leaves (sequence ends), and a constant per microbatch. Coefficients are fitted by non-negative
-least squares from measured timings (``CostModel.fit``); the defaults are H200-scale guesses (seconds).
+least squares from measured timings (``CostModel.fit``, ``benchmarks/calibrate_cost_model.py``); the defaults
+are that script's fit on one H200 for the ~2B Qwen3-Next preset (bf16, gradient checkpointing, 2026-11-30;
+BENCHMARKS.md), in seconds. Calibrate on the GPU and model you train (``TreeGRPOConfig.tree_cost_model``).
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ FEATURES = ("unique_tokens", "attention_pairs", "replay_tokens", "rounds", "leav
 class CostModel:
     """``cost = sum(coefficient * feature)``; coefficients are seconds per unit of each feature."""
 
-    unique_tokens: float = 6.5e-5  # ~15k tokens/s fwd+bwd for a 2B hybrid model (../shared/device/README.md)
-    attention_pairs: float = 2.0e-10
-    replay_tokens: float = 6.5e-5
-    rounds: float = 4.0e-3  # host-side cost of one varlen gated-delta-rule call, fwd+bwd
-    leaves: float = 1.0e-5
-    microbatches: float = 2.0e-2
+    unique_tokens: float = 2.26e-5
+    attention_pairs: float = 2.10e-8
+    replay_tokens: float = 0.0  # the fit gave replay, rounds and leaves no cost of their own on the H200
+    rounds: float = 0.0
+    leaves: float = 0.0
+    microbatches: float = 0.377  # fixed cost of one forward+backward call (host work, launches)
 
     def cost(self, features: dict) -> float:
         return sum(getattr(self, name) * float(features.get(name, 0.0)) for name in FEATURES)

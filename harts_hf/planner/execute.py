@@ -80,7 +80,8 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
                  head_chunk_size: int = 4096, entropy_grad: bool | None = None,
                  no_sync: Callable[[], AbstractContextManager] | None = None, group=None,
                  backward: Callable[[list, list], None] | None = None,
-                 defer_last_backward: bool = False) -> PlanExecution:
+                 defer_last_backward: bool = False, schedule: str = "depth_first",
+                 between_phases: Callable[[], None] | None = None) -> PlanExecution:
     """Run ``plan``'s pieces (one forward + backward each) and accumulate parameter gradients into ``.grad``,
     equal to the gradient of the same loss over one tree forward (:func:`harts_hf.tree_logprobs`).
 
@@ -126,6 +127,15 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
         defer_last_backward: leave the call's last backward (the last root piece's, after all its children) to the
             caller: ``PlanExecution.deferred`` holds its ``(roots, gradients)``, and the parameter gradients are
             complete once the caller backpropagates them (a trainer whose framework runs the micro-step's backward).
+        schedule: the order of a training pass's forwards and backwards. ``"depth_first"``: each source's hand-off
+            forward, then its children's subtrees, then its own forward+backward (at most one chain of contexts
+            alive). ``"phased"``: every hand-off forward first (sources before children), then every
+            forward+backward (children before sources; the last is a root's): each process's sequence is then "k
+            forwards, then n pairs", which a caller pads to equal counts on every process with filler passes, as
+            DeepSpeed ZeRO-3 needs (it all-gathers parameters in every module forward and backward, collectives
+            that must come in the same order everywhere). Needs ``recompute=True`` and no hand-off across replicas.
+        between_phases: with ``"phased"``, called once between the two phases (where the caller pads the hand-off
+            forwards' phase, or starts the pairs' phase with fillers); in a forward-only pass, after its forwards.
 
     Returns:
         :class:`PlanExecution`.
@@ -138,6 +148,13 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not isinstance(plan, Plan):
         raise TypeError(f"plan is a {type(plan).__name__}; pass the Plan returned by harts_hf.planner.plan(...)")
+    if schedule not in ("depth_first", "phased"):
+        raise ValueError(f"schedule must be 'depth_first' or 'phased', got {schedule!r}")
+    if schedule == "phased" and not recompute:
+        raise ValueError("schedule='phased' needs recompute=True (its hand-off forwards run before any forward with "
+                         "gradient)")
+    if between_phases is not None and schedule != "phased":
+        raise ValueError("between_phases is called only with schedule='phased'")
     if no_sync is not None and not recompute:
         raise ValueError("no_sync needs recompute=True (with recompute=False a source's forward with gradient runs "
                          "before its children's backwards, so no single last backward exists to synchronise)")
@@ -153,11 +170,19 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
         runner.loss_fn = loss_fn
     runner.no_sync, runner.backward, runner.defer_last = no_sync, backward, defer_last_backward
     roots = runner.root_pieces(replica, group)
+    if schedule == "phased" and runner.exchange is not None:
+        raise ValueError("schedule='phased' with hand-offs across replicas is not supported (the exchange follows "
+                         "the depth-first walk); plan with cross_replica=False")
+    if schedule == "phased" and runner.training:
+        runner.run_phased(roots, between_phases)
+        return runner.result()
     try:
         for i, piece in enumerate(roots):
             runner.visit(piece, last=i == len(roots) - 1)
     finally:
         runner.finish_sends()
+    if between_phases is not None:  # a forward-only pass is one phase of forwards: after it
+        between_phases()
     return runner.result()
 
 
@@ -332,27 +357,29 @@ class _PlanRunner:
         return gradients
 
     # ------------------------------------------------------------------ execution
-    def run(self, piece: Piece, context: TreeContext | None, last: bool = False) -> None:
-        """Forward (and backward) ``piece`` and, recursively, its children; hand-off gradients end up in the
-        ``.grad`` of ``context``'s leaves. ``last``: this piece's backward is the call's last one (not under
-        ``no_sync``)."""
+    def _prepare(self, piece: Piece, context: TreeContext | None):
+        """``piece``'s packed token ids (global), its tree (exporting its children's hand-offs) and its targets."""
         tokens = self._piece_tokens(piece)
-        children = self.children[piece.index]
         exports = [TreeExport(int(np.searchsorted(tokens.numpy(), child.handoff.branch_token)),
-                              child.handoff.ancestor_tokens) for child in children]
+                              child.handoff.ancestor_tokens) for child in self.children[piece.index]]
         if context is not None and context.ancestor_tokens != piece.handoff.ancestor_tokens:
             raise ValueError(f"piece {piece.index}: context has {context.ancestor_tokens} ancestors, its hand-off "
                              f"{piece.handoff.ancestor_tokens}")
         tree = TreeMetadata(self.packed.select(piece.segments), self.device, context=context, exports=exports,
                             **self.backends)
+        targets = torch.nonzero(self.packed.parent[tokens] >= 0).squeeze(1).to(self.device)
+        return tokens, tree, targets
+
+    def run(self, piece: Piece, context: TreeContext | None, last: bool = False) -> None:
+        """Forward (and backward) ``piece`` and, recursively, its children; hand-off gradients end up in the
+        ``.grad`` of ``context``'s leaves. ``last``: this piece's backward is the call's last one (not under
+        ``no_sync``)."""
+        tokens, tree, targets = self._prepare(piece, context)
+        children = self.children[piece.index]
         self.stats["pieces"] += 1
         self.stats["handoffs"] += len(children)
-        global_parent = self.packed.parent[tokens]
-        targets = torch.nonzero(global_parent >= 0).squeeze(1).to(self.device)
-        training = self.training
         self._mark(piece, "start")
-
-        if not training:
+        if not self.training:
             output = self._forward(tree, targets, grad=False)
             self._store(tokens, targets, output)
             self._run_children(children, tree.exports)
@@ -367,6 +394,51 @@ class _PlanRunner:
         child_gradients = self._run_children(children, tree.exports)
         if children:
             self._mark(piece, "children")
+        self._train(piece, tokens, tree, targets, child_gradients, last, output)
+
+    def run_phased(self, roots: list[Piece], between_phases: Callable[[], None] | None) -> None:
+        """The same pieces in two phases: every source's hand-off forward (no gradient; sources before their
+        children), then every forward+backward (children before their source, the first root's last), so that
+        the sequence of forwards and backwards is "k hand-off forwards, then n pairs" on every process, which
+        fillers can pad to the same counts everywhere. ``between_phases`` runs between the two."""
+        order: list[Piece] = []
+
+        def walk(piece: Piece) -> None:
+            order.append(piece)
+            for child in self.children[piece.index]:
+                walk(child)
+
+        for root in roots:
+            walk(root)
+        contexts: dict[int, TreeContext] = {}
+        for piece in order:
+            children = self.children[piece.index]
+            self.stats["pieces"] += 1
+            self.stats["handoffs"] += len(children)
+            if not children:
+                continue
+            _, tree, targets = self._prepare(piece, contexts.get(piece.index))
+            self._mark(piece, "start")
+            self._forward(tree, targets[:0], grad=False)
+            for child, export in zip(children, tree.exports):
+                contexts[child.index] = export.as_context(requires_grad=True)
+            self._mark(piece, "handoff")
+        if between_phases is not None:
+            between_phases()
+        gradients: dict[int, dict] = {}
+        for i, piece in enumerate(reversed(order)):  # reversed pre-order: every child before its source
+            context = contexts.pop(piece.index, None)
+            tokens, tree, targets = self._prepare(piece, context)
+            self._mark(piece, "start")
+            child_gradients = [gradients.pop(child.index) for child in self.children[piece.index]]
+            self._train(piece, tokens, tree, targets, child_gradients, i == len(order) - 1, None)
+            if context is not None:
+                gradients[piece.index] = {key: compact(leaf.grad) for key, leaf in context.tensors.items()}
+
+    def _train(self, piece: Piece, tokens, tree: TreeMetadata, targets, child_gradients: list[dict], last: bool,
+               output) -> None:
+        """``piece``'s forward with gradient (unless ``output`` holds it) and its backward from its loss and its
+        children's hand-off gradients."""
         with nullcontext() if last or self.no_sync is None else self.no_sync():
             if output is None:
                 output = self._forward(tree, targets, grad=True)

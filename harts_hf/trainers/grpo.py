@@ -68,7 +68,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._replay = None  # (logps, entropies, tree stats) of planner pieces, for TRL's loss code
         self._layout_cache = None
         self.last_plan_memory: list = []  # execute_plan's CUDA allocator trace of the last planner microbatch
-        self.last_piece_padding = 0  # DeepSpeed: filler backwards run by this process in the last planner microbatch
+        self.last_piece_padding = 0  # DeepSpeed: filler passes run by this process in the last planner microbatch
         self._cost_model = CostModel.load(args.tree_cost_model) if args.tree_cost_model else None
         if args.use_tree and args.tree_token_budget is not None:
             self._check_planner_supported()
@@ -97,7 +97,12 @@ class TreeGRPOTrainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
         layout = self._row_layout(input_ids, attention_mask, logits_to_keep)
-        if not self._fits_budget(layout):
+        fits = self._fits_budget(layout)
+        filler_forwards = 0
+        if not torch.is_grad_enabled() and self._zero_stage() == 3 and self.args.tree_token_budget is not None:
+            # ZeRO-3 all-gathers parameters in every forward: as many forwards on every process
+            filler_forwards = self._missing_passes(1 if fits else len(self._plan(layout).pieces))[0]
+        if not fits:
             if torch.is_grad_enabled():
                 raise RuntimeError(
                     f"a forest of {layout.forest.pack().num_tokens} unique tokens exceeds tree_token_budget="
@@ -105,7 +110,9 @@ class TreeGRPOTrainer(GRPOTrainer):
                     "such microbatches as planner pieces (call it, not _compute_loss, or raise tree_token_budget)")
             if compute_aux_loss:
                 self._check_planner_supported()
-            return self._planned_logps(model, layout, compute_entropy)
+            result = self._planned_logps(model, layout, compute_entropy)
+            self._run_fillers(model, forwards=filler_forwards)
+            return result
         base = unwrap_model(model)
         with self.accelerator.autocast():
             tree, token_values, token_entropy, output = run_tree_forward(
@@ -127,6 +134,7 @@ class TreeGRPOTrainer(GRPOTrainer):
             aux_loss = load_balancing_loss(base, list(output.router_logits), packed.multiplicity)
         if torch.is_grad_enabled():
             self._record_tree_stats(dict(tree.stats(), pieces=1, handoffs=0))
+        self._run_fillers(model, forwards=filler_forwards)
         keep = slice(input_ids.shape[1] - logits_to_keep, None)
         return logps[:, keep], (entropies[:, keep] if compute_entropy else None), aux_loss
 
@@ -184,18 +192,24 @@ class TreeGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         layout = self._row_layout(input_ids, attention_mask, inputs["completion_ids"].shape[1])
-        if self._fits_budget(layout):
+        deepspeed = self.is_deepspeed_enabled
+        pieces = int(not self._fits_budget(layout))
+        if deepspeed:  # a piece's backward is a ZeRO collective: if one process runs pieces, every process does
+            pieces += self._missing_passes(pieces)[0]
+        if not pieces:
             return super().compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         self._check_planner_supported()
         the_plan = self._plan(layout)
         stats = self._plan_stats(the_plan)
         # DDP: all-reduce once, in the last piece's backward (earlier ones accumulate locally). DeepSpeed: one engine
-        # backward per piece (ZeRO reduces each piece's gradients, as over micro-steps; no_sync is refused by ZeRO 2/3)
-        deepspeed = self.is_deepspeed_enabled
+        # backward per piece (ZeRO reduces each piece's gradients, as over micro-steps; no_sync is refused by ZeRO 2/3),
+        # padded with filler passes to the same sequence of collectives on every process
         backward = engine_backward(self.deepspeed) if deepspeed else None
         no_sync = None if deepspeed else functools.partial(self.accelerator.no_sync, model)
         options = dict(no_sync=no_sync, backward=backward, defer_last_backward=deepspeed, **self._execute_options())
-        self.last_piece_padding = self._pad_piece_backwards(model, len(the_plan.pieces) - 1, backward) if deepspeed else 0
+        self.last_piece_padding = 0
+        if deepspeed:
+            options.update(self._pad_pieces(model, the_plan, backward))
         if self._token_level_loss():
             loss_fn = _PieceLoss(self, layout, inputs, len(the_plan.pieces),
                                  on_last=lambda logps, entropies: self._replayed_loss(model, inputs, logps, entropies,
@@ -205,8 +219,10 @@ class TreeGRPOTrainer(GRPOTrainer):
                                          entropy_grad=loss_fn.entropy_weight is not None, **options)
             loss = loss_fn.replayed
         else:  # sequence-coupled loss: values first, then the exact gradient of TRL's loss at those values
+            forwards = self._missing_passes(len(the_plan.pieces))[0] if self._zero_stage() == 3 else 0
             with torch.no_grad(), self.accelerator.autocast():
                 first = execute_plan(model, the_plan, compute_entropy=True, **self._execute_options())
+            self._run_fillers(model, forwards=forwards)
             logps = layout.to_rows(first.logprobs).requires_grad_()
             entropies = layout.to_rows(first.entropies).requires_grad_()
             with torch.enable_grad():
@@ -224,23 +240,48 @@ class TreeGRPOTrainer(GRPOTrainer):
             return loss.detach() + surrogate - surrogate.detach()
         return loss.detach().requires_grad_()  # TRL's value; its backward reaches no parameter
 
-    def _pad_piece_backwards(self, model, backwards: int, backward) -> int:
-        """ZeRO-2 reduces gradients in every engine backward, a collective: every process must run as many piece
-        backwards as the one with the most pieces. Those with fewer first run zero-loss backwards of a 2-token
-        forest (the same parameters in the same order as a piece, nothing added to the gradients). Returns how many
-        this process ran."""
-        counts = torch.tensor([backwards], device=self.accelerator.device)
+    def _zero_stage(self) -> int | None:
+        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return getattr(plugin, "zero_stage", None)
+
+    def _missing_passes(self, *counts: int) -> list[int]:
+        """Per count, the most any process has minus this process's (a collective: every process calls it)."""
+        values = torch.tensor(counts, device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
-            counts = self.accelerator.gather(counts)
-        missing = int(counts.max()) - backwards
-        if missing:
-            tokens = [0, 1]
-            filler = plan([tokens], num_replicas=1, token_budget=len(tokens))
-            for _ in range(missing):
-                with self.accelerator.autocast():
-                    execute_plan(model, filler, logprob_weights=[torch.zeros(len(tokens) - 1)], backward=backward,
-                                 **self._execute_options())
-        return missing
+            values = self.accelerator.gather(values).view(-1, len(counts)).amax(0)
+        return [int(most) - count for most, count in zip(values.tolist(), counts)]
+
+    def _pad_pieces(self, model, the_plan: Plan, backward) -> dict:
+        """Filler passes so that every process issues DeepSpeed's collectives equally often and in the same order.
+        ZeRO-2 reduces gradients in every engine backward: as many piece backwards everywhere (fillers first).
+        ZeRO-3 also all-gathers parameters in every forward: pieces run in two phases (:func:`execute_plan`'s
+        ``schedule='phased'``: hand-off forwards, then forward+backward pairs), each padded to the most any process
+        runs. Returns the extra :func:`execute_plan` options."""
+        pairs = len(the_plan.pieces) - 1  # the last pair is the Trainer's own backward, on every process
+        if self._zero_stage() != 3:
+            missing = self._missing_passes(pairs)[0]
+            self._run_fillers(model, backwards=missing, backward=backward)
+            return {}
+        sources = len({p.handoff.source_piece for p in the_plan.pieces if p.handoff is not None})
+        forwards, missing = self._missing_passes(sources, pairs)
+        self._run_fillers(model, forwards=forwards)
+        return dict(schedule="phased",
+                    between_phases=functools.partial(self._run_fillers, model, backwards=missing, backward=backward))
+
+    def _run_fillers(self, model, *, forwards: int = 0, backwards: int = 0, backward=None) -> None:
+        """Passes over a 2-token forest that change nothing (the same modules in the same order as a piece's):
+        ``forwards`` without gradient, ``backwards`` forward+backward pairs of a zero loss through ``backward``."""
+        if not forwards and not backwards:
+            return
+        tokens = [0, 1]
+        filler = plan([tokens], num_replicas=1, token_budget=len(tokens))
+        with self.accelerator.autocast():
+            for _ in range(forwards):
+                execute_plan(model, filler, **self._execute_options())
+            for _ in range(backwards):
+                execute_plan(model, filler, logprob_weights=[torch.zeros(len(tokens) - 1)], backward=backward,
+                             **self._execute_options())
+        self.last_piece_padding += forwards + backwards
 
     def _token_level_loss(self) -> bool:
         """True when TRL's loss is a sum of per-token terms known before the forward (one pass suffices)."""
@@ -276,14 +317,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                              f"router_aux_loss_coef=0.0 in the TreeGRPOConfig, {fix}.")
         if self.is_fsdp_enabled:
             raise ValueError("FSDP runs backward through its own wrapper, which planner pieces (one backward each) do "
-                             f"not drive yet; train with DDP or DeepSpeed ZeRO-2, {fix}.")
-        zero_stage = getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", None) if self.is_deepspeed_enabled \
-            else None
-        if zero_stage == 3:
-            raise ValueError("planner pieces under DeepSpeed ZeRO-3: ZeRO-3 all-gathers parameters in every module "
-                             "forward and backward, so every process would have to run the same sequence of piece "
-                             "forwards and backwards, which the pieces of different trees do not; use ZeRO-2 (or "
-                             f"DDP), {fix}.")
+                             f"not drive yet; train with DDP or DeepSpeed (ZeRO-2 or ZeRO-3), {fix}.")
         if self.is_deepspeed_enabled and self.accelerator.mixed_precision == "fp16":
             raise ValueError("planner pieces under DeepSpeed with fp16: the dynamic loss scale would apply twice to "
                              "the gradients handed between pieces; use bf16 (TreeGRPOConfig(bf16=True)), " + fix + ".")
