@@ -105,6 +105,21 @@ def test_tree_causal_conv1d(name, dtype, width, activation, with_bias):
     assert_paths_match(packed, out, reference, inputs, dtype)
 
 
+def test_conv_window_fixups_are_the_first_tokens_of_runs():
+    """The tree conv takes every token's window from the packed rows before it except where a run starts (below
+    a branch point, or a root after position 0): its first ``W - 1`` tokens are recomputed from the ancestor
+    table, and only they."""
+    from harts_hf.kernels.tree_conv1d import conv_window_fixups
+
+    for sequences in FORESTS.values():
+        packed = PrefixForest.from_sequences(sequences).pack()
+        parent, U = packed.parent.tolist(), packed.num_tokens
+        starts = [t for t in range(U) if parent[t] != t - 1] + [U]
+        for width in (1, 3, 4):
+            expected = [t for s, end in zip(starts, starts[1:]) if s > 0 for t in range(s, min(s + width - 1, end))]
+            assert conv_window_fixups(packed.ancestor_table(width), width).tolist() == expected, (sequences, width)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(FORESTS))
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 2, 8), (2, 2, 256), (6, 1, 16)])

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harts_hf.planner import assign_groups, group_cost, imbalance
+from harts_hf.planner import CostModel, assign_groups, group_cost, imbalance
 from harts_hf.trainers.replica_balance import (
     balance_blocker,
     batch_layout,
@@ -95,7 +95,10 @@ def test_group_cost_grows_with_the_tree():
     small = [prompt + [30, 31], prompt + [30, 32]]
     big = [prompt + list(range(40, 140)), prompt + list(range(40, 90)) + [7] * 30]
     assert group_cost(big) > group_cost(small) > 0
-    assert group_cost(small * 2) > group_cost(small)  # identical sequences: more leaves, same tokens
+    # identical sequences: the same tokens, more leaves, which cost what the cost model says (the H200 fit: nothing)
+    assert group_cost(small * 2) == group_cost(small)
+    with_leaves = CostModel(leaves=1e-3)
+    assert group_cost(small * 2, with_leaves) == pytest.approx(group_cost(small, with_leaves) + 2e-3)
 
 
 # ---------------------------------------------------------------- batch plumbing
@@ -163,7 +166,7 @@ def test_place_groups_balances_a_gathered_batch():
     assert prompt_groups(everything) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     placement = place_groups(everything, 2)
     assert [len(rows) for rows in placement["rows"]] == [4, 4] and placement["moved_rows"] == 4
-    assert {frozenset(rows) for rows in placement["rows"]} == {frozenset({0, 1, 6, 7}), frozenset({2, 3, 4, 5})}
+    assert all(len({0, 1, 2, 3} & set(rows)) == 2 for rows in placement["rows"])  # one big group (rows 0-3) each
     assert imbalance(placement["loads_before"]) > 1.3 and imbalance(placement["loads_after"]) < 1.1
     layout = batch_layout(rank0, sequence_level_ratio=False)
     everything = gathered(two_ranks(), layout)

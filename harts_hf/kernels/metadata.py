@@ -14,6 +14,7 @@ from ..trees import CHUNK_SIZE, PackedForest
 from ._backend import resolve_backend
 from .context import TreeContext, TreeExport
 from .tree_attention import tree_attention_mask
+from .tree_conv1d import conv_window_fixups
 from .tree_gated_delta_rule import GatedDeltaPlan, build_gated_delta_plan
 
 __all__ = ["TreeMetadata"]
@@ -85,6 +86,14 @@ class TreeMetadata:
         """``[U, width]`` ancestor table (see ``PackedForest.ancestor_table``); with a hand-off, the root's last
         ``min(width - 1, d0)`` ancestors are rows ``U ..`` (the conv context)."""
         return self.packed.ancestor_table(width, min(width - 1, self.context_tokens))
+
+    def conv_fixups(self, width: int) -> torch.Tensor:
+        """:func:`conv_window_fixups` of :meth:`ancestors` (``width``), cached: the rows the tree conv recomputes
+        from the ancestor table (found once per forest, not once per layer: it syncs with the device)."""
+        key = ("conv_fixups", width)
+        if key not in self._cache:
+            self._cache[key] = conv_window_fixups(self.ancestors(width), width)
+        return self._cache[key]
 
     def export_index(self, branch_token: int, count: int, context_rows: int) -> torch.Tensor:
         """``[count]`` long: the last ``count`` tokens of the path ending at ``branch_token``, oldest first, as rows

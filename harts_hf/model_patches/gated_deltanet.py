@@ -63,7 +63,8 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
         _export_rows(tree, layer, {"conv": mixed_qkv}, {"conv": conv_context},
                      lambda export: min(weight.shape[1] - 1, export.ancestor_tokens))
     mixed_qkv = tree_causal_conv1d(mixed_qkv, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
-                                   activation=module.activation, context=conv_context)
+                                   activation=module.activation, context=conv_context,
+                                   fixups=tree.conv_fixups(weight.shape[1]))
     U = mixed_qkv.shape[0]
     query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(U, -1, module.head_k_dim)

@@ -5,6 +5,7 @@ row capacity, then improving swaps). Pure python; ``group_cost`` prices one grou
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..trees import PrefixForest
 from .cost import CostModel
@@ -16,7 +17,9 @@ __all__ = ["assign_groups", "group_cost", "imbalance"]
 def group_cost(sequences, cost_model: CostModel | None = None) -> float:
     """Estimated forward+backward cost of one tree forward over the prefix forest of ``sequences`` (token-id
     lists or 1-D integer tensors): the cost model on its unique tokens, attention pairs, replay, rounds and leaves,
-    every tree one piece."""
+    every tree one piece, without the cost model's fixed cost per microbatch (the groups placed on one process
+    share its forward, so that constant is not a group's)."""
+    cost_model = replace(cost_model or CostModel(), microbatches=0.0)
     packed = PrefixForest.from_sequences(sequences).pack()
     the_plan = plan(packed, token_budget=packed.num_tokens, cost_model=cost_model)
     return sum(piece.cost for piece in the_plan.pieces)

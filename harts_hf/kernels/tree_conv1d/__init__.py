@@ -1,6 +1,7 @@
-"""Depthwise causal conv1d over a prefix forest (ancestor-window gather), with a per-path reference."""
+"""Depthwise causal conv1d over a prefix forest (shifted multiply-adds, ancestor windows where runs start), with a
+per-path reference."""
 
 from .naive import causal_conv1d_reference, tree_causal_conv1d_reference
-from .ops import tree_causal_conv1d
+from .ops import conv_window_fixups, tree_causal_conv1d
 
-__all__ = ["causal_conv1d_reference", "tree_causal_conv1d", "tree_causal_conv1d_reference"]
+__all__ = ["causal_conv1d_reference", "conv_window_fixups", "tree_causal_conv1d", "tree_causal_conv1d_reference"]

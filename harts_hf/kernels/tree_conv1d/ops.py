@@ -1,8 +1,11 @@
 """Tree causal conv1d: each token convolves its own ancestor window (itself, parent, grandparent, ...).
 
 ``y[t] = act(b + sum_j w[:, W-1-j] * x[anc_j(t)])`` with ``anc_0(t) = t``, ``anc_{j+1}(t) = parent[anc_j(t)]``
-and zeros past a root: one gather and a multiply-add over an ancestor table ``[U, W]``. A forest cut out below a
-branch point (a planner piece) reads its root's ancestors from ``context`` rows instead of zeros.
+and zeros past a root. In the packed DFS order a token's ancestors are the tokens just before it, except for the
+first ``W - 1`` tokens of a run (a run continues its parent's chain; a new one starts below a branch point or at a
+root): the convolution is ``W`` shifted multiply-adds over the packed rows (no ``[U, W, C]`` gather), and only
+those few rows are recomputed from the ancestor table ``[U, W]``. A forest cut out below a branch point (a planner
+piece) reads its root's ancestors from ``context`` rows instead of zeros.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_causal_conv1d"]
+__all__ = ["conv_window_fixups", "tree_causal_conv1d"]
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -21,8 +24,18 @@ def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     raise ValueError(f"tree_causal_conv1d: activation must be None, 'silu' or 'swish', got {activation!r}")
 
 
+def conv_window_fixups(ancestors: torch.Tensor, width: int) -> torch.Tensor:
+    """``[F]`` long: the rows whose ancestor window (``ancestors[:, :width]``) is not the ``width`` packed rows
+    ending at them (zeros before row 0): the first ``width - 1`` tokens of every run, where the window reaches a
+    parent elsewhere, context rows or zeros past a root. Syncs with the device (``nonzero``): cache it per forest."""
+    U = ancestors.shape[0]
+    before = torch.arange(U, device=ancestors.device)[:, None] - torch.arange(width, device=ancestors.device)
+    return torch.nonzero((ancestors[:, :width] != before.clamp(min=-1)).any(1)).squeeze(1)
+
+
 def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ancestors: torch.Tensor,
-                       activation: str | None = None, context: torch.Tensor | None = None) -> torch.Tensor:
+                       activation: str | None = None, context: torch.Tensor | None = None,
+                       fixups: torch.Tensor | None = None) -> torch.Tensor:
     """Depthwise causal convolution along every path of a packed forest.
 
     Args:
@@ -30,6 +43,7 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         bias: ``[C]`` or None. ancestors: ``[U, >= W]`` long, column j = j-th ancestor, -1 past a root
             (``PackedForest.ancestor_table(W)``); entries ``U + i`` read ``context[i]``. activation: None or ``"silu"``.
         context: ``[M, C]`` inputs of ancestors outside the forest (``M <= W - 1``, oldest first), or None.
+        fixups: :func:`conv_window_fixups` of ``ancestors`` (computed here if None).
 
     Returns:
         ``[U, C]`` in ``x.dtype``; computed in ``weight.dtype`` as ``torch.nn.functional.conv1d`` would.
@@ -40,16 +54,23 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"tree_causal_conv1d: weight has {weight.shape[0]} channels, x has {C}")
     if ancestors.shape[0] != U or ancestors.shape[1] < W:
         raise ValueError(f"tree_causal_conv1d: ancestors must be [U={U}, >= W={W}], got {tuple(ancestors.shape)}")
-    rows = [x.to(weight.dtype)]
-    if context is not None:
-        if context.dim() != 2 or context.shape[1] != C:
-            raise ValueError(f"tree_causal_conv1d: context must be [M, C={C}], got {tuple(context.shape)}")
-        rows.append(context.to(weight.dtype))
-    rows.append(x.new_zeros(1, C, dtype=weight.dtype))  # the last row is the zero past a root
-    padded = torch.cat(rows)
-    index = torch.where(ancestors[:, :W] >= 0, ancestors[:, :W], padded.shape[0] - 1)
+    if context is not None and (context.dim() != 2 or context.shape[1] != C):
+        raise ValueError(f"tree_causal_conv1d: context must be [M, C={C}], got {tuple(context.shape)}")
+    xw = x.to(weight.dtype)
     taps = weight.flip(1).t()  # [W, C]: row j multiplies the j-th ancestor
-    y = (padded[index] * taps).sum(1)
+    shifted = F.pad(xw, (0, 0, W - 1, 0))  # row W - 1 + t is token t; zeros above
+    y = taps[0] * xw
+    for j in range(1, W):
+        y = y + taps[j] * shifted[W - 1 - j: W - 1 - j + U]
+    if fixups is None:
+        fixups = conv_window_fixups(ancestors, W)
+    if fixups.numel():
+        index = ancestors[fixups, :W]  # [F, W]
+        window = xw[index.clamp(0, U - 1)] * ((index >= 0) & (index < U)).unsqueeze(-1).to(xw.dtype)
+        if context is not None and context.shape[0]:
+            inside = context.to(weight.dtype)[(index - U).clamp(0, context.shape[0] - 1)]
+            window = window + inside * (index >= U).unsqueeze(-1).to(xw.dtype)
+        y = y.index_put((fixups,), (window * taps).sum(1))
     if bias is not None:
         y = y + bias
     return _activate(y, activation).to(x.dtype)
