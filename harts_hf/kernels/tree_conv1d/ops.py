@@ -46,7 +46,8 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         fixups: :func:`conv_window_fixups` of ``ancestors`` (computed here if None).
 
     Returns:
-        ``[U, C]`` in ``x.dtype``; computed in ``weight.dtype`` as ``torch.nn.functional.conv1d`` would.
+        ``[U, C]`` in ``x.dtype``; computed in the promoted dtype of ``x`` and ``weight`` (fp32 for bf16 inputs and
+        fp32 weights, as under autocast with fp32 master weights).
     """
     U, C = x.shape
     W = weight.shape[1]
@@ -56,7 +57,9 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"tree_causal_conv1d: ancestors must be [U={U}, >= W={W}], got {tuple(ancestors.shape)}")
     if context is not None and (context.dim() != 2 or context.shape[1] != C):
         raise ValueError(f"tree_causal_conv1d: context must be [M, C={C}], got {tuple(context.shape)}")
-    xw = x.to(weight.dtype)
+    # in the promoted dtype before anything else (fp32 for bf16 inputs and fp32 weights): the W terms' input
+    # gradients then add up in fp32 and round once (promoting inside each product rounds each term's gradient)
+    xw = x.to(torch.promote_types(x.dtype, weight.dtype))
     taps = weight.flip(1).t()  # [W, C]: row j multiplies the j-th ancestor
     shifted = F.pad(xw, (0, 0, W - 1, 0))  # row W - 1 + t is token t; zeros above
     y = taps[0] * xw
@@ -68,7 +71,7 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         index = ancestors[fixups, :W]  # [F, W]
         window = xw[index.clamp(0, U - 1)] * ((index >= 0) & (index < U)).unsqueeze(-1).to(xw.dtype)
         if context is not None and context.shape[0]:
-            inside = context.to(weight.dtype)[(index - U).clamp(0, context.shape[0] - 1)]
+            inside = context.to(xw.dtype)[(index - U).clamp(0, context.shape[0] - 1)]
             window = window + inside * (index >= U).unsqueeze(-1).to(xw.dtype)
         y = y.index_put((fixups,), (window * taps).sum(1))
     if bias is not None:
