@@ -263,8 +263,9 @@ def timing(results: dict, workload: str, scale: float) -> None:
     x = torch.randn(U, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(C, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     fixups = conv_window_fixups(ancestors, 4)  # once per forest, as TreeMetadata caches it for the model
-    row["conv_tree_s"] = bench(lambda: backward(tree_causal_conv1d(x, weight, None, ancestors, activation="silu",
-                                                                   fixups=fixups)))
+    for bulk in ("torch", "fla"):  # the shifted multiply-adds / fla's fused causal_conv1d (BULK_BACKEND)
+        row["conv_tree_s" if bulk == "torch" else "conv_tree_fla_s"] = bench(lambda bulk=bulk: backward(
+            tree_causal_conv1d(x, weight, None, ancestors, activation="silu", fixups=fixups, backend=bulk)))
     row["conv_fixup_rows"] = int(fixups.numel())
     row["conv_plain_s"] = bench(lambda: backward(F.silu(F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), padding=3,
                                                                   groups=C)[..., :U])))

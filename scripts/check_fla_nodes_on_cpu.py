@@ -3,7 +3,8 @@
 Both fla nodes (the fused per-round node and the round-batched node, ``fla_backend.BATCH_ROUNDS``, with fla's state
 pass per round and with the one-launch serial state pass, ``fla_backend.STATE_PASS``) against the fp32 torch backend, on a forest of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state,
 context rows, requested states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
-(log-probs and every parameter gradient). fp32 throughout; a few minutes on 2 cores.
+(log-probs and every parameter gradient); and the tree conv with fla's ``causal_conv1d`` for its bulk. fp32
+throughout; a few minutes on 2 cores.
 
 Triton must be importable, which breaks transformers' CPU path in the same environment, so use a throwaway
 virtual environment that sees the project's packages:
@@ -156,10 +157,54 @@ def main() -> None:
         leaves = [*inputs, *([state] if state is not None else [])]
         worst = max(worst, report(f"piece {piece.index} (depth {d0}, {len(branches)} requested states)",
                                   run_all(run, leaves)))
+    worst = max(worst, check_conv())
     worst = max(worst, check_model())
     assert worst < 1e-5, f"fla nodes differ from the fp32 torch backend by {worst:.1e}"
     print(f"OK: worst relative error against the torch backend {worst:.1e}; round-batched == fused bit for bit; "
           "the serial state pass within the same tolerance")
+
+
+def check_conv() -> float:
+    """The tree conv with fla's fused ``causal_conv1d`` for the bulk (``backend="fla"``) against the shifted
+    multiply-adds (``"torch"``): a forest of many runs, and a planner piece whose root reads context rows; outputs and
+    the gradients of x, weight, bias and context."""
+    import torch
+
+    from harts_hf.kernels.tree_conv1d import conv_window_fixups, tree_causal_conv1d
+    from harts_hf.trees import PrefixForest
+    from tests.test_handoff import handoff_sequences
+
+    torch.manual_seed(0)
+    rng = random.Random(1)
+    common = [rng.randrange(5) for _ in range(60)]
+    packed = PrefixForest.from_sequences([common[: 7 * (i + 2)] + [5 + i] * (3 + 2 * i) for i in range(6)]
+                                         + handoff_sequences(seed=2)[:3]).pack()
+    worst = 0.0
+    C, W = 12, 4
+    for context_rows in (0, 2):
+        if context_rows:  # the children below one branch token of a cut forest: roots at one depth
+            whole = PrefixForest.from_sequences([common[:20] + [7] + [8] * 9, common[:20] + [7] + [6] * 5,
+                                                 common[:20] + [1] * 8]).pack()
+            starts = whole.cu_seqlens[:-1].tolist()
+            forest = whole.select([s for s, first in enumerate(starts) if int(whole.position_ids[first]) >= 20])
+            table = forest.ancestor_table(W, context_rows)
+        else:
+            table, forest = packed.ancestor_table(W), packed
+        U = forest.num_tokens
+        x = torch.randn(U, C, requires_grad=True)
+        weight, bias = torch.randn(C, W, requires_grad=True), torch.randn(C, requires_grad=True)
+        context = torch.randn(context_rows, C, requires_grad=True) if context_rows else None
+        leaves = [x, weight, bias] + ([context] if context_rows else [])
+        fixups = conv_window_fixups(table, W)
+        outs = {}
+        for backend in ("torch", "fla"):
+            y = tree_causal_conv1d(x, weight, bias, table, "silu", context=context, fixups=fixups, backend=backend)
+            outs[backend] = (y.detach(), torch.autograd.grad((y * y).sum(), leaves))
+        errors = [rel(outs["fla"][0], outs["torch"][0])] + [rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])]
+        print(f"tree conv, fla bulk vs shifted ({U} tokens, {fixups.numel()} fixup rows, {context_rows} context rows): "
+              f"out {errors[0]:.1e} grads {max(errors[1:]):.1e}", flush=True)
+        worst = max(worst, *errors)
+    return worst
 
 
 def check_fewer_stages(run, leaves) -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..kernels import TreeMetadata, tree_causal_conv1d, tree_gated_delta_rule
 from ..kernels._backend import in_row_blocks
 from ..kernels.context import GDN_REPLAY_NAMES
+from ..kernels.tree_conv1d import ops as conv_ops
 from .core import TREE_KWARG, layer_key, zero3_enabled
 
 __all__ = ["make_tree_gdn_forward"]
@@ -64,7 +65,8 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
                      lambda export: min(weight.shape[1] - 1, export.ancestor_tokens))
     mixed_qkv = tree_causal_conv1d(mixed_qkv, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
                                    activation=module.activation, context=conv_context,
-                                   fixups=tree.conv_fixups(weight.shape[1]))
+                                   fixups=tree.conv_fixups(weight.shape[1]),
+                                   backend=conv_ops.BULK_BACKEND if mixed_qkv.is_cuda else "torch")
     U = mixed_qkv.shape[0]
     query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(U, -1, module.head_k_dim)

@@ -13,7 +13,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["conv_window_fixups", "tree_causal_conv1d"]
+__all__ = ["BULK_BACKEND", "conv_window_fixups", "tree_causal_conv1d"]
+
+BULK_BACKEND = "torch"
+"""What the model's tree conv uses for the bulk (every row as if the packed rows were one sequence) on CUDA:
+``"torch"`` (W shifted multiply-adds) or ``"fla"`` (fla's fused ``causal_conv1d`` Triton kernel, one launch each
+way; checked in Triton's interpreter on CPU, not yet timed on a GPU). CPU tensors always take ``"torch"``."""
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -35,7 +40,7 @@ def conv_window_fixups(ancestors: torch.Tensor, width: int) -> torch.Tensor:
 
 def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ancestors: torch.Tensor,
                        activation: str | None = None, context: torch.Tensor | None = None,
-                       fixups: torch.Tensor | None = None) -> torch.Tensor:
+                       fixups: torch.Tensor | None = None, backend: str = "torch") -> torch.Tensor:
     """Depthwise causal convolution along every path of a packed forest.
 
     Args:
@@ -44,6 +49,7 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             (``PackedForest.ancestor_table(W)``); entries ``U + i`` read ``context[i]``. activation: None or ``"silu"``.
         context: ``[M, C]`` inputs of ancestors outside the forest (``M <= W - 1``, oldest first), or None.
         fixups: :func:`conv_window_fixups` of ``ancestors`` (computed here if None).
+        backend: the bulk's implementation, ``"torch"`` or ``"fla"`` (CUDA; see :data:`BULK_BACKEND`).
 
     Returns:
         ``[U, C]`` in ``x.dtype``; computed in the promoted dtype of ``x`` and ``weight`` (fp32 for bf16 inputs and
@@ -57,14 +63,29 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"tree_causal_conv1d: ancestors must be [U={U}, >= W={W}], got {tuple(ancestors.shape)}")
     if context is not None and (context.dim() != 2 or context.shape[1] != C):
         raise ValueError(f"tree_causal_conv1d: context must be [M, C={C}], got {tuple(context.shape)}")
+    if backend not in ("torch", "fla"):
+        raise ValueError(f"tree_causal_conv1d: backend must be 'torch' or 'fla', got {backend!r}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"tree_causal_conv1d: activation must be None, 'silu' or 'swish', got {activation!r}")
     # in the promoted dtype before anything else (fp32 for bf16 inputs and fp32 weights): the W terms' input
     # gradients then add up in fp32 and round once (promoting inside each product rounds each term's gradient)
     xw = x.to(torch.promote_types(x.dtype, weight.dtype))
     taps = weight.flip(1).t()  # [W, C]: row j multiplies the j-th ancestor
-    shifted = F.pad(xw, (0, 0, W - 1, 0))  # row W - 1 + t is token t; zeros above
-    y = taps[0] * xw
-    for j in range(1, W):
-        y = y + taps[j] * shifted[W - 1 - j: W - 1 - j + U]
+    if backend == "fla":
+        try:
+            from fla.modules.causal_conv1d import causal_conv1d
+        except ImportError as error:
+            raise ImportError("tree_causal_conv1d: backend='fla' needs flash-linear-attention and triton: pip install "
+                              "'flash-linear-attention>=0.6,<0.7' triton (or use backend='torch')") from error
+
+        y = causal_conv1d(xw.unsqueeze(0), weight.to(xw.dtype), None if bias is None else bias.to(xw.dtype),
+                          activation=activation)[0].squeeze(0)
+    else:
+        shifted = F.pad(xw, (0, 0, W - 1, 0))  # row W - 1 + t is token t; zeros above
+        y = taps[0] * xw
+        for j in range(1, W):
+            y = y + taps[j] * shifted[W - 1 - j: W - 1 - j + U]
+        y = _activate(y if bias is None else y + bias, activation)
     if fixups is None:
         fixups = conv_window_fixups(ancestors, W)
     if fixups.numel():
@@ -73,7 +94,6 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if context is not None and context.shape[0]:
             inside = context.to(xw.dtype)[(index - U).clamp(0, context.shape[0] - 1)]
             window = window + inside * (index >= U).unsqueeze(-1).to(xw.dtype)
-        y = y.index_put((fixups,), (window * taps).sum(1))
-    if bias is not None:
-        y = y + bias
-    return _activate(y, activation).to(x.dtype)
+        fixed = (window * taps).sum(1)
+        y = y.index_put((fixups,), _activate(fixed if bias is None else fixed + bias, activation).to(y.dtype))
+    return y.to(x.dtype)
