@@ -105,6 +105,27 @@ def test_tree_causal_conv1d(name, dtype, width, activation, with_bias):
     assert_paths_match(packed, out, reference, inputs, dtype)
 
 
+def test_tree_causal_conv1d_bf16_inputs_round_once():
+    """bf16 activations with fp32 weights (autocast with fp32 master weights): the conv computes in fp32, so the
+    output and x's gradient are the fp64 result rounded to bf16 once (<= half a bf16 ulp of the largest entry;
+    promoting inside each of the W products would round every term's gradient: ~0.7% was measured)."""
+    torch.manual_seed(0)
+    packed = PrefixForest.from_sequences(random_tree_sequences(random.Random(3), 12, 40)).pack()
+    U, C, W = packed.num_tokens, 16, 4
+    x = torch.randn(U, C).bfloat16().requires_grad_()
+    weight, bias = torch.randn(C, W, requires_grad=True), torch.randn(C, requires_grad=True)
+    grad = torch.randn(U, C).bfloat16()  # the output is bf16, so is its gradient
+    out = tree_causal_conv1d(x, weight, bias, packed.ancestor_table(W), "silu")
+    assert out.dtype == torch.bfloat16
+    (grad_x,) = torch.autograd.grad(out, x, grad)
+    x64 = x.detach().double().requires_grad_()
+    exact = tree_causal_conv1d(x64, weight.detach().double(), bias.detach().double(), packed.ancestor_table(W), "silu")
+    (exact_grad,) = torch.autograd.grad(exact, x64, grad.double())
+    half_ulp = 2.0 ** -8  # relative, bf16's 8-bit significand
+    for got, want in ((out, exact), (grad_x, exact_grad)):
+        assert float((got.double() - want).abs().max() / want.abs().max()) <= half_ulp * 1.01
+
+
 def test_conv_window_fixups_are_the_first_tokens_of_runs():
     """The tree conv takes every token's window from the packed rows before it except where a run starts (below
     a branch point, or a root after position 0): its first ``W - 1`` tokens are recomputed from the ancestor
