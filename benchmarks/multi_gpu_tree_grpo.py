@@ -252,7 +252,7 @@ def timed_trainer_class(tree: bool = True):
             # planner pieces (CUDA): allocated / peak GiB after each piece's phases, for the last microbatch
             self.step_record["plan_memory"] = getattr(self, "last_plan_memory", [])  # TRL's trainer: none
             self.last_plan_memory = []
-            # DeepSpeed with planner pieces: filler backwards this process ran to match the others' piece count
+            # DeepSpeed with planner pieces: filler passes this process ran to match the others' collectives
             self.step_record["piece_padding"] += getattr(self, "last_piece_padding", 0)
             self.last_piece_padding = 0
             return loss
@@ -459,7 +459,8 @@ def main(argv=None) -> dict | None:
         output_dir=str(out / "trainer"), max_steps=args.steps, learning_rate=args.learning_rate, seed=args.seed,
         num_generations=rollouts.rows_per_task, per_device_train_batch_size=rows // (world * args.grad_accum),
         gradient_accumulation_steps=args.grad_accum, max_completion_length=rollouts.max_completion_length,
-        loss_type=args.loss_type, beta=0.0, num_iterations=args.num_iterations, shuffle_dataset=False, tree_token_budget=args.tree_token_budget,
+        loss_type=args.loss_type, beta=0.0, num_iterations=args.num_iterations, shuffle_dataset=False,
+        tree_token_budget=args.tree_token_budget,
         tree_balance_replicas=args.balance, tree_gdn_backend=args.gdn_backend, bf16=cuda, use_cpu=not cuda,
         gradient_checkpointing=checkpointing, tree_head_chunk_size=args.head_chunk_size,
         gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None, logging_steps=1,

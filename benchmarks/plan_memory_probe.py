@@ -120,6 +120,10 @@ def loop_sample(model, sequences, count: int, device, fit) -> dict:
     from harts_hf.trees import PrefixForest
 
     c, a, b = fit
+
+    def price(length: int) -> float:
+        return c + a * length + b * length ** 2 / 2
+
     order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
     if count < 0 or count >= len(order):
         picks = order
@@ -140,11 +144,11 @@ def loop_sample(model, sequences, count: int, device, fit) -> dict:
         except torch.OutOfMemoryError:
             seconds = float("nan")
         length = len(sequences[i])
-        rows.append(dict(length=length, seconds=seconds, fit_seconds=c + a * length + b * length ** 2 / 2))
+        rows.append(dict(length=length, seconds=seconds, fit_seconds=price(length)))
         print(f"per-trajectory: {length} tokens {seconds:.3f} s (fit {rows[-1]['fit_seconds']:.3f} s)", flush=True)
         model.zero_grad(set_to_none=True)
     measured, priced = sum(r["seconds"] for r in rows), sum(r["fit_seconds"] for r in rows)
-    total_priced = sum(c + a * len(s) + b * len(s) ** 2 / 2 for s in sequences)
+    total_priced = sum(price(len(s)) for s in sequences)
     print(f"per-trajectory: {len(rows)} of {len(sequences)} trajectories measured {measured:.2f} s, priced "
           f"{priced:.2f} s; the whole loop priced {total_priced:.2f} s", flush=True)
     return dict(trajectories=rows, measured_seconds=measured, priced_seconds=priced, all=len(rows) == len(sequences),
@@ -186,7 +190,6 @@ def main(argv=None):
             print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
             for where, gib in r.get(key, [])[:15]:
                 print(f"    {gib:8.3f}  {where}")
-    c, a, b = args.fit
     if args.loop_sample:
         rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit)))
     out = Path(args.out)

@@ -97,12 +97,12 @@ class TreeGRPOTrainer(GRPOTrainer):
                 model, input_ids, attention_mask, logits_to_keep, batch_size=batch_size,
                 compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss, **multimodal)
         layout = self._row_layout(input_ids, attention_mask, logits_to_keep)
-        fits = self._fits_budget(layout)
+        the_plan = None if self._fits_budget(layout) else self._plan(layout)
         filler_forwards = 0
         if not torch.is_grad_enabled() and self._zero_stage() == 3 and self.args.tree_token_budget is not None:
             # ZeRO-3 all-gathers parameters in every forward: as many forwards on every process
-            filler_forwards = self._missing_passes(1 if fits else len(self._plan(layout).pieces))[0]
-        if not fits:
+            filler_forwards = self._missing_passes(1 if the_plan is None else len(the_plan.pieces))[0]
+        if the_plan is not None:
             if torch.is_grad_enabled():
                 raise RuntimeError(
                     f"a forest of {layout.forest.pack().num_tokens} unique tokens exceeds tree_token_budget="
@@ -110,7 +110,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                     "such microbatches as planner pieces (call it, not _compute_loss, or raise tree_token_budget)")
             if compute_aux_loss:
                 self._check_planner_supported()
-            result = self._planned_logps(model, layout, compute_entropy)
+            result = self._planned_logps(model, layout, the_plan, compute_entropy)
             self._run_fillers(model, forwards=filler_forwards)
             return result
         base = unwrap_model(model)
@@ -169,10 +169,10 @@ class TreeGRPOTrainer(GRPOTrainer):
                     attention_backend=self.args.tree_attention_backend,
                     float32_head=self.args.cast_lm_head_to_fp32, head_chunk_size=self.args.tree_head_chunk_size)
 
-    def _planned_logps(self, model, layout: RowLayout, compute_entropy: bool):
+    def _planned_logps(self, model, layout: RowLayout, the_plan: Plan, compute_entropy: bool):
         """Forward-only pass over the plan's pieces (old / reference log-probs, evaluation): every token once."""
         with self.accelerator.autocast():
-            result = execute_plan(model, self._plan(layout), compute_entropy=compute_entropy, **self._execute_options())
+            result = execute_plan(model, the_plan, compute_entropy=compute_entropy, **self._execute_options())
         entropies = layout.to_rows(result.entropies) if compute_entropy else None
         return layout.to_rows(result.logprobs), entropies, None
 
