@@ -195,17 +195,47 @@ def handoff_parity(results: dict) -> None:
     results["handoff_parity_vs_fp32"] = report
 
 
-def timing(results: dict, workload: str, scale: float) -> None:
-    import torch.nn.functional as F
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+def attention_breakdown(function, top: int = 12) -> list:
+    """Device time of ``function()`` by kernel (torch.profiler, one warm call): ``[(name, seconds, calls)]``."""
+    from torch.profiler import ProfilerActivity, profile
 
-    from harts_hf.kernels import TreeMetadata, tree_attention, tree_causal_conv1d, tree_gated_delta_rule
-    from harts_hf.kernels.tree_conv1d import conv_window_fixups
-    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import tree_gated_delta_rule_fla_autograd
+    function()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        function()
+        torch.cuda.synchronize()
+    rows = [(e.key[:90], e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()
+            if e.self_device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])[:top]
+
+
+def path_attention(make, sequences, max_tokens: int, backward) -> dict:
+    """The per-trajectory baseline's attention on the same kernel: flash varlen, causal, the workload's own
+    trajectories packed (unpadded) up to ``max_tokens`` path tokens; returns seconds, pairs and the pair rate."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    lengths = []
+    for sequence in sorted(sequences, key=len):
+        if sum(lengths) + len(sequence) > max_tokens and lengths:
+            break
+        lengths.append(len(sequence))
+    cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device="cuda")
+    T = int(cu[-1])
+    q, k, v = make(T, 16, 256), make(T, 2, 256), make(T, 2, 256)
+    seconds = bench(lambda: backward(varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=(-1, 0),
+                                                 enable_gqa=True)))
+    pairs = sum(n * (n + 1) / 2 for n in lengths)
+    return dict(seconds=seconds, pairs=pairs, trajectories=len(lengths), tokens=T, pairs_per_s=pairs / seconds)
+
+
+def timing(results: dict, workload: str, scale: float, ops=("gdn", "attention", "conv"),
+           profile_attention: bool = False) -> None:
+    from harts_hf.kernels import TreeMetadata
     from harts_hf.trees import PrefixForest
     from harts_hf.workloads import make_workload
 
-    forest = PrefixForest.from_sequences(make_workload(workload, scale=scale, seed=0).sequences)
+    sequences = make_workload(workload, scale=scale, seed=0).sequences
+    forest = PrefixForest.from_sequences(sequences)
     packed = forest.pack()
     start = time.perf_counter()
     tree = TreeMetadata(packed, "cuda", gdn_backend="fla", attention_backend="varlen")
@@ -217,11 +247,27 @@ def timing(results: dict, workload: str, scale: float) -> None:
     U = packed.num_tokens
     row = {"stats": stats, "metadata_seconds": host_seconds}
 
-    # gated delta rule at Qwen3-Next-2B shapes: 16 key heads, 32 value heads, 128 dims
-    inputs = gdn_inputs(U, 16, 32, 128, 128)
-
     def backward(out):
         out.float().square().mean().backward()
+
+    if "gdn" in ops:
+        gdn_timing(row, packed, plan, U, backward)
+    if "attention" in ops:
+        attention_timing(row, packed, layout, stats, sequences, backward, profile_attention)
+    if "conv" in ops:
+        conv_timing(row, U, ancestors, backward)
+    results.setdefault("timing", {})[f"{workload}@{scale}"] = row
+
+
+def gdn_timing(row, packed, plan, U, backward) -> None:
+    """Gated delta rule at Qwen3-Next-2B shapes (16 key heads, 32 value heads, 128 dims): the tree nodes vs one
+    varlen fla call over the tree's runs."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from harts_hf.kernels import tree_gated_delta_rule
+    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import tree_gated_delta_rule_fla_autograd
+
+    inputs = gdn_inputs(U, 16, 32, 128, 128)
 
     run_starts = torch.nonzero(packed.parent != torch.arange(U) - 1)[:, 0]
     run_lengths = torch.diff(torch.cat([run_starts, torch.tensor([U])]))
@@ -240,9 +286,16 @@ def timing(results: dict, workload: str, scale: float) -> None:
     row["gdn_tree_over_single"] = row["gdn_tree_fused_s"] / row["gdn_single_call_s"]
     row["gdn_tree_batched_over_single"] = row["gdn_tree_batched_s"] / row["gdn_single_call_s"]
     row["gdn_tree_serial_over_single"] = row["gdn_tree_serial_s"] / row["gdn_single_call_s"]
-    inputs = None  # free before the next op
 
-    # attention: 16 query heads, 2 KV heads, head_dim 256
+
+def attention_timing(row, packed, layout, stats, sequences, backward, profile_attention) -> None:
+    """Attention with 16 query heads, 2 KV heads, head_dim 256: the tree varlen path vs SDPA causal on one plain
+    16k sequence and vs the per-trajectory path (flash varlen over the trajectories), in attended pairs per second."""
+    import torch.nn.functional as F
+
+    from harts_hf.kernels import tree_attention
+
+    U = packed.num_tokens
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     q, k, v = make(U, 16, 256), make(U, 2, 256), make(U, 2, 256)
     tree_pairs = stats["tree_attention_pairs"]
@@ -256,9 +309,29 @@ def timing(results: dict, workload: str, scale: float) -> None:
     plain_rate = L * (L + 1) / 2 / row["attention_sdpa_causal_s"]
     row["attention_pairs_per_s_tree"], row["attention_pairs_per_s_sdpa_causal"] = tree_rate, plain_rate
     row["attention_tree_over_sdpa_rate"] = tree_rate / plain_rate
-    q = k = v = qs = ks = vs = None
+    qs = ks = vs = None
+    if profile_attention:
+        subtree_end = packed.subtree_end.cuda()
+        row["attention_tree_kernels"] = attention_breakdown(lambda: backward(tree_attention(
+            q, k, v, subtree_end, backend="varlen", layout=layout)))
+        for name, seconds, calls in row["attention_tree_kernels"]:
+            print(f"    {seconds * 1e3:8.2f} ms {calls:4d}x {name}", flush=True)
+    q = k = v = None
+    row["attention_paths"] = path_attention(make, sequences, 600_000, backward)
+    row["attention_tree_over_paths_rate"] = tree_rate / row["attention_paths"]["pairs_per_s"]
+    print(f"  attention: tree {row['attention_tree_s'] * 1e3:.1f} ms for {tree_pairs:.3g} pairs; rate vs SDPA causal "
+          f"16k {row['attention_tree_over_sdpa_rate']:.2f}x, vs the trajectories' own varlen "
+          f"{row['attention_tree_over_paths_rate']:.2f}x", flush=True)
 
-    # conv: conv_dim of the 2B model = 2 * 16 * 128 + 32 * 128
+
+def conv_timing(row, U, ancestors, backward) -> None:
+    """Tree conv1d (shifted multiply-adds, and fla's fused bulk) vs a plain depthwise conv over U rows, at the 2B
+    model's conv_dim = 2 * 16 * 128 + 32 * 128."""
+    import torch.nn.functional as F
+
+    from harts_hf.kernels import tree_causal_conv1d
+    from harts_hf.kernels.tree_conv1d import conv_window_fixups
+
     C = 8192
     x = torch.randn(U, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     weight = torch.randn(C, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -269,7 +342,8 @@ def timing(results: dict, workload: str, scale: float) -> None:
     row["conv_fixup_rows"] = int(fixups.numel())
     row["conv_plain_s"] = bench(lambda: backward(F.silu(F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), padding=3,
                                                                   groups=C)[..., :U])))
-    results.setdefault("timing", {})[f"{workload}@{scale}"] = row
+    print(f"  conv: tree {row['conv_tree_s'] * 1e3:.2f} ms, fla bulk {row['conv_tree_fla_s'] * 1e3:.2f} ms, plain "
+          f"{row['conv_plain_s'] * 1e3:.2f} ms", flush=True)
 
 
 def main():
@@ -277,6 +351,11 @@ def main():
     parser.add_argument("--out", default="results")
     parser.add_argument("--workloads", nargs="+", default=["swe:0.1", "tau:0.1", "grpo:0.1"],
                         help="name:scale pairs")
+    parser.add_argument("--ops", nargs="+", default=["gdn", "attention", "conv"], choices=["gdn", "attention", "conv"],
+                        help="which ops to time on each workload")
+    parser.add_argument("--skip-parity", action="store_true", help="timing only")
+    parser.add_argument("--profile-attention", action="store_true",
+                        help="also list the tree attention's kernels by device time (torch.profiler)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -285,8 +364,10 @@ def main():
     def save():
         (out / "gpu_kernels.json").write_text(json.dumps(results, indent=2, default=str))
 
-    steps = [("parity", parity), ("handoff_parity", handoff_parity), ("final_state_parity", final_state_parity)] + [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1])))
-                                    for spec in args.workloads]
+    steps = [] if args.skip_parity else [("parity", parity), ("handoff_parity", handoff_parity),
+                                         ("final_state_parity", final_state_parity)]
+    steps += [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1]), args.ops,
+                                              args.profile_attention)) for spec in args.workloads]
     for name, step in steps:
         start = time.perf_counter()
         try:
