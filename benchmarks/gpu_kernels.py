@@ -209,6 +209,13 @@ def attention_breakdown(function, top: int = 12) -> list:
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
+def gqa_keyword(varlen_attn) -> dict:
+    """``enable_gqa=True`` where ``varlen_attn`` takes it (torch >= 2.13); older flash varlen is GQA-aware as is."""
+    import inspect
+
+    return {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+
+
 def path_attention(make, sequences, max_tokens: int, backward) -> dict:
     """The per-trajectory baseline's attention on the same kernel: flash varlen, causal, the workload's own
     trajectories packed (unpadded) up to ``max_tokens`` path tokens; returns seconds, pairs and the pair rate."""
@@ -223,7 +230,7 @@ def path_attention(make, sequences, max_tokens: int, backward) -> dict:
     T = int(cu[-1])
     q, k, v = make(T, 16, 256), make(T, 2, 256), make(T, 2, 256)
     seconds = bench(lambda: backward(varlen_attn(q, k, v, cu, cu, max(lengths), max(lengths), window_size=(-1, 0),
-                                                 enable_gqa=True)))
+                                                 **gqa_keyword(varlen_attn))))
     pairs = sum(n * (n + 1) / 2 for n in lengths)
     return dict(seconds=seconds, pairs=pairs, trajectories=len(lengths), tokens=T, pairs_per_s=pairs / seconds)
 
@@ -246,6 +253,7 @@ def timing(results: dict, workload: str, scale: float, ops=("gdn", "attention", 
     stats = tree.stats()
     U = packed.num_tokens
     row = {"stats": stats, "metadata_seconds": host_seconds}
+    results.setdefault("timing", {})[f"{workload}@{scale}"] = row  # filled in place: a failing op keeps the rest
 
     def backward(out):
         out.float().square().mean().backward()
@@ -256,7 +264,6 @@ def timing(results: dict, workload: str, scale: float, ops=("gdn", "attention", 
         attention_timing(row, packed, layout, stats, sequences, backward, profile_attention)
     if "conv" in ops:
         conv_timing(row, U, ancestors, backward)
-    results.setdefault("timing", {})[f"{workload}@{scale}"] = row
 
 
 def gdn_timing(row, packed, plan, U, backward) -> None:
