@@ -317,6 +317,16 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
     row["attention_pairs_per_s_tree"], row["attention_pairs_per_s_sdpa_causal"] = tree_rate, plain_rate
     row["attention_tree_over_sdpa_rate"] = tree_rate / plain_rate
     qs = ks = vs = None
+    subtree_end = packed.subtree_end.cuda()
+    start = time.perf_counter()  # first call: cuDNN builds its graphs for this forest's run shapes
+    backward(tree_attention(q, k, v, subtree_end, backend="cudnn", layout=layout))
+    torch.cuda.synchronize()
+    row["attention_cudnn_first_s"] = time.perf_counter() - start
+    row["attention_cudnn_s"] = bench(lambda: backward(tree_attention(q, k, v, subtree_end, backend="cudnn",
+                                                                     layout=layout)))
+    row["attention_cudnn_over_sdpa_rate"] = tree_pairs / row["attention_cudnn_s"] / plain_rate
+    row["attention_parity"] = attention_parity(q, k, v, subtree_end, layout, fp32_reference=U <= 20_000)
+    print(f"  attention parity: {row['attention_parity']}", flush=True)
     if profile_attention:
         subtree_end = packed.subtree_end.cuda()
         row["attention_tree_kernels"] = attention_breakdown(lambda: backward(tree_attention(
@@ -328,7 +338,35 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
     row["attention_tree_over_paths_rate"] = tree_rate / row["attention_paths"]["pairs_per_s"]
     print(f"  attention: tree {row['attention_tree_s'] * 1e3:.1f} ms for {tree_pairs:.3g} pairs; rate vs SDPA causal "
           f"16k {row['attention_tree_over_sdpa_rate']:.2f}x, vs the trajectories' own varlen "
-          f"{row['attention_tree_over_paths_rate']:.2f}x", flush=True)
+          f"{row['attention_tree_over_paths_rate']:.2f}x; cuDNN per run {row['attention_cudnn_s'] * 1e3:.1f} ms "
+          f"({row['attention_cudnn_over_sdpa_rate']:.2f}x SDPA's rate; first call "
+          f"{row['attention_cudnn_first_s']:.2f} s)", flush=True)
+
+
+def attention_parity(q, k, v, subtree_end, layout, fp32_reference: bool) -> dict:
+    """Outputs and q/k/v gradients (one fixed random weighting) of the cuDNN per-run path and flash varlen, each
+    against the fp32 per-run SDPA path (small forests) and against each other: relative Frobenius errors."""
+    from harts_hf.kernels import tree_attention
+
+    torch.manual_seed(1)
+    weight = torch.randn(q.shape, device="cuda", dtype=torch.float32)
+
+    def run(backend, dtype):
+        inputs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out = tree_attention(*inputs, subtree_end, backend=backend, layout=layout)
+        grads = torch.autograd.grad((out.float() * weight).sum(), inputs)
+        return [out.detach()] + list(grads)
+
+    results = {"varlen": run("varlen", torch.bfloat16), "cudnn": run("cudnn", torch.bfloat16)}
+    if fp32_reference:
+        results["fp32"] = run("runs", torch.float32)
+    names = ("out", "dq", "dk", "dv")
+    report = {f"cudnn_vs_varlen_{n}": rel(a, b) for n, a, b in zip(names, results["cudnn"], results["varlen"])}
+    if fp32_reference:
+        for backend in ("varlen", "cudnn"):
+            report.update({f"{backend}_vs_fp32_{n}": rel(a, b) for n, a, b in
+                           zip(names, results[backend], results["fp32"])})
+    return report
 
 
 def conv_timing(row, U, ancestors, backward) -> None:

@@ -159,6 +159,49 @@ def test_tree_attention(name, dtype, heads, kv_heads, head_dim):
     assert_paths_match(packed, by_runs, tree_attention_reference(q, k, v, packed, scaling=0.2), (q, k, v), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("name", list(FORESTS))
+@pytest.mark.parametrize("context", [0, 5])
+def test_tree_attention_split_by_runs_merges_exactly(name, dtype, context):
+    """The cuDNN path's decomposition (per run: ancestors without a mask + itself causally, merged by log-sum-exp;
+    each block's backward given the merged out/lse) with explicit softmax blocks, against the dense-mask path:
+    outputs and the gradients of q, k, v and the context keys/values."""
+    import dataclasses
+
+    from harts_hf.kernels.tree_attention.split import run_blocks, tree_attention_split
+
+    torch.manual_seed(0)
+    packed = PrefixForest.from_sequences(FORESTS[name]).pack()
+    # as a planner piece: tokens keep their depths in the whole tree, below `context` ancestors
+    packed = dataclasses.replace(packed, position_ids=packed.position_ids + context)
+    U, HQ, HKV, D = packed.num_tokens, 4, 2, 8
+    q = torch.randn(U, HQ, D, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(U, HKV, D, dtype=dtype, requires_grad=True) for _ in range(2))
+    ck, cv = (torch.randn(context, HKV, D, dtype=dtype, requires_grad=True) for _ in range(2))
+    layout = build_varlen_layout(packed, context_tokens=context)
+    blocks = run_blocks(layout)
+    assert run_blocks(layout) is blocks  # cached on the layout
+    extra = dict(context_k=ck, context_v=cv) if context else {}
+    expected = tree_attention(q, k, v, packed.subtree_end, scaling=0.3, backend="sdpa", **extra)
+    out = tree_attention_split(q, torch.cat([k, ck]), torch.cat([v, cv]), blocks, scaling=0.3, primitive="math")
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+    inputs = (q, k, v) + ((ck, cv) if context else ())
+    weight = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * weight).sum(), inputs),
+                    torch.autograd.grad((expected * weight).sum(), inputs)):
+        scale = b.abs().max().clamp_min(1e-12)
+        torch.testing.assert_close(a / scale, b / scale, **TOLERANCE[dtype])
+    assert blocks.pairs == packed.stats()["tree_attention_pairs"]
+
+
+def test_tree_attention_cudnn_needs_cuda_and_a_layout():
+    packed = PrefixForest.from_sequences(FORESTS["random_a"]).pack()
+    U = packed.num_tokens
+    q, k = torch.randn(U, 2, 8), torch.randn(U, 2, 8)
+    with pytest.raises(ValueError, match="backend='cudnn' needs CUDA tensors and a VarlenLayout"):
+        tree_attention(q, k, k, packed.subtree_end, backend="cudnn", layout=build_varlen_layout(packed))
+
+
 def test_tree_attention_under_autocast_runs_in_the_autocast_dtype():
     """fp32 weights + bf16 autocast leave q/k in fp32 (RoPE) and v in bf16: the kernel sees what SDPA would."""
     torch.manual_seed(0)

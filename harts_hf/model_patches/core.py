@@ -228,12 +228,11 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
                 export.record((layer, "key"), keys[index])
                 export.record((layer, "value"), values[index])
     backend = tree.attention_backend
-    if backend == "auto":
-        if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-            backend = "varlen"
-        else:  # a dense U x U mask (and SDPA's U x U scores) only while they stay small
-            backend = "sdpa" if tree.num_tokens <= _DENSE_MASK_TOKENS else "runs"
-    layout = tree.varlen_layout() if backend in ("varlen", "runs") else None
+    if backend == "auto" and not (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)):
+        # CUDA half precision: tree_attention picks flash varlen or cuDNN per run; elsewhere a dense U x U mask
+        # (and SDPA's U x U scores) only while they stay small
+        backend = "sdpa" if tree.num_tokens <= _DENSE_MASK_TOKENS else "runs"
+    layout = tree.varlen_layout() if backend != "sdpa" else None
     out = tree_attention(q, k, v, tree.packed.subtree_end, scaling=scaling,
                          mask=tree.attention_mask() if backend == "sdpa" else None, backend=backend, layout=layout,
                          context_k=context_k, context_v=context_v)

@@ -9,7 +9,7 @@ from trl import GRPOConfig
 __all__ = ["TreeGRPOConfig"]
 
 _GDN_BACKENDS = ("auto", "torch", "fla")
-_ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen")
+_ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
 
 
 @dataclass
@@ -75,7 +75,8 @@ class TreeGRPOConfig(GRPOConfig):
     )
     tree_attention_backend: str = field(
         default="auto",
-        metadata={"help": "Softmax-attention kernel for tree execution: 'auto' or 'sdpa'.",
+        metadata={"help": "Softmax-attention kernel for tree execution: 'auto' (on CUDA flash varlen, or cuDNN per "
+                          "run when runs are long), 'sdpa' (dense mask), 'runs' (SDPA per run), 'varlen' or 'cudnn'.",
                   "choices": list(_ATTENTION_BACKENDS)},
     )
     tree_head_chunk_size: int = field(

@@ -12,7 +12,12 @@ import torch.nn.functional as F
 
 __all__ = ["tree_attention", "tree_attention_mask"]
 
-_BACKENDS = ("auto", "sdpa", "runs", "varlen")
+_BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
+
+CUDNN_MIN_PAIRS_PER_RUN = 4_000_000
+"""``backend="auto"`` on CUDA takes cuDNN's attention per run (:mod:`.split`) when the runs attend to at least this
+many (query, key) pairs on average, and flash varlen (one call for all runs) otherwise: per-run calls cost host
+time that only long runs repay."""
 
 
 def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0) -> torch.Tensor:
@@ -52,8 +57,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         mask: optional precomputed :func:`tree_attention_mask` (reused across layers).
         backend: ``"sdpa"`` (dense mask, any device), ``"varlen"`` (one flash-attention varlen call over runs and
             their gathered ancestor paths; CUDA, half precision; needs ``layout``) or ``"auto"`` (varlen when
-            possible).
+            possible, or cuDNN when the runs are long, see :data:`CUDNN_MIN_PAIRS_PER_RUN`).
             ``"runs"``: the varlen semantics with one SDPA call per run (any device; memory per run, not U x U).
+            ``"cudnn"``: per run, cuDNN's attention over its ancestors and over itself (causal), merged by
+            log-sum-exp (:mod:`.split`; CUDA, half precision; needs ``layout``).
         layout: a :class:`VarlenLayout` (``build_varlen_layout(packed)``) for the varlen and runs paths.
         context_k, context_v: ``[C, HKV, D]`` keys/values of ``C`` ancestors outside the forest that every query
             sees (a planner piece below a branch point: one tree, its root's ancestors). The mask and layout must
@@ -81,11 +88,18 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     if layout is not None and layout.context_tokens != k.shape[0] - U:
         raise ValueError(f"tree_attention: the layout was built for {layout.context_tokens} context tokens but "
                          f"{k.shape[0] - U} were given; build_varlen_layout(packed, context_tokens=...) to match")
-    use_varlen = backend == "varlen" or (
-        backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16))
-    if use_varlen:
+    if backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from .split import run_blocks
+
+        blocks = run_blocks(layout)
+        backend = "cudnn" if blocks.pairs >= CUDNN_MIN_PAIRS_PER_RUN * len(blocks) else "varlen"
+    if backend in ("varlen", "cudnn"):
         if layout is None or not q.is_cuda:
-            raise ValueError("tree_attention: backend='varlen' needs CUDA tensors and a VarlenLayout (layout=...)")
+            raise ValueError(f"tree_attention: backend={backend!r} needs CUDA tensors and a VarlenLayout (layout=...)")
+        if backend == "cudnn":
+            from .split import run_blocks, tree_attention_split
+
+            return tree_attention_split(q, k, v, run_blocks(layout), scaling)
         from .varlen import tree_attention_varlen
 
         return tree_attention_varlen(q, k, v, layout, scaling)

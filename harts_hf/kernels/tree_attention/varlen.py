@@ -31,10 +31,16 @@ class VarlenLayout:
     max_q: int
     max_k: int
     context_tokens: int = 0
+    host: tuple[list[int], list[int]] | None = None  # cu_q and cu_k as Python lists (no device sync to read)
 
     def to(self, device) -> VarlenLayout:
         return VarlenLayout(self.key_index.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q,
-                            self.max_k, self.context_tokens)
+                            self.max_k, self.context_tokens, self.host_cu())
+
+    def host_cu(self) -> tuple[list[int], list[int]]:
+        if self.host is None:
+            self.host = (self.cu_q.tolist(), self.cu_k.tolist())
+        return self.host
 
 
 def build_varlen_layout(packed: PackedForest, context_tokens: int = 0) -> VarlenLayout:
@@ -64,7 +70,8 @@ def build_varlen_layout(packed: PackedForest, context_tokens: int = 0) -> Varlen
     np.cumsum(lengths_q, out=cu_q[1:])
     np.cumsum(lengths_k, out=cu_k[1:])
     return VarlenLayout(torch.from_numpy(np.concatenate(paths).astype(np.int64)), torch.from_numpy(cu_q),
-                        torch.from_numpy(cu_k), int(lengths_q.max()), int(lengths_k.max()), context_tokens)
+                        torch.from_numpy(cu_k), int(lengths_q.max()), int(lengths_k.max()), context_tokens,
+                       (cu_q.tolist(), cu_k.tolist()))
 
 
 def varlen_available() -> bool:
