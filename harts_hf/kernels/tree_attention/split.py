@@ -127,11 +127,11 @@ _CUDNN_LSE_NDIM = 4  # cuDNN's own lse shape ([B, H, Lq, 1] or [B, H, Lq]), rest
 def _cudnn_backward(grad, q, k, v, out, lse, causal: bool, scale: float):
     groups = 1 if _CUDNN_GQA else q.shape[1] // k.shape[1]
     k, v = _expand(k, groups), _expand(v, groups)
-    empty = q.new_empty(0, dtype=torch.int32)
-    seed = offset = q.new_zeros((), dtype=torch.int64)
+    seed = offset = q.new_zeros((), dtype=torch.int64)  # no dropout
     lse = lse.contiguous() if _CUDNN_LSE_NDIM == 4 else lse.squeeze(-1).contiguous()
+    # no bias, and no cumulative sequence lengths (None: defined ones would make cuDNN expect nested [T, H, D])
     dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-        grad, q, k, v, out, lse, seed, offset, None, empty, empty, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
+        grad, q, k, v, out, lse, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale)
     return dq, _fold(dk, groups), _fold(dv, groups)
 
 
