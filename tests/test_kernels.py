@@ -194,6 +194,26 @@ def test_tree_attention_split_by_runs_merges_exactly(name, dtype, context):
     assert blocks.pairs == packed.stats()["tree_attention_pairs"]
 
 
+def test_auto_attention_takes_cudnn_only_for_long_runs():
+    """CUDA 'auto': cuDNN per run once runs average >= CUDNN_MIN_PAIRS_PER_RUN pairs (their plans repay), flash
+    varlen for the many short runs of small trees."""
+    from harts_hf.kernels.tree_attention.ops import CUDNN_MIN_PAIRS_PER_RUN, cuda_backend
+
+    long_run = int((2 * CUDNN_MIN_PAIRS_PER_RUN) ** 0.5) + 2
+    assert cuda_backend(build_varlen_layout(PrefixForest.from_sequences([list(range(long_run))]).pack())) == "cudnn"
+    assert cuda_backend(build_varlen_layout(PrefixForest.from_sequences(FORESTS["random_b"]).pack())) == "varlen"
+
+
+def test_cudnn_attention_ops_keep_their_schema():
+    """Contract: the private aten ops the cuDNN path calls, with the argument order it passes."""
+    forward = [a.name for a in torch.ops.aten._scaled_dot_product_cudnn_attention.default._schema.arguments]
+    assert forward == ["query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal",
+                       "return_debug_mask", "scale"]
+    backward = [a.name for a in torch.ops.aten._scaled_dot_product_cudnn_attention_backward.default._schema.arguments]
+    assert backward == ["grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset",
+                        "attn_bias", "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"]
+
+
 def test_tree_attention_cudnn_needs_cuda_and_a_layout():
     packed = PrefixForest.from_sequences(FORESTS["random_a"]).pack()
     U = packed.num_tokens

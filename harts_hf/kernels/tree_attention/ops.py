@@ -10,14 +10,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["tree_attention", "tree_attention_mask"]
+__all__ = ["CUDNN_MIN_PAIRS_PER_RUN", "cuda_backend", "tree_attention", "tree_attention_mask"]
 
 _BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
 
-CUDNN_MIN_PAIRS_PER_RUN = 4_000_000
+CUDNN_MIN_PAIRS_PER_RUN = 500_000_000
 """``backend="auto"`` on CUDA takes cuDNN's attention per run (:mod:`.split`) when the runs attend to at least this
-many (query, key) pairs on average, and flash varlen (one call for all runs) otherwise: per-run calls cost host
-time that only long runs repay."""
+many (query, key) pairs on average, and flash varlen (one call for all runs) otherwise. Measured on the H200
+(BENCHMARKS.md, seventh session): cuDNN runs ~1.5x flash's pairs per second at head dim 256, but builds an
+execution plan for every new block shape (~60 ms each, four per run: two blocks, forward and backward; 12.7 s for
+full-size ``swe``'s 55 runs), and a training step brings new forests. At ~5.5e-10 s saved per pair per step
+(fwd, recompute and bwd over the 2B model's 6 attention layers) a run repays its ~0.24 s of plans from ~440M pairs;
+below that, ``backend="cudnn"`` is for repeated shapes (benchmarks, or several passes over the same forests)."""
 
 
 def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0) -> torch.Tensor:
@@ -29,6 +33,15 @@ def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0) -> t
     if context_tokens:
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], context_tokens)], dim=1)
     return mask
+
+
+def cuda_backend(layout) -> str:
+    """What ``backend="auto"`` runs for CUDA half-precision inputs: ``"cudnn"`` when the layout's runs average at
+    least :data:`CUDNN_MIN_PAIRS_PER_RUN` attended pairs, else ``"varlen"``."""
+    from .split import run_blocks
+
+    blocks = run_blocks(layout)
+    return "cudnn" if blocks.pairs >= CUDNN_MIN_PAIRS_PER_RUN * len(blocks) else "varlen"
 
 
 def autocast_inputs(*tensors: torch.Tensor | None) -> tuple:
@@ -89,10 +102,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         raise ValueError(f"tree_attention: the layout was built for {layout.context_tokens} context tokens but "
                          f"{k.shape[0] - U} were given; build_varlen_layout(packed, context_tokens=...) to match")
     if backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        from .split import run_blocks
-
-        blocks = run_blocks(layout)
-        backend = "cudnn" if blocks.pairs >= CUDNN_MIN_PAIRS_PER_RUN * len(blocks) else "varlen"
+        backend = cuda_backend(layout)
     if backend in ("varlen", "cudnn"):
         if layout is None or not q.is_cuda:
             raise ValueError(f"tree_attention: backend={backend!r} needs CUDA tensors and a VarlenLayout (layout=...)")

@@ -11,8 +11,9 @@ softmax's gradient (``P = exp(s - lse)`` is then the whole row's probability and
 row's): ``dq`` is the sum of the two, ``dk``/``dv`` land on the run's own rows and on its gathered ancestors.
 
 On the H200 cuDNN's attention (SDPA's default there) runs ~1.6x the flash varlen kernel's pairs per second at head
-dim 256 (``benchmarks/attention_kernels.py``). Each run is its own call, so this pays off when runs are long (the
-full-size agentic trees) and not for many short runs (``tree_attention`` picks by the average pairs per run).
+dim 256 (``benchmarks/attention_kernels.py``). Each run is its own pair of calls, and cuDNN builds an execution plan
+per new shape (~60 ms), so this pays off for long runs whose shapes repeat; many short runs stay on flash varlen
+(see ``ops.CUDNN_MIN_PAIRS_PER_RUN``).
 
 ``primitive="math"`` runs the same decomposition with explicit softmax blocks (any device, fp32/fp64): the CPU
 tests check the decomposition and the merged-statistics backward with it.
