@@ -72,11 +72,11 @@ def timed(device, function, repeats: int):
     return seconds, peak
 
 
-def run_tree(model, forest):
+def run_tree(model, forest, attention_backend: str = "auto"):
     from harts_hf import tree_logprobs
 
     model.zero_grad(set_to_none=True)
-    out = tree_logprobs(model, forest=forest)
+    out = tree_logprobs(model, forest=forest, attention_backend=attention_backend)
     sum(lp.sum() for lp in out.logprobs).backward()
     return out.stats
 

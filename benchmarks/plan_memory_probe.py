@@ -9,6 +9,7 @@ innermost frame inside harts_hf / transformers / fla, and the innermost frame of
 
     python3 benchmarks/plan_memory_probe.py --scale 0.2 --budget 0 32768 16384 --out results/memory
     python3 benchmarks/plan_memory_probe.py --scale 1.0 --budget 65536 --no-history --loop-sample 12   # full size
+    python3 benchmarks/plan_memory_probe.py --scale 1.0 --budget 65536 --no-history --loop-sample 12 --attention cudnn
 
 ``--loop-sample`` also times trajectories alone through the same kernels (the per-trajectory baseline at lengths
 where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the cost fit's price.
@@ -74,7 +75,7 @@ def live_at_peak(snapshot: dict, device: int) -> tuple[float, list, list]:
     return peak / 2**30, top(ours), top(anywhere)
 
 
-def run(model, sequences, budget, device, history: bool) -> dict:
+def run(model, sequences, budget, device, history: bool, attention: str = "auto") -> dict:
     from harts_hf.planner import execute_plan, plan
     from harts_hf.trees import PrefixForest
 
@@ -91,7 +92,8 @@ def run(model, sequences, budget, device, history: bool) -> dict:
                                                  max_entries=2_000_000)
     start = time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        execution = execute_plan(model, the_plan, logprob_weights=weights)  # bf16 head, as the trainer's default
+        execution = execute_plan(model, the_plan, logprob_weights=weights,  # bf16 head, as the trainer's default
+                                 attention_backend=attention)
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     row = dict(budget=budget, unique_tokens=packed.num_tokens, pieces=len(the_plan.pieces), seconds=seconds,
@@ -114,7 +116,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def loop_sample(model, sequences, count: int, device, fit) -> dict:
+def loop_sample(model, sequences, count: int, device, fit, attention: str = "auto") -> dict:
     """The per-trajectory path on ``count`` trajectories (all for -1): each alone, fwd+bwd, with its fitted price;
     with all of them, ``measured_seconds`` is the whole per-trajectory loop."""
     from harts_hf.trees import PrefixForest
@@ -138,7 +140,7 @@ def loop_sample(model, sequences, count: int, device, fit) -> dict:
                 _sync(device)
                 start = time.perf_counter()
                 with torch.autocast(device.type, dtype=torch.bfloat16):  # as the tree run (and the trainer)
-                    run_tree(model, forest)
+                    run_tree(model, forest, attention)
                 _sync(device)
                 seconds = time.perf_counter() - start
         except torch.OutOfMemoryError:
@@ -169,6 +171,8 @@ def main(argv=None):
                              "flash varlen, chunked LM head, so long trajectories fit), second of two runs each, at "
                              "length quantiles 0.1..0.9, next to the cost fit's price of each (--fit)")
     parser.add_argument("--fit", nargs=3, type=float, default=[0.1595, 4.6416e-05, 1.5976e-09], metavar=("C", "A", "B"))
+    parser.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn"],
+                        help="tree attention kernel for the tree and the per-trajectory sample alike")
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -178,9 +182,10 @@ def main(argv=None):
     sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"])
     rows = []
     if not args.loop_only:
-        run(model, sequences, min(args.budget) or None, device, history=False)  # warm-up (compilation, autotuning)
+        run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
+            attention=args.attention)                                      # cuDNN plans)
     for budget in [] if args.loop_only else [b or None for b in args.budget]:
-        rows.append(run(model, sequences, budget, device, history=not args.no_history))
+        rows.append(run(model, sequences, budget, device, history=not args.no_history, attention=args.attention))
         r = rows[-1]
         print(f"budget {budget}: {r['pieces']} pieces, {r['seconds']:.2f} s, peak {r['peak_gib']:.1f} GiB "
               f"(weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}", flush=True)
@@ -191,7 +196,8 @@ def main(argv=None):
             for where, gib in r.get(key, [])[:15]:
                 print(f"    {gib:8.3f}  {where}")
     if args.loop_sample:
-        rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit)))
+        rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit,
+                                                 args.attention)))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe.json").write_text(json.dumps(rows, indent=1))
