@@ -10,6 +10,7 @@ innermost frame inside harts_hf / transformers / fla, and the innermost frame of
     python3 benchmarks/plan_memory_probe.py --scale 0.2 --budget 0 32768 16384 --out results/memory
     python3 benchmarks/plan_memory_probe.py --scale 1.0 --budget 65536 --no-history --loop-sample 12   # full size
     python3 benchmarks/plan_memory_probe.py --scale 1.0 --budget 65536 --no-history --loop-sample 12 --attention cudnn
+    python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --loop-sample 12
 
 ``--loop-sample`` also times trajectories alone through the same kernels (the per-trajectory baseline at lengths
 where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the cost fit's price.
@@ -37,9 +38,13 @@ from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task
 OURS = ("harts_hf", "transformers", "/fla/")
 
 
-def task_sequences(scale: float, vocab: int, seed: int = 0) -> list[list[int]]:
+def task_sequences(scale: float, vocab: int, seed: int = 0, workload: str = "swe") -> list[list[int]]:
+    """One ``swe`` task (the rows the multi-GPU benchmark trains as one prompt group), or another preset's whole
+    generation batch."""
     from harts_hf.workloads import make_workload
 
+    if workload != "swe":
+        return [list(s) for s in make_workload(workload, scale=scale, seed=seed, vocab_size=vocab).sequences]
     workload = make_workload("swe", scale=scale, seed=seed, num_tasks=1, vocab_size=vocab - len(SPECIAL))
     prompt, completions, _ = _prompt_and_completions(_split_by_task(workload)[0])
     return [prompt + completion for completion in completions]
@@ -160,6 +165,8 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=0.2)
+    parser.add_argument("--workload", default="swe", choices=["swe", "tau", "grpo", "search"],
+                        help="swe: one task; the others: the preset's whole batch")
     parser.add_argument("--budget", type=int, nargs="+", default=[0, 32768],
                         help="token budgets to run, 0 = the whole forest as one piece (default: %(default)s)")
     parser.add_argument("--model", default="qwen3_next_2b", choices=sorted(MODELS))
@@ -179,7 +186,7 @@ def main(argv=None):
         raise SystemExit("plan_memory_probe needs CUDA (the allocator trace is CUDA's)")
     device = torch.device("cuda", 0)
     model = build_model(args.model, "qwen3_next", device, torch.float32)
-    sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"])
+    sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"], workload=args.workload)
     rows = []
     if not args.loop_only:
         run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
