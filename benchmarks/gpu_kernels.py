@@ -10,8 +10,10 @@
    - gated delta rule: the fused tree node (all rounds), the per-round autograd version, and ONE varlen fla call
      over the same unique tokens (the tree's runs as independent sequences, no hand-over): the target is
      tree <= 1.15x that call;
-   - attention: the varlen tree path vs SDPA causal on one plain sequence, in attended pairs per second
-     (target >= 0.8x);
+   - attention: the varlen tree path and cuDNN per run (exact shapes, and bucketed: ``CUDNN_KEY_BLOCK = 4096``,
+     each with its first call, which builds cuDNN's plans) vs SDPA causal on one plain sequence and vs the
+     trajectories' own flash varlen, in attended pairs per second (target >= 0.8x); ``swe:1.0 swe:1.0:1`` shows what
+     a second forest of the same preset costs on its first call;
    - tree conv1d (ancestor gather) vs a plain depthwise conv over the same number of tokens.
 Writes <out>/gpu_kernels.json and prints a table.
 """
@@ -236,12 +238,12 @@ def path_attention(make, sequences, max_tokens: int, backward) -> dict:
 
 
 def timing(results: dict, workload: str, scale: float, ops=("gdn", "attention", "conv"),
-           profile_attention: bool = False) -> None:
+           profile_attention: bool = False, seed: int = 0) -> None:
     from harts_hf.kernels import TreeMetadata
     from harts_hf.trees import PrefixForest
     from harts_hf.workloads import make_workload
 
-    sequences = make_workload(workload, scale=scale, seed=0).sequences
+    sequences = make_workload(workload, scale=scale, seed=seed).sequences
     forest = PrefixForest.from_sequences(sequences)
     packed = forest.pack()
     start = time.perf_counter()
@@ -253,7 +255,8 @@ def timing(results: dict, workload: str, scale: float, ops=("gdn", "attention", 
     stats = tree.stats()
     U = packed.num_tokens
     row = {"stats": stats, "metadata_seconds": host_seconds}
-    results.setdefault("timing", {})[f"{workload}@{scale}"] = row  # filled in place: a failing op keeps the rest
+    key = f"{workload}@{scale}" + (f"/seed{seed}" if seed else "")
+    results.setdefault("timing", {})[key] = row  # filled in place: a failing op keeps the rest
 
     def backward(out):
         out.float().square().mean().backward()
@@ -301,6 +304,7 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
     import torch.nn.functional as F
 
     from harts_hf.kernels import tree_attention
+    from harts_hf.kernels.tree_attention.split import run_blocks
 
     U = packed.num_tokens
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
@@ -325,6 +329,20 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
     row["attention_cudnn_s"] = bench(lambda: backward(tree_attention(q, k, v, subtree_end, backend="cudnn",
                                                                      layout=layout)))
     row["attention_cudnn_over_sdpa_rate"] = tree_pairs / row["attention_cudnn_s"] / plain_rate
+    row["attention_cudnn_shapes"] = len(run_blocks(layout).shapes())
+    from harts_hf.kernels.tree_attention import ops as attention_ops
+
+    attention_ops.CUDNN_KEY_BLOCK = 4096  # bucketed shapes: the first call builds only shapes not seen before
+    try:
+        start = time.perf_counter()
+        backward(tree_attention(q, k, v, subtree_end, backend="cudnn", layout=layout))
+        torch.cuda.synchronize()
+        row["attention_cudnn_bucketed_first_s"] = time.perf_counter() - start
+        row["attention_cudnn_bucketed_s"] = bench(lambda: backward(tree_attention(
+            q, k, v, subtree_end, backend="cudnn", layout=layout)))
+        row["attention_cudnn_bucketed_shapes"] = len(run_blocks(layout, key_block=4096).shapes())
+    finally:
+        attention_ops.CUDNN_KEY_BLOCK = None
     row["attention_parity"] = attention_parity(q, k, v, subtree_end, layout, fp32_reference=U <= 20_000)
     print(f"  attention parity: {row['attention_parity']}", flush=True)
     if profile_attention:
@@ -340,7 +358,9 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
           f"16k {row['attention_tree_over_sdpa_rate']:.2f}x, vs the trajectories' own varlen "
           f"{row['attention_tree_over_paths_rate']:.2f}x; cuDNN per run {row['attention_cudnn_s'] * 1e3:.1f} ms "
           f"({row['attention_cudnn_over_sdpa_rate']:.2f}x SDPA's rate; first call "
-          f"{row['attention_cudnn_first_s']:.2f} s)", flush=True)
+          f"{row['attention_cudnn_first_s']:.2f} s, {row['attention_cudnn_shapes']} shapes); bucketed "
+          f"{row['attention_cudnn_bucketed_s'] * 1e3:.1f} ms (first call {row['attention_cudnn_bucketed_first_s']:.2f} "
+          f"s, {row['attention_cudnn_bucketed_shapes']} shapes)", flush=True)
 
 
 def attention_parity(q, k, v, subtree_end, layout, fp32_reference: bool) -> dict:
@@ -395,7 +415,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results")
     parser.add_argument("--workloads", nargs="+", default=["swe:0.1", "tau:0.1", "grpo:0.1"],
-                        help="name:scale pairs")
+                        help="name:scale[:seed] (a second seed shows what a new forest of the same preset costs)")
     parser.add_argument("--ops", nargs="+", default=["gdn", "attention", "conv"], choices=["gdn", "attention", "conv"],
                         help="which ops to time on each workload")
     parser.add_argument("--skip-parity", action="store_true", help="timing only")
@@ -412,7 +432,8 @@ def main():
     steps = [] if args.skip_parity else [("parity", parity), ("handoff_parity", handoff_parity),
                                          ("final_state_parity", final_state_parity)]
     steps += [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1]), args.ops,
-                                              args.profile_attention)) for spec in args.workloads]
+                                              args.profile_attention, int(s.split(":")[2]) if s.count(":") > 1 else 0))
+              for spec in args.workloads]
     for name, step in steps:
         start = time.perf_counter()
         try:

@@ -162,13 +162,16 @@ def test_tree_attention(name, dtype, heads, kv_heads, head_dim):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(FORESTS))
 @pytest.mark.parametrize("context", [0, 5])
-def test_tree_attention_split_by_runs_merges_exactly(name, dtype, context):
+@pytest.mark.parametrize("key_block", [None, 8])
+def test_tree_attention_split_by_runs_merges_exactly(name, dtype, context, key_block):
     """The cuDNN path's decomposition (per run: ancestors without a mask + itself causally, merged by log-sum-exp;
     each block's backward given the merged out/lse) with explicit softmax blocks, against the dense-mask path:
-    outputs and the gradients of q, k, v and the context keys/values."""
+    outputs and the gradients of q, k, v and the context keys/values. ``key_block=8``: the bucketed shapes (8-key
+    ancestor blocks, the rest in the causal block behind zero queries, rows padded to powers of two / multiples of
+    16)."""
     import dataclasses
 
-    from harts_hf.kernels.tree_attention.split import run_blocks, tree_attention_split
+    from harts_hf.kernels.tree_attention.split import bucket_rows, run_blocks, tree_attention_split
 
     torch.manual_seed(0)
     packed = PrefixForest.from_sequences(FORESTS[name]).pack()
@@ -179,8 +182,11 @@ def test_tree_attention_split_by_runs_merges_exactly(name, dtype, context):
     k, v = (torch.randn(U, HKV, D, dtype=dtype, requires_grad=True) for _ in range(2))
     ck, cv = (torch.randn(context, HKV, D, dtype=dtype, requires_grad=True) for _ in range(2))
     layout = build_varlen_layout(packed, context_tokens=context)
-    blocks = run_blocks(layout)
-    assert run_blocks(layout) is blocks  # cached on the layout
+    blocks = run_blocks(layout, key_block=key_block, row_multiple=16)
+    assert run_blocks(layout, key_block=key_block, row_multiple=16) is blocks  # cached on the layout
+    if key_block:
+        assert all(keys == key_block for _, keys, causal in blocks.shapes() if not causal)
+        assert all(rows == bucket_rows(rows, 16) for rows, _, _ in blocks.shapes())
     extra = dict(context_k=ck, context_v=cv) if context else {}
     expected = tree_attention(q, k, v, packed.subtree_end, scaling=0.3, backend="sdpa", **extra)
     out = tree_attention_split(q, torch.cat([k, ck]), torch.cat([v, cv]), blocks, scaling=0.3, primitive="math")
@@ -192,6 +198,13 @@ def test_tree_attention_split_by_runs_merges_exactly(name, dtype, context):
         scale = b.abs().max().clamp_min(1e-12)
         torch.testing.assert_close(a / scale, b / scale, **TOLERANCE[dtype])
     assert blocks.pairs == packed.stats()["tree_attention_pairs"]
+
+
+def test_bucket_rows():
+    from harts_hf.kernels.tree_attention.split import bucket_rows
+
+    assert [bucket_rows(n, 1024) for n in (1, 2, 3, 64, 65, 1000, 1024, 1025, 2048, 2049)] == [
+        1, 2, 4, 64, 128, 1024, 1024, 2048, 2048, 3072]
 
 
 def test_auto_attention_takes_cudnn_only_for_long_runs():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CUDNN_MIN_PAIRS_PER_RUN", "cuda_backend", "tree_attention", "tree_attention_mask"]
+__all__ = ["CUDNN_KEY_BLOCK", "CUDNN_MIN_PAIRS_PER_RUN", "cuda_backend", "tree_attention", "tree_attention_mask"]
 
 _BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
 
@@ -33,6 +33,13 @@ def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0) -> t
     if context_tokens:
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], context_tokens)], dim=1)
     return mask
+
+
+CUDNN_KEY_BLOCK: int | None = None
+"""Shape buckets for ``backend="cudnn"`` (:func:`.split.run_blocks`): ``None`` runs every run's exact block shapes
+(measured: 0.93x SDPA's pair rate on full-size ``swe``, but new plans for every new forest); an int (e.g. 4096)
+runs ancestors in blocks of that many keys and rounds rows up, so the plans come from a small fixed set (exact on
+CPU with explicit softmax blocks; not yet timed on a GPU)."""
 
 
 def cuda_backend(layout) -> str:
@@ -109,7 +116,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         if backend == "cudnn":
             from .split import run_blocks, tree_attention_split
 
-            return tree_attention_split(q, k, v, run_blocks(layout), scaling)
+            return tree_attention_split(q, k, v, run_blocks(layout, key_block=CUDNN_KEY_BLOCK), scaling)
         from .varlen import tree_attention_varlen
 
         return tree_attention_varlen(q, k, v, layout, scaling)

@@ -15,6 +15,13 @@ dim 256 (``benchmarks/attention_kernels.py``). Each run is its own pair of calls
 per new shape (~60 ms), so this pays off for long runs whose shapes repeat; many short runs stay on flash varlen
 (see ``ops.CUDNN_MIN_PAIRS_PER_RUN``).
 
+Shape buckets (``run_blocks(layout, key_block=K)``): cuDNN builds an execution plan for every new block shape (~60
+ms), and every training step brings new forests. With ``key_block`` the shapes come from a small fixed set: a run's
+ancestors go in unmasked blocks of exactly ``K`` keys, the ``A mod K`` nearest ones join the causal block (as
+leading rows whose queries are zero and whose outputs are dropped), and every block's rows are rounded up
+(:func:`bucket_rows`) with zero rows at the end: padded or dropped query rows get zero output gradient and a huge
+log-sum-exp, so they contribute nothing, and padded keys sit after every real query of the causal block.
+
 ``primitive="math"`` runs the same decomposition with explicit softmax blocks (any device, fp32/fp64): the CPU
 tests check the decomposition and the merged-statistics backward with it.
 """
@@ -23,35 +30,60 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RunBlocks", "run_blocks", "tree_attention_split"]
+__all__ = ["RunBlocks", "bucket_rows", "run_blocks", "tree_attention_split"]
 
 
 class RunBlocks:
-    """Host bounds of each run's queries and device indices of its ancestor keys (built once per layout)."""
+    """Per run: host bounds of its queries, device indices of its ancestors in unmasked key blocks (``chunks``),
+    the ancestors joining its causal block (``tail``) and the rows each block is padded to. Built once per layout."""
 
-    def __init__(self, bounds: list[tuple[int, int]], ancestors: list[torch.Tensor | None], pairs: float):
-        self.bounds, self.ancestors, self.pairs = bounds, ancestors, pairs
+    def __init__(self, runs: list[tuple], pairs: float, key_block: int | None):
+        self.runs, self.pairs, self.key_block = runs, pairs, key_block
 
     def __len__(self) -> int:
-        return len(self.bounds)
+        return len(self.runs)
+
+    def shapes(self) -> set[tuple[int, int, bool]]:
+        """The distinct (query rows, key rows, causal) block shapes: what cuDNN builds a plan for."""
+        found = set()
+        for run in self.runs:
+            chunks, query_rows, self_rows = run[2], run[4], run[5]
+            found.add((self_rows, self_rows, True))
+            found.update((query_rows, int(chunk.numel()), False) for chunk in chunks)
+        return found
 
 
-def run_blocks(layout) -> RunBlocks:
-    """Split a :class:`VarlenLayout`'s key paths into (own run, ancestors) per run (cached on the layout)."""
-    cached = getattr(layout, "_run_blocks", None)
-    if cached is not None:
-        return cached
+def bucket_rows(rows: int, multiple: int) -> int:
+    """Rows rounded up: to a power of two up to ``multiple``, to a multiple of ``multiple`` above it."""
+    if rows <= multiple:
+        return 1 << max(rows - 1, 0).bit_length()
+    return -(-rows // multiple) * multiple
+
+
+def run_blocks(layout, key_block: int | None = None, row_multiple: int = 1024) -> RunBlocks:
+    """Split a :class:`VarlenLayout`'s key paths into (own run, ancestors) per run (cached on the layout per
+    ``key_block``/``row_multiple``). ``key_block=None``: one unmasked block of all ancestors, exact shapes."""
+    cache = layout.__dict__.setdefault("_run_blocks", {})
+    if (key_block, row_multiple) in cache:
+        return cache[key_block, row_multiple]
     cu_q, cu_k = layout.host_cu()
-    bounds, ancestors, pairs = [], [], 0.0
+    runs, pairs = [], 0.0
     for r in range(len(cu_q) - 1):
         start, end = cu_q[r], cu_q[r + 1]
         length = end - start
         before = cu_k[r + 1] - cu_k[r] - length  # the path's ancestors, then the run's own rows
-        bounds.append((start, end))
-        ancestors.append(layout.key_index[cu_k[r]:cu_k[r] + before] if before else None)
+        ancestors = layout.key_index[cu_k[r]:cu_k[r] + before]
         pairs += length * (length + 1) / 2 + length * before
-    layout._run_blocks = RunBlocks(bounds, ancestors, pairs)
-    return layout._run_blocks
+        if key_block is None:
+            runs.append((start, end, [ancestors] if before else [], None, length, length))
+            continue
+        full = before // key_block * key_block
+        chunks = list(ancestors[:full].split(key_block)) if full else []
+        tail = ancestors[full:] if before > full else None
+        runs.append((start, end, chunks, tail, bucket_rows(length, row_multiple),
+                     bucket_rows(before - full + length, row_multiple)))
+    cache[key_block, row_multiple] = RunBlocks(runs, pairs, key_block)
+    return cache[key_block, row_multiple]
 
 
 # --- the two block primitives: (out, lse) forward and (dq, dk, dv) backward given out/lse -------------------------
@@ -150,18 +182,48 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return out.to(out_a.dtype), lse
 
 
+_IGNORED_LSE = 1e30  # the log-sum-exp given to padded or dropped query rows: exp(score - lse) = 0 in the backward
+
+
+def _rows(x: torch.Tensor, lead: torch.Tensor | int, rows: int) -> torch.Tensor:
+    """``[lead ; x ; zeros]`` with ``rows`` rows in all (``lead``: leading rows, or how many zero rows); ``x``
+    itself when nothing is added."""
+    lead_rows = lead if isinstance(lead, int) else lead.shape[0]
+    if lead_rows == 0 and rows == x.shape[0]:
+        return x
+    parts = [x.new_zeros(lead_rows, *x.shape[1:]) if isinstance(lead, int) else lead, x]
+    if rows > lead_rows + x.shape[0]:
+        parts.append(x.new_zeros(rows - lead_rows - x.shape[0], *x.shape[1:]))
+    return torch.cat(parts)
+
+
+def _padded_lse(lse: torch.Tensor, lead: int, rows: int) -> torch.Tensor:
+    """``lse [1, H, n, 1]`` placed at rows ``lead .. lead + n`` of ``rows``, the others ignored."""
+    if lead == 0 and rows == lse.shape[2]:
+        return lse
+    out = lse.new_full((1, lse.shape[1], rows, 1), _IGNORED_LSE)
+    out[:, :, lead:lead + lse.shape[2]] = lse
+    return out
+
+
 class _TreeAttentionSplit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, blocks: RunBlocks, scale: float, primitive: str):
         forward_block = _PRIMITIVES[primitive][0]
         out = torch.empty_like(q)
         lses = []
-        for (start, end), ancestors in zip(blocks.bounds, blocks.ancestors):
-            qr = _heads_first(q[start:end])
-            o, lse = forward_block(qr, _heads_first(k[start:end]), _heads_first(v[start:end]), True, scale)
-            if ancestors is not None:
-                oa, lsea = forward_block(qr, _heads_first(k[ancestors]), _heads_first(v[ancestors]), False, scale)
-                o, lse = _merge(o, lse, oa, lsea)
+        for start, end, chunks, tail, query_rows, self_rows in blocks.runs:
+            n, lead = end - start, 0 if tail is None else tail.shape[0]
+            keys = k[start:end] if tail is None else torch.cat([k[tail], k[start:end]])
+            values = v[start:end] if tail is None else torch.cat([v[tail], v[start:end]])
+            o, lse = forward_block(_heads_first(_rows(q[start:end], lead, self_rows)),
+                                   _heads_first(_rows(keys, 0, self_rows)), _heads_first(_rows(values, 0, self_rows)),
+                                   True, scale)
+            o, lse = o[:, :, lead:lead + n], lse[:, :, lead:lead + n]
+            queries = _heads_first(_rows(q[start:end], 0, query_rows))
+            for chunk in chunks:
+                oc, lsec = forward_block(queries, _heads_first(k[chunk]), _heads_first(v[chunk]), False, scale)
+                o, lse = _merge(o, lse, oc[:, :, :n], lsec[:, :, :n])
             out[start:end] = o[0].transpose(0, 1)
             lses.append(lse)
         ctx.save_for_backward(q, k, v, out, *lses)
@@ -177,19 +239,32 @@ class _TreeAttentionSplit(torch.autograd.Function):
         acc = _acc(k.dtype)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-        for ((start, end), ancestors), lse in zip(zip(ctx.blocks.bounds, ctx.blocks.ancestors), lses):
-            qr, gr, outr = (_heads_first(x[start:end]) for x in (q, grad, out))
-            dqr, dkr, dvr = backward_block(gr, qr, _heads_first(k[start:end]), _heads_first(v[start:end]), outr,
-                                           lse, True, ctx.scale)
-            dk[start:end] += dkr[0].transpose(0, 1)
-            dv[start:end] += dvr[0].transpose(0, 1)
-            if ancestors is not None:
-                dqa, dka, dva = backward_block(gr, qr, _heads_first(k[ancestors]), _heads_first(v[ancestors]), outr,
-                                               lse, False, ctx.scale)
-                dqr = dqr.to(acc) + dqa.to(acc)
-                dk.index_add_(0, ancestors, dka[0].transpose(0, 1).to(acc))
-                dv.index_add_(0, ancestors, dva[0].transpose(0, 1).to(acc))
-            dq[start:end] = dqr[0].transpose(0, 1)
+        for (start, end, chunks, tail, query_rows, self_rows), lse in zip(ctx.blocks.runs, lses):
+            n, lead = end - start, 0 if tail is None else tail.shape[0]
+            keys = k[start:end] if tail is None else torch.cat([k[tail], k[start:end]])
+            values = v[start:end] if tail is None else torch.cat([v[tail], v[start:end]])
+            dqs, dks, dvs = backward_block(
+                *(_heads_first(_rows(x[start:end], lead, self_rows)) for x in (grad, q)),
+                _heads_first(_rows(keys, 0, self_rows)), _heads_first(_rows(values, 0, self_rows)),
+                _heads_first(_rows(out[start:end], lead, self_rows)), _padded_lse(lse, lead, self_rows), True,
+                ctx.scale)
+            dqr = dqs[0, :, lead:lead + n].to(acc)
+            dks, dvs = dks[0].transpose(0, 1).to(acc), dvs[0].transpose(0, 1).to(acc)
+            dk[start:end] += dks[lead:lead + n]
+            dv[start:end] += dvs[lead:lead + n]
+            if lead:
+                dk.index_add_(0, tail, dks[:lead])
+                dv.index_add_(0, tail, dvs[:lead])
+            if chunks:
+                gr, qr, outr = (_heads_first(_rows(x[start:end], 0, query_rows)) for x in (grad, q, out))
+                lser = _padded_lse(lse, 0, query_rows)
+            for chunk in chunks:
+                dqc, dkc, dvc = backward_block(gr, qr, _heads_first(k[chunk]), _heads_first(v[chunk]), outr, lser,
+                                               False, ctx.scale)
+                dqr += dqc[0, :, :n].to(acc)
+                dk.index_add_(0, chunk, dkc[0].transpose(0, 1).to(acc))
+                dv.index_add_(0, chunk, dvc[0].transpose(0, 1).to(acc))
+            dq[start:end] = dqr.transpose(0, 1)
         return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
