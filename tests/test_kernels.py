@@ -200,6 +200,26 @@ def test_tree_attention_split_by_runs_merges_exactly(name, dtype, context, key_b
     assert blocks.pairs == packed.stats()["tree_attention_pairs"]
 
 
+def test_gather_rows_sums_repeated_rows_in_fp32_and_rounds_once(monkeypatch):
+    """The varlen/runs key gather: a shared prefix row is gathered once per run; its gradient is the fp32 sum
+    rounded to bf16 once (the plain backward rounds after every bf16 addition), in blocks of rows."""
+    from harts_hf.kernels.tree_attention import varlen
+
+    monkeypatch.setattr(varlen._GatherRows, "BLOCK", 7)
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 3, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.tensor([0, 1, 2] * 20 + [3, 0, 4] * 10)
+    grad = torch.randn(index.shape[0], 2, 3, dtype=torch.bfloat16)
+    varlen.gather_rows(x, index).backward(grad)
+    exact = torch.zeros(5, 2, 3, dtype=torch.float64).index_add_(0, index, grad.double())
+    assert torch.equal(x.grad, exact.to(torch.bfloat16))
+    rounding_each_time = torch.zeros(5, 2, 3, dtype=torch.bfloat16)  # CUDA's bf16 atomic adds, one at a time
+    for row, value in zip(index.tolist(), grad):
+        rounding_each_time[row] += value
+    assert not torch.equal(rounding_each_time, x.grad)  # the case this guards against
+    assert torch.equal(varlen.gather_rows(x, index), x[index])
+
+
 def test_bucket_rows():
     from harts_hf.kernels.tree_attention.split import bucket_rows
 

@@ -137,16 +137,19 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
 
 def _attention_by_runs(q, k, v, layout, scaling):
     """Each run's queries against its gathered root path, bottom-right causal: one SDPA call per run."""
+    from .varlen import gather_rows
+
     outputs = []
-    cu_q, cu_k = layout.cu_q.tolist(), layout.cu_k.tolist()
+    cu_q, cu_k = layout.host_cu()
+    keys, values = gather_rows(k, layout.key_index), gather_rows(v, layout.key_index)  # one fp32 sum in backward
     for run in range(len(cu_q) - 1):
         queries = q[cu_q[run]:cu_q[run + 1]]
-        index = layout.key_index[cu_k[run]:cu_k[run + 1]]
-        length_q, length_k = queries.shape[0], index.shape[0]
+        rows = slice(cu_k[run], cu_k[run + 1])
+        length_q, length_k = queries.shape[0], rows.stop - rows.start
         visible = torch.ones(length_q, length_k, dtype=torch.bool, device=q.device).tril(length_k - length_q)
         out = F.scaled_dot_product_attention(
-            queries.transpose(0, 1).unsqueeze(0), k[index].transpose(0, 1).unsqueeze(0),
-            v[index].transpose(0, 1).unsqueeze(0), attn_mask=visible, scale=scaling,
+            queries.transpose(0, 1).unsqueeze(0), keys[rows].transpose(0, 1).unsqueeze(0),
+            values[rows].transpose(0, 1).unsqueeze(0), attn_mask=visible, scale=scaling,
             enable_gqa=q.shape[1] != k.shape[1])
         outputs.append(out[0].transpose(0, 1))
     return torch.cat(outputs)

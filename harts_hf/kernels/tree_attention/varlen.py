@@ -16,7 +16,7 @@ import torch
 
 from ...trees import PackedForest
 
-__all__ = ["VarlenLayout", "build_varlen_layout", "tree_attention_varlen", "varlen_available"]
+__all__ = ["VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention_varlen", "varlen_available"]
 
 
 @dataclass
@@ -74,6 +74,34 @@ def build_varlen_layout(packed: PackedForest, context_tokens: int = 0) -> Varlen
                        (cu_q.tolist(), cu_k.tolist()))
 
 
+class _GatherRows(torch.autograd.Function):
+    """``x.index_select(0, index)`` whose backward sums the gathered rows' gradients in fp32 and rounds once (the
+    plain backward accumulates them in ``x``'s dtype: a shared prefix's key gradient gathers one term per run)."""
+
+    BLOCK = 1 << 18  # gradient rows converted to fp32 at a time (bounds the transient copy)
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.shape, ctx.dtype = x.shape, x.dtype
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        total = torch.zeros(ctx.shape, dtype=acc, device=grad.device)
+        for start in range(0, index.shape[0], _GatherRows.BLOCK):
+            rows = slice(start, start + _GatherRows.BLOCK)
+            total.index_add_(0, index[rows], grad[rows].to(acc))
+        return total.to(ctx.dtype), None
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of ``x`` (``[N, ...]``); repeated rows' gradients are summed in fp32 and rounded once."""
+    return _GatherRows.apply(x, index)
+
+
 def varlen_available() -> bool:
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
@@ -87,7 +115,7 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     """q ``[U, HQ, D]``, k/v ``[U, HKV, D]`` on CUDA (bf16/fp16) -> ``[U, HQ, D]``."""
     from torch.nn.attention.varlen import varlen_attn
 
-    keys, values = k.index_select(0, layout.key_index), v.index_select(0, layout.key_index)
+    keys, values = gather_rows(k, layout.key_index), gather_rows(v, layout.key_index)
     extra = {}
     if q.shape[1] != k.shape[1]:
         if "enable_gqa" in inspect.signature(varlen_attn).parameters:
