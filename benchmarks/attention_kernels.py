@@ -12,23 +12,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_kernels import bench  # noqa: E402
+
 HQ, HKV, D = 16, 2, 256
-
-
-def bench(function, repeats: int = 5) -> float:
-    function()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        function()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
 
 
 def kernels_of(function, top: int = 4) -> list:

@@ -102,25 +102,25 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _math_forward(q, k, v, causal: bool, scale: float):
-    groups = q.shape[1] // k.shape[1]
-    k, v = _expand(k, groups), _expand(v, groups)
+def _math_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     scores = (q @ k.transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(),
                                     float("-inf"))
+    return scores
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    groups = q.shape[1] // k.shape[1]
+    scores = _math_scores(q, _expand(k, groups), causal, scale)
     lse = torch.logsumexp(scores.to(_acc(q.dtype)), dim=-1, keepdim=True)
-    return ((scores - lse).exp().to(v.dtype) @ v), lse
+    return ((scores - lse).exp().to(v.dtype) @ _expand(v, groups)), lse
 
 
 def _math_backward(grad, q, k, v, out, lse, causal: bool, scale: float):
     groups = q.shape[1] // k.shape[1]
     ke, ve = _expand(k, groups), _expand(v, groups)
-    scores = (q @ ke.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril(),
-                                    float("-inf"))
-    p = (scores - lse).exp().to(q.dtype)
+    p = (_math_scores(q, ke, causal, scale) - lse).exp().to(q.dtype)
     dv = p.transpose(-1, -2) @ grad
     dp = grad @ ve.transpose(-1, -2)
     ds = p * (dp - (grad * out).sum(-1, keepdim=True)) * scale
