@@ -196,6 +196,9 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_token_budget=0), ["tree_token_budget"]),
     (dict(tree_gdn_backend="cuda"), ["tree_gdn_backend", "'fla'"]),
     (dict(tree_attention_backend="flex"), ["tree_attention_backend"]),
+    (dict(tree_attention_backend="cudnn"), ["tree_attention_backend='cudnn'", "CUDA only", "'auto'"]),
+    (dict(tree_attention_backend="varlen"), ["tree_attention_backend='varlen'", "CUDA only"]),
+    (dict(tree_gdn_backend="fla"), ["tree_gdn_backend='fla'", "CUDA only"]),
     (dict(tree_head_chunk_size=0), ["tree_head_chunk_size"]),
     (dict(tree_cost_model="no/such/cost.json"), ["tree_cost_model", "CostModel.save"]),
 ])

@@ -94,6 +94,18 @@ class TreeGRPOConfig(GRPOConfig):
         if self.tree_attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"tree_attention_backend must be one of {_ATTENTION_BACKENDS}, got "
                              f"{self.tree_attention_backend!r}.")
+        cuda_kernels = [f"tree_gdn_backend={self.tree_gdn_backend!r}"] if self.tree_gdn_backend == "fla" else []
+        if self.tree_attention_backend in ("varlen", "cudnn"):
+            cuda_kernels.append(f"tree_attention_backend={self.tree_attention_backend!r}")
+        if cuda_kernels and self.use_tree:
+            import torch
+
+            if self.use_cpu or not torch.cuda.is_available():
+                raise ValueError(f"{' and '.join(cuda_kernels)} run on CUDA only, and this run is on the CPU; use "
+                                 "'auto' (it picks the CUDA kernels where they run).")
+            if self.tree_attention_backend in ("varlen", "cudnn") and not (self.bf16 or self.fp16):
+                raise ValueError(f"tree_attention_backend={self.tree_attention_backend!r} runs in half precision; "
+                                 "set bf16=True (or fp16=True), or use tree_attention_backend='auto'.")
         if self.tree_cost_model is not None:
             from ..planner import CostModel
 
