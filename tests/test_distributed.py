@@ -77,6 +77,33 @@ def test_two_processes_with_uneven_planner_pieces_match_one_process(tmp_path):
     assert ranks[0]["logged"][0]["tree/handoffs"] > 0
 
 
+def test_two_processes_with_cross_replica_handoffs_match_one_process(tmp_path):
+    """tree_cross_replica_handoffs: each microbatch's rows of both processes form one forest, planned over the two
+    processes; a tree's pieces run on either, the prefix's states and keys handed across point to point (gloo),
+    TRL's per-token loss with each row's own process's normalisers. The parameters after 2 optimizer steps equal
+    one process over the same global batch (the 1-process run plans its own microbatch as usual)."""
+    ranks = launch(tmp_path / "two", "cross", 29520)
+    single = run_one_process(tmp_path / "one", "cross")
+    assert ranks[0]["pieces"] and len(ranks[0]["pieces"]) == len(ranks[1]["pieces"])
+    crossing = [c for _, c in ranks[0]["pieces"]]
+    assert [c for _, c in ranks[1]["pieces"]] == crossing  # one plan, built the same on both processes
+    assert sum(crossing) > 0, f"no hand-off crossed processes: {ranks[0]['pieces']}"
+    worst_gradient = 0.0
+    assert ranks[0]["gradients"].keys() == single["gradients"].keys()
+    for name, reference in single["gradients"].items():  # the first optimizer step, after DDP's all-reduce
+        assert torch.equal(ranks[0]["gradients"][name], ranks[1]["gradients"][name]), name
+        difference = (ranks[0]["gradients"][name] - reference).norm()
+        assert difference <= 1e-5 * reference.norm() + 1e-8, f"{name}: {difference / reference.norm():.2e}"
+        if reference.norm() > 0:
+            worst_gradient = max(worst_gradient, (difference / reference.norm()).item())
+    worst, _ = compare_final_parameters(ranks[0], single, value_tol=1e-5, step_tol=1e-3)
+    print(f"\n[2 processes, cross-replica hand-offs] (pieces here, crossing hand-offs) per microbatch: rank 0 "
+          f"{ranks[0]['pieces']}, rank 1 {ranks[1]['pieces']}; first-step gradient vs 1 process "
+          f"{worst_gradient:.2e}; after 2 steps worst |2-proc - 1-proc| / |step| = {worst:.2e}")
+    trees = [[{k: v for k, v in e.items() if k.startswith("tree/")} for e in rank["logged"]] for rank in ranks]
+    assert trees[0] == trees[1] and ranks[0]["logged"][0]["tree/handoffs"] > 0
+
+
 def test_two_processes_balance_whole_groups_and_match_one_process(tmp_path):
     """TRL's split gives process 0 both big trees of every generation batch; tree_balance_replicas moves whole
     groups so each process holds one big and one small group (the same rows per process). Under DDP's average

@@ -199,12 +199,28 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_attention_backend="cudnn"), ["tree_attention_backend='cudnn'", "CUDA only", "'auto'"]),
     (dict(tree_attention_backend="varlen"), ["tree_attention_backend='varlen'", "CUDA only"]),
     (dict(tree_gdn_backend="fla"), ["tree_gdn_backend='fla'", "CUDA only"]),
+    (dict(tree_cross_replica_handoffs=True), ["tree_cross_replica_handoffs=True", "tree_token_budget"]),
     (dict(tree_head_chunk_size=0), ["tree_head_chunk_size"]),
     (dict(tree_cost_model="no/such/cost.json"), ["tree_cost_model", "CostModel.save"]),
 ])
 def test_contradictory_config_is_refused(tmp_path, fields, words):
     with pytest.raises(ValueError) as info:
         TreeGRPOConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", **fields)
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(importance_sampling_level="sequence"), ["token-level loss", "tree_cross_replica_handoffs=False"]),
+    (dict(loss_type="luspo"), ["token-level loss"]),
+])
+def test_cross_replica_handoffs_refuse_sequence_level_losses(saved_model, tmp_path, fields, words):
+    model = AutoModelForCausalLM.from_pretrained(saved_model)
+    args = TreeGRPOConfig(**dict(BASE_ARGS, output_dir=str(tmp_path), router_aux_loss_coef=0.0, tree_token_budget=30,
+                                 tree_cross_replica_handoffs=True, **fields))
+    with pytest.raises(ValueError) as info:
+        TreeGRPOTrainer(model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(4),
+                        processing_class=char_tokenizer())
     for word in words:
         assert word in str(info.value)
 

@@ -61,6 +61,14 @@ class TreeGRPOConfig(GRPOConfig):
                           "microbatch or step), for multimodal batches, and for a batch whose groups cannot be "
                           "split into equal row counts. False keeps TRL's split always."},
     )
+    tree_cross_replica_handoffs: bool = field(
+        default=False,
+        metadata={"help": "With several processes (DDP) and tree_token_budget: plan each training microbatch over "
+                          "the rows of ALL processes as one forest and let a tree's pieces run on different "
+                          "processes, the shared prefix once on one of them, its states and keys handed to the "
+                          "others point to point (harts_hf.planner.execute_plan(replica=rank)). Balances trees "
+                          "larger than one process's share. Token-level losses only; not with DeepSpeed or FSDP."},
+    )
     tree_cost_model: str | None = field(
         default=None,
         metadata={"help": "Path to a JSON cost model (harts_hf.planner.CostModel.save; "
@@ -115,6 +123,9 @@ class TreeGRPOConfig(GRPOConfig):
                 raise ValueError(f"tree_cost_model={self.tree_cost_model!r} is not a readable cost model ({error}); "
                                  "give the JSON written by CostModel.save / benchmarks/calibrate_cost_model.py, or "
                                  "None for the built-in coefficients.") from error
+        if self.tree_cross_replica_handoffs and self.tree_token_budget is None:
+            raise ValueError("tree_cross_replica_handoffs=True plans microbatches into pieces: set tree_token_budget "
+                             "(the most unique tokens of one piece), or tree_cross_replica_handoffs=False.")
         if self.tree_head_chunk_size < 1:
             raise ValueError(f"tree_head_chunk_size must be >= 1, got {self.tree_head_chunk_size}.")
         if self.use_tree and self.use_liger_kernel:

@@ -72,6 +72,8 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._cost_model = CostModel.load(args.tree_cost_model) if args.tree_cost_model else None
         if args.use_tree and args.tree_token_budget is not None:
             self._check_planner_supported()
+        if args.use_tree and args.tree_cross_replica_handoffs:
+            self._check_cross_replica_supported()
         if args.use_tree:
             for target in (self.model, self.ref_model):
                 if target is None:
@@ -153,8 +155,9 @@ class TreeGRPOTrainer(GRPOTrainer):
         budget = self.args.tree_token_budget
         return budget is None or layout.forest.pack().num_tokens <= budget
 
-    def _plan(self, layout: RowLayout) -> Plan:
-        """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (one replica)."""
+    def _plan(self, layout: RowLayout, replicas: int = 1) -> Plan:
+        """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points, on ``replicas`` replicas
+        (with several, a tree's pieces may sit on different replicas)."""
         packed = layout.forest.pack()
         budget = self.args.tree_token_budget
         longest = int((packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).max())
@@ -162,7 +165,7 @@ class TreeGRPOTrainer(GRPOTrainer):
             logger.warning_once(f"a run of {longest} tokens without a branch point exceeds tree_token_budget={budget}; "
                                 "pieces are cut only at branch points, so such a piece holds up to that many tokens")
             budget = longest
-        return plan(packed, num_replicas=1, token_budget=budget, cost_model=self._cost_model)
+        return plan(packed, num_replicas=replicas, token_budget=budget, cost_model=self._cost_model)
 
     def _execute_options(self) -> dict:
         return dict(temperature=self.temperature, gdn_backend=self.args.tree_gdn_backend,
@@ -189,6 +192,8 @@ class TreeGRPOTrainer(GRPOTrainer):
                 or any(inputs.get(key) is not None for key in MULTIMODAL_KEYS)):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
+        if self.args.tree_cross_replica_handoffs and self.accelerator.num_processes > 1:
+            return self._cross_replica_loss(model, inputs)
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         layout = self._row_layout(input_ids, attention_mask, inputs["completion_ids"].shape[1])
@@ -239,6 +244,82 @@ class TreeGRPOTrainer(GRPOTrainer):
             surrogate = backward_surrogate(*execution.deferred)
             return loss.detach() + surrogate - surrogate.detach()
         return loss.detach().requires_grad_()  # TRL's value; its backward reaches no parameter
+
+    def _cross_replica_loss(self, model, inputs) -> torch.Tensor:
+        """``tree_cross_replica_handoffs``: every process's microbatch rows as ONE forest, planned over the processes
+        (a tree's pieces may run on different processes; :func:`execute_plan` with ``replica=rank`` hands states,
+        keys and values, and their gradients, point to point). Each process runs its pieces under ``no_sync`` with
+        TRL's per-token loss and the normalisers of the process that owns each row (so DDP's average over
+        processes is TRL's objective, as without hand-offs), then one zero-loss filler forward+backward outside
+        ``no_sync`` through the DDP wrapper, which all-reduces the accumulated gradients (every process runs exactly
+        one; the pieces themselves call the unwrapped model). TRL's loss value
+        and metrics come from its own ``_compute_loss`` on this process's rows, with every process's log-probs."""
+        accelerator, rank = self.accelerator, self.accelerator.process_index
+        rows = inputs["prompt_ids"].shape[0]
+        everything = self._gather_microbatch(inputs)
+        layout = RowLayout.of(torch.cat([everything["prompt_ids"], everything["completion_ids"]], dim=1),
+                              torch.cat([everything["prompt_mask"], everything["completion_mask"]], dim=1),
+                              everything["completion_ids"].shape[1], self.args.tree_share_across_groups)
+        the_plan = self._plan(layout, replicas=accelerator.num_processes)
+        weights = [token_weights(self, {key: value if key == "num_items_in_batch" else value[p * rows:(p + 1) * rows]
+                                        for key, value in everything.items()})
+                   for p in range(accelerator.num_processes)]  # each row normalised as on the process that owns it
+        weight = torch.cat([w for w, _ in weights])
+        entropy_weight = None if weights[0][1] is None else torch.cat([e for _, e in weights])
+        owner = the_plan.replica_of_piece()
+        mine = sum(owner[p.index] == rank for p in the_plan.pieces)
+        loss_fn = _PieceLoss(self, layout, everything, mine, weights=(weight, entropy_weight))
+        # the pieces call the unwrapped model: DDP's forward broadcasts buffers (a collective) in every call, and the
+        # processes run different numbers of forwards between their point-to-point hand-offs
+        with accelerator.no_sync(model), accelerator.autocast():
+            execution = execute_plan(accelerator.unwrap_model(model), the_plan, loss_fn=loss_fn, compute_entropy=True,
+                                     replica=rank, entropy_grad=entropy_weight is not None, **self._execute_options())
+        self.last_plan_memory = execution.memory
+        own, width = slice(rank * rows, (rank + 1) * rows), inputs["completion_ids"].shape[1]
+        logps = accelerator.reduce(loss_fn.logps, "sum")[own, :width]  # each token was computed on one process
+        entropies = accelerator.reduce(loss_fn.entropies, "sum")[own, :width]
+        stats = self._plan_stats(the_plan)
+        share = {key: stats[key] / accelerator.num_processes for key in ("path_tokens", "unique_tokens",
+                                                                         "gdn_rounds", "gdn_replay_tokens",
+                                                                         "pieces", "handoffs")}
+        with torch.no_grad():  # the rows' totals, logged once over the processes
+            loss = self._replayed_loss(model, inputs, logps, entropies, dict(stats, **share))
+        self._run_fillers(model, backwards=1)  # DDP's all-reduce of everything the pieces accumulated
+        self.last_piece_padding = 0  # (that filler is the synchronisation, not padding)
+        return loss.detach().requires_grad_()
+
+    def _gather_microbatch(self, inputs: dict) -> dict:
+        """Every process's microbatch, rows in process order; per-row tensors padded to the widest process (prompts
+        on the left, as TRL pads them). A key that is not per-row (other than ``num_items_in_batch``) is refused."""
+        accelerator = self.accelerator
+        rows = inputs["prompt_ids"].shape[0]
+        everything = {}
+        for key, value in inputs.items():
+            if key == "num_items_in_batch":  # the same on every process
+                everything[key] = value
+                continue
+            if not torch.is_tensor(value) or value.dim() == 0 or value.shape[0] != rows:
+                raise ValueError(f"tree_cross_replica_handoffs moves whole rows between processes, and the "
+                                 f"microbatch's {key!r} is not one value per row; set tree_cross_replica_handoffs="
+                                 "False for this batch format.")
+            if value.dim() > 1:
+                value = accelerator.pad_across_processes(value, dim=1, pad_first=key.startswith("prompt"))
+            everything[key] = accelerator.gather(value.contiguous())
+        if everything["prompt_ids"].shape[0] != rows * accelerator.num_processes:
+            raise RuntimeError("processes hold microbatches of different row counts; tree_cross_replica_handoffs "
+                               "needs TRL's equal split (per_device_train_batch_size rows on every process)")
+        return everything
+
+    def _check_cross_replica_supported(self) -> None:
+        """tree_cross_replica_handoffs: what it cannot run fails at construction, naming the fix."""
+        fix = "set tree_cross_replica_handoffs=False"
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("tree_cross_replica_handoffs runs under DDP only (DeepSpeed and FSDP reduce gradients "
+                             f"in their own backward, which point-to-point hand-offs would have to follow); {fix}.")
+        if not self._token_level_loss():
+            raise ValueError(f"tree_cross_replica_handoffs needs a token-level loss (loss_type in {TOKEN_LEVEL_LOSSES},"
+                             " importance_sampling_level='token', no off-policy mask, top_entropy_quantile=1.0): "
+                             f"a sequence-level ratio would need every process's log-probs first; {fix}.")
 
     def _zero_stage(self) -> int | None:
         plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
@@ -450,10 +531,12 @@ class _PieceLoss:
     and keeps its result in ``replayed``."""
 
     def __init__(self, trainer: TreeGRPOTrainer, layout: RowLayout, inputs: dict, num_pieces: int, *,
-                 on_last=None, linear_weights=None):
+                 on_last=None, linear_weights=None, weights=None):
         self.trainer, self.layout, self.inputs = trainer, layout, inputs
         self.remaining, self.on_last, self.replayed = num_pieces, on_last, None
-        if linear_weights is None:
+        if weights is not None:  # TRL's normalisers, given (rows of several processes)
+            self.weight, self.entropy_weight = weights
+        elif linear_weights is None:
             self.weight, self.entropy_weight = token_weights(trainer, inputs)
         else:  # a None gradient: the loss does not depend on it (entropies without an entropy bonus)
             self.weight, self.entropy_weight = linear_weights
