@@ -20,6 +20,9 @@ to run big microbatches as planner pieces, DDP or DeepSpeed; on the lent machine
         --compare results/mgpu/one/summary.json          # ZeRO-3 (also on CPU in tests/test_deepspeed.py)
     python benchmarks/multi_gpu_tree_grpo.py --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 \
         --trainer trl --grad-accum 54 --out results/mgpu/trl --compare results/mgpu/one/summary.json
+    accelerate launch --config_file examples/accelerate_ddp.yaml benchmarks/multi_gpu_tree_grpo.py --preset 2b \
+        --scale 1.0 --tasks-per-step 1 --steps 3 --warmup 1 --tree-token-budget 65536 --cross-replica \
+        --out results/mgpu/cross      # one full-size task per step, its tree split over both GPUs
 
 The last one is TRL's own GRPOTrainer on the same rollouts (right-padded micro-batches, every trajectory computed
 alone): the end-to-end baseline, with the loss and grad norm to compare against the tree run.
@@ -402,6 +405,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainer", default="tree", choices=["tree", "trl"],
                         help="tree: TreeGRPOTrainer; trl: TRL's own GRPOTrainer on the same rollouts (padded rows, "
                              "every trajectory computed alone; use --grad-accum to fit memory) (default: %(default)s)")
+    parser.add_argument("--cross-replica", action="store_true",
+                        help="tree_cross_replica_handoffs=True (DDP; needs --tree-token-budget): each microbatch "
+                             "planned over every process's rows, a task's tree split over processes")
     parser.add_argument("--no-balance", dest="balance", action="store_false",
                         help="tree_balance_replicas=False: TRL's split of rows over processes")
     parser.add_argument("--workload-override", action="append", default=[], metavar="KEY=VALUE",
@@ -460,7 +466,7 @@ def main(argv=None) -> dict | None:
         num_generations=rollouts.rows_per_task, per_device_train_batch_size=rows // (world * args.grad_accum),
         gradient_accumulation_steps=args.grad_accum, max_completion_length=rollouts.max_completion_length,
         loss_type=args.loss_type, beta=0.0, num_iterations=args.num_iterations, shuffle_dataset=False,
-        tree_token_budget=args.tree_token_budget,
+        tree_token_budget=args.tree_token_budget, tree_cross_replica_handoffs=args.cross_replica,
         tree_balance_replicas=args.balance, tree_gdn_backend=args.gdn_backend, bf16=cuda, use_cpu=not cuda,
         gradient_checkpointing=checkpointing, tree_head_chunk_size=args.head_chunk_size,
         gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None, logging_steps=1,
