@@ -52,6 +52,22 @@ def test_two_processes_on_swe_trees_match_one_process(tmp_path):
           f"{[r['tree']['tree/replica_imbalance'] for r in summary['steps']]}")
 
 
+def test_cross_replica_handoffs_on_swe_trees_match_one_process(tmp_path):
+    """--cross-replica (tree_cross_replica_handoffs): 2 swe tasks per step, one per process, planned as ONE forest
+    over both processes (budget 200: the shared system prompt and each task's prefix on one process, pieces of both
+    tasks on either); loss and grad norm equal the 1-process run over the same global batch."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ["--preset", "tiny", "--scale", "0.002", "--steps", "2", "--tasks-per-step", "2", "--tree-token-budget", "200"]
+    run([sys.executable, str(SCRIPT), *args, "--out", str(one)])
+    run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines",
+         "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29528", str(SCRIPT), *args,
+         "--cross-replica", "--out", str(two), "--compare", str(one / "summary.json")])
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["world_size"] == 2 and all(row["tree"]["tree/handoffs"] > 0 for row in summary["steps"])
+    for entry in summary["compare"]["steps"]:
+        assert entry["loss_rel_diff"] < 1e-5 and entry["grad_norm_rel_diff"] < 1e-5, entry
+
+
 def test_trl_trainer_on_the_same_rollouts_matches_the_tree_trainer(tmp_path):
     """--trainer trl runs TRL's own GRPOTrainer (padded rows, micro-batches of 53 rows via --grad-accum 4) on the
     same swe rollouts: the same loss and grad_norm as TreeGRPOTrainer's one tree forward per step, and every
