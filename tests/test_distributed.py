@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.models import build
@@ -77,13 +78,15 @@ def test_two_processes_with_uneven_planner_pieces_match_one_process(tmp_path):
     assert ranks[0]["logged"][0]["tree/handoffs"] > 0
 
 
-def test_two_processes_with_cross_replica_handoffs_match_one_process(tmp_path):
+@pytest.mark.parametrize("mode, port", [("cross", 29520), ("cross_grpo", 29521)])
+def test_two_processes_with_cross_replica_handoffs_match_one_process(tmp_path, mode, port):
     """tree_cross_replica_handoffs: each microbatch's rows of both processes form one forest, planned over the two
     processes; a tree's pieces run on either, the prefix's states and keys handed across point to point (gloo),
     TRL's per-token loss with each row's own process's normalisers. The parameters after 2 optimizer steps equal
-    one process over the same global batch (the 1-process run plans its own microbatch as usual)."""
-    ranks = launch(tmp_path / "two", "cross", 29520)
-    single = run_one_process(tmp_path / "one", "cross")
+    one process over the same global batch (the 1-process run plans its own microbatch as usual). 'dapo' (TRL's
+    default) normalises by the global token count; 'grpo' by each process's own rows, which the weights must keep."""
+    ranks = launch(tmp_path / "two", mode, port)
+    single = run_one_process(tmp_path / "one", mode)
     assert ranks[0]["pieces"] and len(ranks[0]["pieces"]) == len(ranks[1]["pieces"])
     crossing = [c for _, c in ranks[0]["pieces"]]
     assert [c for _, c in ranks[1]["pieces"]] == crossing  # one plan, built the same on both processes
@@ -97,7 +100,7 @@ def test_two_processes_with_cross_replica_handoffs_match_one_process(tmp_path):
         if reference.norm() > 0:
             worst_gradient = max(worst_gradient, (difference / reference.norm()).item())
     worst, _ = compare_final_parameters(ranks[0], single, value_tol=1e-5, step_tol=1e-3)
-    print(f"\n[2 processes, cross-replica hand-offs] (pieces here, crossing hand-offs) per microbatch: rank 0 "
+    print(f"\n[2 processes, cross-replica hand-offs, {mode}] (pieces here, crossing hand-offs) per microbatch: rank 0 "
           f"{ranks[0]['pieces']}, rank 1 {ranks[1]['pieces']}; first-step gradient vs 1 process "
           f"{worst_gradient:.2e}; after 2 steps worst |2-proc - 1-proc| / |step| = {worst:.2e}")
     trees = [[{k: v for k, v in e.items() if k.startswith("tree/")} for e in rank["logged"]] for rank in ranks]

@@ -4,7 +4,7 @@ Trains a few TreeGRPO steps and writes each rank's final parameters and world si
 Mode ``groups``: the MoE load-balancing loss, one tree forward per microbatch. Mode ``planner``: a token budget
 that some prompts' trees fit and others' do not (ranks run different numbers of pieces, or one tree forward);
 also runs as one process over the same global batch (``per_device_train_batch_size`` doubled), for the test to
-compare parameters. Mode ``cross``: ``planner`` with ``tree_cross_replica_handoffs`` (on 2 processes, one plan over both
+compare parameters. Mode ``cross`` (``cross_grpo``: loss_type 'grpo'): ``planner`` with ``tree_cross_replica_handoffs`` (on 2 processes, one plan over both
 processes' rows, pieces of a tree on either process). Mode ``balance``: TRL's split gives process 0 the two big trees of every generation batch
 (``shuffle_dataset=False``; prompts marked "!" get a long draft); ``tree_balance_replicas`` moves whole groups;
 also records the first optimizer step's gradient and the prompts each process trains on; as one process it is
@@ -42,16 +42,18 @@ def main(out_dir: str, mode: str) -> None:
                   logging_steps=1, save_strategy="no", seed=0)
     pieces, held, gradients = [], [], {}
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # PartialState may not be initialised for 2 processes yet
-    if mode in ("planner", "cross"):
+    if mode in ("planner", "cross", "cross_grpo"):
         model = patch_generate(model, tokenizer, draft_width=lambda prompt: 30 if sum(prompt) % 2 else 10)
+        if mode == "cross_grpo":  # per-row normalisers over each process's own rows
+            common["loss_type"] = "grpo"
         args = TreeGRPOConfig(**common, per_device_train_batch_size=12 // world_size,
                               router_aux_loss_coef=0.0, tree_token_budget=30,
-                              tree_cross_replica_handoffs=mode == "cross")
+                              tree_cross_replica_handoffs=mode.startswith("cross"))
         execute_plan = grpo_module.execute_plan
 
         def counting(model, the_plan, **kwargs):
             if kwargs.get("loss_fn") is not None:
-                if mode == "cross":  # (pieces here, hand-offs between processes) per microbatch
+                if mode.startswith("cross"):  # (pieces here, hand-offs between processes) per microbatch
                     owner = the_plan.replica_of_piece()
                     here = sum(owner[p.index] == kwargs.get("replica", 0) for p in the_plan.pieces)
                     crossing = sum(p.handoff is not None and owner[p.index] != owner[p.handoff.source_piece]
