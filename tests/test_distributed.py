@@ -53,6 +53,20 @@ def compare_final_parameters(rank: dict, single: dict, *, value_tol: float, step
     return worst_step, worst_value
 
 
+def compare_first_gradients(ranks: list[dict], single: dict) -> float:
+    """The first optimizer step's gradients (after DDP's all-reduce): bit-identical on both ranks and within 1e-5
+    of the 1-process run's; returns the worst relative difference."""
+    worst = 0.0
+    assert ranks[0]["gradients"].keys() == single["gradients"].keys()
+    for name, reference in single["gradients"].items():
+        assert torch.equal(ranks[0]["gradients"][name], ranks[1]["gradients"][name]), name
+        difference = (ranks[0]["gradients"][name] - reference).norm()
+        assert difference <= 1e-5 * reference.norm() + 1e-8, f"{name}: {difference / reference.norm():.2e}"
+        if reference.norm() > 0:
+            worst = max(worst, (difference / reference.norm()).item())
+    return worst
+
+
 def test_two_processes_end_with_identical_parameters(tmp_path):
     ranks = launch(tmp_path, "groups", 29517)
     initial = dict(build("qwen3_next_moe", seed=0).named_parameters())
@@ -91,14 +105,7 @@ def test_two_processes_with_cross_replica_handoffs_match_one_process(tmp_path, m
     crossing = [c for _, c in ranks[0]["pieces"]]
     assert [c for _, c in ranks[1]["pieces"]] == crossing  # one plan, built the same on both processes
     assert sum(crossing) > 0, f"no hand-off crossed processes: {ranks[0]['pieces']}"
-    worst_gradient = 0.0
-    assert ranks[0]["gradients"].keys() == single["gradients"].keys()
-    for name, reference in single["gradients"].items():  # the first optimizer step, after DDP's all-reduce
-        assert torch.equal(ranks[0]["gradients"][name], ranks[1]["gradients"][name]), name
-        difference = (ranks[0]["gradients"][name] - reference).norm()
-        assert difference <= 1e-5 * reference.norm() + 1e-8, f"{name}: {difference / reference.norm():.2e}"
-        if reference.norm() > 0:
-            worst_gradient = max(worst_gradient, (difference / reference.norm()).item())
+    worst_gradient = compare_first_gradients(ranks, single)
     worst, _ = compare_final_parameters(ranks[0], single, value_tol=1e-5, step_tol=1e-3)
     print(f"\n[2 processes, cross-replica hand-offs, {mode}] (pieces here, crossing hand-offs) per microbatch: rank 0 "
           f"{ranks[0]['pieces']}, rank 1 {ranks[1]['pieces']}; first-step gradient vs 1 process "
@@ -126,14 +133,7 @@ def test_two_processes_balance_whole_groups_and_match_one_process(tmp_path):
     after = [entry["tree/replica_imbalance"] for entry in logged]
     assert len(logged) == 2 and all(b > 1.3 for b in before) and all(a < 1.1 for a in after), (before, after)
     assert all(entry["tree/replica_moved_rows"] == 12 for entry in logged)
-    worst_gradient = 0.0
-    assert ranks[0]["gradients"].keys() == single["gradients"].keys()
-    for name, reference in single["gradients"].items():
-        assert torch.equal(ranks[0]["gradients"][name], ranks[1]["gradients"][name]), name
-        difference = (ranks[0]["gradients"][name] - reference).norm()
-        assert difference <= 1e-5 * reference.norm() + 1e-8, f"{name}: {difference / reference.norm():.2e}"
-        if reference.norm() > 0:
-            worst_gradient = max(worst_gradient, (difference / reference.norm()).item())
+    worst_gradient = compare_first_gradients(ranks, single)
     worst_step, worst_value = compare_final_parameters(ranks[0], single, value_tol=1e-6, step_tol=1e-4)
     print(f"\n[2 processes, balanced] imbalance before {before} after {after}; worst first-step gradient error "
           f"{worst_gradient:.2e}; parameters after 2 steps: worst |2-proc - 1-proc| / |step| = {worst_step:.2e}, "

@@ -252,8 +252,8 @@ class TreeGRPOTrainer(GRPOTrainer):
         TRL's per-token loss and the normalisers of the process that owns each row (so DDP's average over
         processes is TRL's objective, as without hand-offs), then one zero-loss filler forward+backward outside
         ``no_sync`` through the DDP wrapper, which all-reduces the accumulated gradients (every process runs exactly
-        one; the pieces themselves call the unwrapped model). TRL's loss value
-        and metrics come from its own ``_compute_loss`` on this process's rows, with every process's log-probs."""
+        one; the pieces themselves call the unwrapped model). TRL's loss value and metrics come from its own
+        ``_compute_loss`` on this process's rows, with every process's log-probs."""
         accelerator, rank = self.accelerator, self.accelerator.process_index
         rows = inputs["prompt_ids"].shape[0]
         everything = self._gather_microbatch(inputs)
