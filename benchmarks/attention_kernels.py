@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_kernels import bench  # noqa: E402
 
+from harts_hf.kernels.tree_attention.varlen import gqa_keyword  # noqa: E402
+
 HQ, HKV, D = 16, 2, 256
 
 
@@ -63,8 +65,9 @@ def varlen_call(varlen_attn, q, k, v, causal: bool):
     Lq, Lk = qv.shape[0], kv.shape[0]
     cu_q = torch.tensor([0, Lq], dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0, Lk], dtype=torch.int32, device="cuda")
-    window = (-1, 0) if causal else (-1, -1)
-    return lambda: varlen_attn(qv, kv, vv, cu_q, cu_k, Lq, Lk, window_size=window).float().square().mean().backward()
+    window, gqa = (-1, 0) if causal else (-1, -1), gqa_keyword(varlen_attn)
+    return lambda: varlen_attn(qv, kv, vv, cu_q, cu_k, Lq, Lk, window_size=window,
+                               **gqa).float().square().mean().backward()
 
 
 def main():

@@ -211,17 +211,12 @@ def attention_breakdown(function, top: int = 12) -> list:
     return sorted(rows, key=lambda r: -r[1])[:top]
 
 
-def gqa_keyword(varlen_attn) -> dict:
-    """``enable_gqa=True`` where ``varlen_attn`` takes it (torch >= 2.13); older flash varlen is GQA-aware as is."""
-    import inspect
-
-    return {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
-
-
 def path_attention(make, sequences, max_tokens: int, backward) -> dict:
     """The per-trajectory baseline's attention on the same kernel: flash varlen, causal, the workload's own
     trajectories packed (unpadded) up to ``max_tokens`` path tokens; returns seconds, pairs and the pair rate."""
     from torch.nn.attention.varlen import varlen_attn
+
+    from harts_hf.kernels.tree_attention.varlen import gqa_keyword
 
     lengths = []
     for sequence in sorted(sequences, key=len):
@@ -310,7 +305,8 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     q, k, v = make(U, 16, 256), make(U, 2, 256), make(U, 2, 256)
     tree_pairs = stats["tree_attention_pairs"]
-    row["attention_tree_s"] = bench(lambda: backward(tree_attention(q, k, v, packed.subtree_end.cuda(), backend="varlen",
+    subtree_end = packed.subtree_end.cuda()
+    row["attention_tree_s"] = bench(lambda: backward(tree_attention(q, k, v, subtree_end, backend="varlen",
                                                                     layout=layout)))
     L = 16384
     qs, ks, vs = make(1, 16, L, 256), make(1, 2, L, 256), make(1, 2, L, 256)
@@ -321,7 +317,6 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
     row["attention_pairs_per_s_tree"], row["attention_pairs_per_s_sdpa_causal"] = tree_rate, plain_rate
     row["attention_tree_over_sdpa_rate"] = tree_rate / plain_rate
     qs = ks = vs = None
-    subtree_end = packed.subtree_end.cuda()
     start = time.perf_counter()  # first call: cuDNN builds its graphs for this forest's run shapes
     backward(tree_attention(q, k, v, subtree_end, backend="cudnn", layout=layout))
     torch.cuda.synchronize()
@@ -346,7 +341,6 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
     row["attention_parity"] = attention_parity(q, k, v, subtree_end, layout, fp32_reference=U <= 20_000)
     print(f"  attention parity: {row['attention_parity']}", flush=True)
     if profile_attention:
-        subtree_end = packed.subtree_end.cuda()
         row["attention_tree_kernels"] = attention_breakdown(lambda: backward(tree_attention(
             q, k, v, subtree_end, backend="varlen", layout=layout)))
         for name, seconds, calls in row["attention_tree_kernels"]:

@@ -151,6 +151,12 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._layout_cache = (input_ids, attention_mask, logits_to_keep, layout)
         return layout
 
+    def _batch_layout(self, batch: dict) -> RowLayout:
+        """:meth:`_row_layout` of a TRL microbatch dict (prompt and completion columns side by side)."""
+        return self._row_layout(torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1),
+                                torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1),
+                                batch["completion_ids"].shape[1])
+
     def _fits_budget(self, layout: RowLayout) -> bool:
         budget = self.args.tree_token_budget
         return budget is None or layout.forest.pack().num_tokens <= budget
@@ -194,9 +200,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                                         num_items_in_batch=num_items_in_batch)
         if self.args.tree_cross_replica_handoffs and self.accelerator.num_processes > 1:
             return self._cross_replica_loss(model, inputs)
-        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        layout = self._row_layout(input_ids, attention_mask, inputs["completion_ids"].shape[1])
+        layout = self._batch_layout(inputs)
         deepspeed = self.is_deepspeed_enabled
         pieces = int(not self._fits_budget(layout))
         if deepspeed:  # a piece's backward is a ZeRO collective: if one process runs pieces, every process does
@@ -257,18 +261,14 @@ class TreeGRPOTrainer(GRPOTrainer):
         accelerator, rank = self.accelerator, self.accelerator.process_index
         rows = inputs["prompt_ids"].shape[0]
         everything = self._gather_microbatch(inputs)
-        layout = RowLayout.of(torch.cat([everything["prompt_ids"], everything["completion_ids"]], dim=1),
-                              torch.cat([everything["prompt_mask"], everything["completion_mask"]], dim=1),
-                              everything["completion_ids"].shape[1], self.args.tree_share_across_groups)
+        layout = self._batch_layout(everything)
         the_plan = self._plan(layout, replicas=accelerator.num_processes)
         weights = [token_weights(self, {key: value if key == "num_items_in_batch" else value[p * rows:(p + 1) * rows]
                                         for key, value in everything.items()})
                    for p in range(accelerator.num_processes)]  # each row normalised as on the process that owns it
         weight = torch.cat([w for w, _ in weights])
         entropy_weight = None if weights[0][1] is None else torch.cat([e for _, e in weights])
-        owner = the_plan.replica_of_piece()
-        mine = sum(owner[p.index] == rank for p in the_plan.pieces)
-        loss_fn = _PieceLoss(self, layout, everything, mine, weights=(weight, entropy_weight))
+        loss_fn = _PieceLoss(self, layout, everything, weights=(weight, entropy_weight))
         # the pieces call the unwrapped model: DDP's forward broadcasts buffers (a collective) in every call, and the
         # processes run different numbers of forwards between their point-to-point hand-offs
         with accelerator.no_sync(model), accelerator.autocast():
@@ -527,10 +527,11 @@ class _PieceLoss:
     """``loss_fn`` of :func:`execute_plan`: one piece's share of TRL's loss, scaled as ``accelerator.backward``
     scales a loss. Token-level losses use TRL's per-token formula and normalisers; with ``linear_weights``
     (``(B, T)`` gradients of TRL's loss in the log-probs and entropies) the piece's loss is their linear term.
-    Records the pieces' values; after the last piece (before its backward) calls ``on_last(logps, entropies)``
-    and keeps its result in ``replayed``."""
+    Records the pieces' values; after the last of ``num_pieces`` pieces (before its backward) calls
+    ``on_last(logps, entropies)`` and keeps its result in ``replayed``. ``weights``: TRL's normalisers given as
+    ``(weight, entropy_weight)`` instead of computed from ``inputs``."""
 
-    def __init__(self, trainer: TreeGRPOTrainer, layout: RowLayout, inputs: dict, num_pieces: int, *,
+    def __init__(self, trainer: TreeGRPOTrainer, layout: RowLayout, inputs: dict, num_pieces: int = 0, *,
                  on_last=None, linear_weights=None, weights=None):
         self.trainer, self.layout, self.inputs = trainer, layout, inputs
         self.remaining, self.on_last, self.replayed = num_pieces, on_last, None

@@ -24,6 +24,13 @@ full-size ``swe``'s 55 runs), and a training step brings new forests. At ~5.5e-1
 below that, ``backend="cudnn"`` is for repeated shapes (benchmarks, or several passes over the same forests)."""
 
 
+CUDNN_KEY_BLOCK: int | None = None
+"""Shape buckets for ``backend="cudnn"`` (:func:`.split.run_blocks`): ``None`` runs every run's exact block shapes
+(measured: 0.93x SDPA's pair rate on full-size ``swe``, but new plans for every new forest); an int (e.g. 4096)
+runs ancestors in blocks of that many keys and rounds rows up, so the plans come from a small fixed set (exact on
+CPU with explicit softmax blocks; not yet timed on a GPU)."""
+
+
 def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0) -> torch.Tensor:
     """``[U, U + C]`` bool, ``mask[q, k] = k <= q < subtree_end[k]`` (True = may attend) for the ``U`` packed keys,
     then ``C = context_tokens`` columns of True: context keys (ancestors outside the forest) every query sees."""
@@ -33,13 +40,6 @@ def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0) -> t
     if context_tokens:
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], context_tokens)], dim=1)
     return mask
-
-
-CUDNN_KEY_BLOCK: int | None = None
-"""Shape buckets for ``backend="cudnn"`` (:func:`.split.run_blocks`): ``None`` runs every run's exact block shapes
-(measured: 0.93x SDPA's pair rate on full-size ``swe``, but new plans for every new forest); an int (e.g. 4096)
-runs ancestors in blocks of that many keys and rounds rows up, so the plans come from a small fixed set (exact on
-CPU with explicit softmax blocks; not yet timed on a GPU)."""
 
 
 def cuda_backend(layout) -> str:

@@ -28,17 +28,31 @@ tests check the decomposition and the merged-statistics backward with it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 __all__ = ["RunBlocks", "bucket_rows", "run_blocks", "tree_attention_split"]
 
 
-class RunBlocks:
-    """Per run: host bounds of its queries, device indices of its ancestors in unmasked key blocks (``chunks``),
-    the ancestors joining its causal block (``tail``) and the rows each block is padded to. Built once per layout."""
+class _Run(NamedTuple):
+    """One run's blocks: its query rows ``start .. end`` (host), its ancestors in unmasked key blocks (``chunks``,
+    device indices), the ancestors joining its causal block (``tail`` or None), and the rows the unmasked blocks'
+    queries and the causal block are padded to."""
 
-    def __init__(self, runs: list[tuple], pairs: float, key_block: int | None):
-        self.runs, self.pairs, self.key_block = runs, pairs, key_block
+    start: int
+    end: int
+    chunks: list[torch.Tensor]
+    tail: torch.Tensor | None
+    query_rows: int
+    self_rows: int
+
+
+class RunBlocks:
+    """Every run's :class:`_Run` and the attended pairs in all; built once per layout."""
+
+    def __init__(self, runs: list[_Run], pairs: float):
+        self.runs, self.pairs = runs, pairs
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -47,9 +61,8 @@ class RunBlocks:
         """The distinct (query rows, key rows, causal) block shapes: what cuDNN builds a plan for."""
         found = set()
         for run in self.runs:
-            chunks, query_rows, self_rows = run[2], run[4], run[5]
-            found.add((self_rows, self_rows, True))
-            found.update((query_rows, int(chunk.numel()), False) for chunk in chunks)
+            found.add((run.self_rows, run.self_rows, True))
+            found.update((run.query_rows, int(chunk.numel()), False) for chunk in run.chunks)
         return found
 
 
@@ -75,14 +88,14 @@ def run_blocks(layout, key_block: int | None = None, row_multiple: int = 1024) -
         ancestors = layout.key_index[cu_k[r]:cu_k[r] + before]
         pairs += length * (length + 1) / 2 + length * before
         if key_block is None:
-            runs.append((start, end, [ancestors] if before else [], None, length, length))
+            runs.append(_Run(start, end, [ancestors] if before else [], None, length, length))
             continue
         full = before // key_block * key_block
         chunks = list(ancestors[:full].split(key_block)) if full else []
         tail = ancestors[full:] if before > full else None
-        runs.append((start, end, chunks, tail, bucket_rows(length, row_multiple),
-                     bucket_rows(before - full + length, row_multiple)))
-    cache[key_block, row_multiple] = RunBlocks(runs, pairs, key_block)
+        runs.append(_Run(start, end, chunks, tail, bucket_rows(length, row_multiple),
+                         bucket_rows(before - full + length, row_multiple)))
+    cache[key_block, row_multiple] = RunBlocks(runs, pairs)
     return cache[key_block, row_multiple]
 
 
@@ -197,6 +210,11 @@ def _rows(x: torch.Tensor, lead: torch.Tensor | int, rows: int) -> torch.Tensor:
     return torch.cat(parts)
 
 
+def _own_rows(x: torch.Tensor, start: int, end: int, tail: torch.Tensor | None) -> torch.Tensor:
+    """The causal block's key or value rows: the ``tail`` ancestors (if any), then the run's own rows."""
+    return x[start:end] if tail is None else torch.cat([x[tail], x[start:end]])
+
+
 def _padded_lse(lse: torch.Tensor, lead: int, rows: int) -> torch.Tensor:
     """``lse [1, H, n, 1]`` placed at rows ``lead .. lead + n`` of ``rows``, the others ignored."""
     if lead == 0 and rows == lse.shape[2]:
@@ -214,8 +232,7 @@ class _TreeAttentionSplit(torch.autograd.Function):
         lses = []
         for start, end, chunks, tail, query_rows, self_rows in blocks.runs:
             n, lead = end - start, 0 if tail is None else tail.shape[0]
-            keys = k[start:end] if tail is None else torch.cat([k[tail], k[start:end]])
-            values = v[start:end] if tail is None else torch.cat([v[tail], v[start:end]])
+            keys, values = _own_rows(k, start, end, tail), _own_rows(v, start, end, tail)
             o, lse = forward_block(_heads_first(_rows(q[start:end], lead, self_rows)),
                                    _heads_first(_rows(keys, 0, self_rows)), _heads_first(_rows(values, 0, self_rows)),
                                    True, scale)
@@ -241,8 +258,7 @@ class _TreeAttentionSplit(torch.autograd.Function):
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         for (start, end, chunks, tail, query_rows, self_rows), lse in zip(ctx.blocks.runs, lses):
             n, lead = end - start, 0 if tail is None else tail.shape[0]
-            keys = k[start:end] if tail is None else torch.cat([k[tail], k[start:end]])
-            values = v[start:end] if tail is None else torch.cat([v[tail], v[start:end]])
+            keys, values = _own_rows(k, start, end, tail), _own_rows(v, start, end, tail)
             dqs, dks, dvs = backward_block(
                 *(_heads_first(_rows(x[start:end], lead, self_rows)) for x in (grad, q)),
                 _heads_first(_rows(keys, 0, self_rows)), _heads_first(_rows(values, 0, self_rows)),

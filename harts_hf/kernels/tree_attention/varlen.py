@@ -102,6 +102,11 @@ def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _GatherRows.apply(x, index)
 
 
+def gqa_keyword(varlen_attn) -> dict:
+    """``enable_gqa=True`` where torch's ``varlen_attn`` takes it (newer torch); older builds are GQA-aware as is."""
+    return {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+
+
 def varlen_available() -> bool:
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
@@ -116,9 +121,6 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     from torch.nn.attention.varlen import varlen_attn
 
     keys, values = gather_rows(k, layout.key_index), gather_rows(v, layout.key_index)
-    extra = {}
-    if q.shape[1] != k.shape[1]:
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:
-            extra["enable_gqa"] = True
+    extra = gqa_keyword(varlen_attn) if q.shape[1] != k.shape[1] else {}
     return varlen_attn(q, keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale=scaling,
                        window_size=(-1, 0), **extra)
