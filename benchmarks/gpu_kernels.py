@@ -446,11 +446,12 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, row in results.get("timing", {}).items():
         s = row["stats"]
-        print(f"| {name} | {s['unique_tokens']} | {s['gdn_rounds']} | {1e3 * row['gdn_tree_fused_s']:.1f} | "
-              f"{1e3 * row['gdn_tree_per_round_s']:.1f} | {1e3 * row['gdn_single_call_s']:.1f} | "
-              f"{row['gdn_tree_over_single']:.2f} | {1e3 * row['attention_tree_s']:.1f} | "
-              f"{row['attention_tree_over_sdpa_rate']:.2f} | {1e3 * row['conv_tree_s']:.1f} | "
-              f"{1e3 * row['conv_plain_s']:.1f} | {1e3 * row['metadata_seconds']:.1f} |")
+        ms = lambda key: f"{1e3 * row[key]:.1f}" if key in row else "-"  # noqa: E731  (ops not timed: --ops)
+        ratio = lambda key: f"{row[key]:.2f}" if key in row else "-"  # noqa: E731
+        print(f"| {name} | {s['unique_tokens']} | {s['gdn_rounds']} | {ms('gdn_tree_fused_s')} | "
+              f"{ms('gdn_tree_per_round_s')} | {ms('gdn_single_call_s')} | {ratio('gdn_tree_over_single')} | "
+              f"{ms('attention_tree_s')} | {ratio('attention_tree_over_sdpa_rate')} | {ms('conv_tree_s')} | "
+              f"{ms('conv_plain_s')} | {ms('metadata_seconds')} |")
 
 
 if __name__ == "__main__":
