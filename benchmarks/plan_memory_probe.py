@@ -10,7 +10,8 @@ innermost frame inside harts_hf / transformers / fla, and the innermost frame of
     python3 benchmarks/plan_memory_probe.py --scale 0.2 --budget 0 32768 16384 --out results/memory
     python3 benchmarks/plan_memory_probe.py --scale 1.0 --budget 65536 --no-history --loop-sample 12   # full size
     python3 benchmarks/plan_memory_probe.py --scale 1.0 --budget 65536 --no-history --loop-sample 12 --attention cudnn
-    python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --loop-sample 12
+    python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --loop-sample -1
+    python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --profile
 
 ``--loop-sample`` also times trajectories alone through the same kernels (the per-trajectory baseline at lengths
 where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the cost fit's price.
@@ -116,6 +117,32 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
     return row
 
 
+def profile(model, sequences, device, attention: str, out: Path) -> dict:
+    """One warm whole-forest run under torch.profiler: device seconds by op family (gpu_suite's families), the sum of
+    all device time and the wall time (their gap is host time the GPU waited for); the top kernels go to a file."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from gpu_suite import _op_family
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = run(model, sequences, None, device, history=False, attention=attention)["seconds"]
+    events = prof.key_averages()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=50))
+    families: dict = {}
+    for event in events:  # kernels only (an aten op's device time is its kernels' again)
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        family = _op_family(event.key)
+        families[family] = families.get(family, 0.0) + event.self_device_time_total / 1e6
+    families = dict(sorted(families.items(), key=lambda kv: -kv[1]))
+    device_total = sum(families.values())
+    print(f"profile: wall {wall:.2f} s (under the profiler), device time {device_total:.2f} s: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in families.items()), flush=True)
+    return dict(wall_seconds=wall, device_seconds=device_total, device_seconds_by_family=families)
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -180,6 +207,9 @@ def main(argv=None):
     parser.add_argument("--fit", nargs=3, type=float, default=[0.1595, 4.6416e-05, 1.5976e-09], metavar=("C", "A", "B"))
     parser.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn"],
                         help="tree attention kernel for the tree and the per-trajectory sample alike")
+    parser.add_argument("--profile", action="store_true",
+                        help="also run the whole forest once more under torch.profiler: device seconds per op family "
+                             "and the top kernels (OUT/profile.txt), next to the wall time")
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -202,6 +232,8 @@ def main(argv=None):
             print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
             for where, gib in r.get(key, [])[:15]:
                 print(f"    {gib:8.3f}  {where}")
+    if args.profile:
+        rows.append(dict(profile=profile(model, sequences, device, args.attention, Path(args.out))))
     if args.loop_sample:
         rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit,
                                                  args.attention)))
