@@ -346,7 +346,10 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
         for name, seconds, calls in row["attention_tree_kernels"]:
             print(f"    {seconds * 1e3:8.2f} ms {calls:4d}x {name}", flush=True)
     q = k = v = None
-    row["attention_paths"] = path_attention(make, sequences, 600_000, backward)
+    from harts_hf.kernels.tree_attention.varlen import MAX_CALL_ELEMENTS
+
+    # one varlen call per baseline: past 2^31 query elements torch's kernel overflows (benchmarks/varlen_limits.py)
+    row["attention_paths"] = path_attention(make, sequences, min(600_000, MAX_CALL_ELEMENTS // (16 * 256)), backward)
     row["attention_tree_over_paths_rate"] = tree_rate / row["attention_paths"]["pairs_per_s"]
     print(f"  attention: tree {row['attention_tree_s'] * 1e3:.1f} ms for {tree_pairs:.3g} pairs; rate vs SDPA causal "
           f"16k {row['attention_tree_over_sdpa_rate']:.2f}x, vs the trajectories' own varlen "

@@ -227,6 +227,73 @@ def test_bucket_rows():
         1, 2, 4, 64, 128, 1024, 1024, 2048, 2048, 3072]
 
 
+def _varlen_attn_by_sequence(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), **_):
+    """torch's ``varlen_attn`` semantics (bottom-right causal, GQA) one sequence at a time with SDPA: the kernel
+    itself is CUDA-only, this stands in for it to test how calls are cut (the kernel is checked on the GPU)."""
+    assert window_size == (-1, 0) and max_q >= int((cu_q[1:] - cu_q[:-1]).max()) and max_k >= int((cu_k[1:] - cu_k[:-1]).max())
+    outputs = []
+    for r in range(cu_q.shape[0] - 1):
+        qs, ks, vs = q[cu_q[r]: cu_q[r + 1]], k[cu_k[r]: cu_k[r + 1]], v[cu_k[r]: cu_k[r + 1]]
+        Lq, Lk = qs.shape[0], ks.shape[0]
+        visible = torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + (Lk - Lq)
+        out = torch.nn.functional.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1),
+                                                               vs.transpose(0, 1), attn_mask=visible,
+                                                               scale=scale, enable_gqa=True)
+        outputs.append(out.transpose(0, 1))
+    return torch.cat(outputs)
+
+
+def test_varlen_calls_are_cut_below_the_kernels_32_bit_offsets(monkeypatch):
+    """Layouts past MAX_CALL_ELEMENTS (query or gathered key elements) run as several varlen calls over consecutive
+    runs; outputs and every gradient equal the dense per-path reference; one oversized run is refused with the fix."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    from harts_hf.kernels.tree_attention import varlen
+
+    packed = PrefixForest.from_sequences(FORESTS["random_b"]).pack()
+    layout = build_varlen_layout(packed)
+    cu_q, cu_k = layout.host_cu()
+    U, HQ, HKV, D = packed.num_tokens, 4, 2, 8
+    assert varlen.varlen_call_groups(cu_q, cu_k, HQ * D, HKV * D) == [(0, len(cu_q) - 1)]
+    limit = max(HQ * D * max(b - a for a, b in zip(cu_q, cu_q[1:])),  # the longest run or key path fits exactly
+                HKV * D * max(b - a for a, b in zip(cu_k, cu_k[1:])))
+    groups = varlen.varlen_call_groups(cu_q, cu_k, HQ * D, HKV * D, limit)
+    assert len(groups) > 2 and groups[0][0] == 0 and groups[-1][1] == len(cu_q) - 1
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
+    for r0, r1 in groups:
+        assert r1 > r0 and (cu_q[r1] - cu_q[r0]) * HQ * D <= limit and (cu_k[r1] - cu_k[r0]) * HKV * D <= limit
+    with pytest.raises(ValueError, match="tree_token_budget"):
+        varlen.varlen_call_groups(cu_q, cu_k, HQ * D, HKV * D, limit - 1)
+
+    monkeypatch.setattr(torch_varlen, "varlen_attn", _varlen_attn_by_sequence)
+    monkeypatch.setattr(varlen, "MAX_CALL_ELEMENTS", limit)
+    torch.manual_seed(0)
+    q = torch.randn(U, HQ, D, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(U, HKV, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = varlen.tree_attention_varlen(q, k, v, layout, scaling=0.3)
+    expected = tree_attention(q, k, v, packed.subtree_end, scaling=0.3, backend="sdpa")
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
+    weight = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * weight).sum(), (q, k, v)),
+                    torch.autograd.grad((expected * weight).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, **TOLERANCE[torch.float64])
+
+
+def test_conv_bulk_backend_choice():
+    """The model's conv bulk: always the shifted torch sums on CPU; on CUDA 'auto' is fla's fused conv where it
+    imports (measured faster on the H200), else torch; a wrong name is refused."""
+    from harts_hf.kernels.tree_conv1d import ops
+
+    cpu = torch.zeros(2, 3)
+    assert ops.bulk_backend(cpu) == "torch" and ops.bulk_backend(cpu, "fla") == "torch"
+    with pytest.raises(ValueError, match="BULK_BACKEND must be"):
+        ops.bulk_backend(cpu, "triton")
+    if torch.cuda.is_available():
+        cuda = cpu.cuda()
+        assert ops.bulk_backend(cuda, "auto") == ("fla" if ops._fla_conv_importable() else "torch")
+        assert ops.bulk_backend(cuda, "torch") == "torch"
+
+
 def test_auto_attention_takes_cudnn_only_for_long_runs():
     """CUDA 'auto': cuDNN per run once runs average >= CUDNN_MIN_PAIRS_PER_RUN pairs (their plans repay), flash
     varlen for the many short runs of small trees."""

@@ -66,7 +66,7 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
     mixed_qkv = tree_causal_conv1d(mixed_qkv, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
                                    activation=module.activation, context=conv_context,
                                    fixups=tree.conv_fixups(weight.shape[1]),
-                                   backend=conv_ops.BULK_BACKEND if mixed_qkv.is_cuda else "torch")
+                                   backend=conv_ops.bulk_backend(mixed_qkv))
     U = mixed_qkv.shape[0]
     query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(U, -1, module.head_k_dim)

@@ -16,7 +16,13 @@ import torch
 
 from ...trees import PackedForest
 
-__all__ = ["VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention_varlen", "varlen_available"]
+__all__ = ["VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention_varlen", "varlen_available",
+           "varlen_call_groups"]
+
+MAX_CALL_ELEMENTS = (1 << 31) - 1
+"""Most elements of the query or key tensor in one ``varlen_attn`` call. torch's flash varlen kernel addresses a
+sequence's rows with 32-bit offsets: on the H200 (torch 2.11), 16 heads x 256 with a sequence starting past row
+524,288 (2^31 elements) raised an illegal memory access. Larger layouts are split into several calls by runs."""
 
 
 @dataclass
@@ -115,12 +121,44 @@ def varlen_available() -> bool:
     return torch.cuda.is_available()
 
 
+def varlen_call_groups(cu_q: list[int], cu_k: list[int], q_row_elements: int, k_row_elements: int,
+                       limit: int | None = None) -> list[tuple[int, int]]:
+    """Consecutive run ranges ``[(r0, r1), ...]`` covering every run, each with at most ``limit`` (default
+    :data:`MAX_CALL_ELEMENTS`) query elements and key elements; one range when everything fits."""
+    limit = MAX_CALL_ELEMENTS if limit is None else limit
+    groups, first, runs = [], 0, len(cu_q) - 1
+    for r in range(runs):
+        q_rows, k_rows = cu_q[r + 1] - cu_q[r], cu_k[r + 1] - cu_k[r]
+        if q_rows * q_row_elements > limit or k_rows * k_row_elements > limit:
+            raise ValueError(f"tree attention: run {r} has {q_rows} queries and {k_rows} keys, more than one flash "
+                             f"varlen call can address ({limit} elements per tensor); split the forest into pieces "
+                             "(TreeGRPOConfig.tree_token_budget / harts_hf.planner.plan(token_budget=...))")
+        if ((cu_q[r + 1] - cu_q[first]) * q_row_elements > limit
+                or (cu_k[r + 1] - cu_k[first]) * k_row_elements > limit):
+            groups.append((first, r))
+            first = r
+    groups.append((first, runs))
+    return groups
+
+
 def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout,
                           scaling: float | None = None) -> torch.Tensor:
-    """q ``[U, HQ, D]``, k/v ``[U, HKV, D]`` on CUDA (bf16/fp16) -> ``[U, HQ, D]``."""
+    """q ``[U, HQ, D]``, k/v ``[U, HKV, D]`` on CUDA (bf16/fp16) -> ``[U, HQ, D]``; one varlen call, or several
+    over consecutive runs where one call would pass :data:`MAX_CALL_ELEMENTS`."""
     from torch.nn.attention.varlen import varlen_attn
 
-    keys, values = gather_rows(k, layout.key_index), gather_rows(v, layout.key_index)
     extra = gqa_keyword(varlen_attn) if q.shape[1] != k.shape[1] else {}
-    return varlen_attn(q, keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale=scaling,
-                       window_size=(-1, 0), **extra)
+    cu_q, cu_k = layout.host_cu()
+    groups = varlen_call_groups(cu_q, cu_k, q[0].numel(), k[0].numel())
+    if len(groups) == 1:
+        keys, values = gather_rows(k, layout.key_index), gather_rows(v, layout.key_index)
+        return varlen_attn(q, keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale=scaling,
+                           window_size=(-1, 0), **extra)
+    outputs = []
+    for r0, r1 in groups:
+        index = layout.key_index[cu_k[r0]: cu_k[r1]]
+        offsets_q, offsets_k = layout.cu_q[r0: r1 + 1] - cu_q[r0], layout.cu_k[r0: r1 + 1] - cu_k[r0]
+        outputs.append(varlen_attn(q[cu_q[r0]: cu_q[r1]], gather_rows(k, index), gather_rows(v, index), offsets_q,
+                                   offsets_k, layout.max_q, layout.max_k, scale=scaling, window_size=(-1, 0),
+                                   **extra))
+    return torch.cat(outputs)

@@ -10,15 +10,40 @@ piece) reads its root's ancestors from ``context`` rows instead of zeros.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BULK_BACKEND", "conv_window_fixups", "tree_causal_conv1d"]
+__all__ = ["BULK_BACKEND", "bulk_backend", "conv_window_fixups", "tree_causal_conv1d"]
 
-BULK_BACKEND = "torch"
+BULK_BACKEND = "auto"
 """What the model's tree conv uses for the bulk (every row as if the packed rows were one sequence) on CUDA:
-``"torch"`` (W shifted multiply-adds) or ``"fla"`` (fla's fused ``causal_conv1d`` Triton kernel, one launch each
-way; checked in Triton's interpreter on CPU, not yet timed on a GPU). CPU tensors always take ``"torch"``."""
+``"torch"`` (W shifted multiply-adds), ``"fla"`` (fla's fused ``causal_conv1d`` Triton kernel, one launch each
+way) or ``"auto"``: fla where it imports. Measured on the H200 (bf16, 8,192 channels, fwd+bwd): fla 3.0 ms vs
+shifted 5.0 ms on 8.4k rows, 106 vs 231 ms on 432k rows. CPU tensors always take ``"torch"``."""
+
+
+@functools.cache
+def _fla_conv_importable() -> bool:
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def bulk_backend(x: torch.Tensor, choice: str | None = None) -> str:
+    """The bulk implementation for ``x``: ``"torch"`` on CPU; on CUDA ``choice`` (default :data:`BULK_BACKEND`),
+    where ``"auto"`` is ``"fla"`` when fla's conv imports and ``"torch"`` otherwise."""
+    choice = BULK_BACKEND if choice is None else choice
+    if choice not in ("auto", "torch", "fla"):
+        raise ValueError(f"tree conv1d: BULK_BACKEND must be 'auto', 'torch' or 'fla', got {choice!r}")
+    if not x.is_cuda:
+        return "torch"
+    if choice == "auto":
+        return "fla" if _fla_conv_importable() else "torch"
+    return choice
 
 
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
