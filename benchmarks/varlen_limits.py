@@ -4,8 +4,8 @@
 
 64 unrelated sequences of 9,000 tokens (576,000 rows; 16 query heads / 2 KV heads of 256: 2.36e9 query elements,
 the last sequences start past row 524,288 = 2^31 / 4,096) as one forest:
-1. one ``varlen_attn`` call over all of them (a child process: an illegal address ends the CUDA context); its
-   outcome, and where it returns, the last sequence's relative error against SDPA on that sequence alone;
+1. one ``varlen_attn`` call over all of them, forward and backward (a child process: an illegal address ends the
+   CUDA context); what ran, and the last sequence's output / dq error against SDPA on that sequence alone;
 2. ``tree_attention(backend="varlen")``, which cuts the runs into calls below ``MAX_CALL_ELEMENTS``: the last
    sequence's output and q/k/v gradients against SDPA on that sequence alone (both bf16), and the first sequence's.
 Writes ``OUT/varlen_limits.json``.
@@ -49,7 +49,8 @@ def output_weight():
 
 
 def rel(a, b) -> float:
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm())
 
 
 def one_call(queue) -> None:
@@ -62,10 +63,15 @@ def one_call(queue) -> None:
         cu = torch.arange(0, SEQUENCES + 1, device="cuda", dtype=torch.int32) * LENGTH
         out = varlen_attn(q, k, v, cu, cu, LENGTH, LENGTH, window_size=(-1, 0), **gqa_keyword(varlen_attn))
         torch.cuda.synchronize()
-        last = alone(q, k, v, output_weight(), SEQUENCES - 1)[0]
-        queue.put({"ran": True, "last_out_rel": rel(out[-LENGTH:], last)})
+        weight = output_weight()
+        last = alone(q, k, v, weight, SEQUENCES - 1)
+        report = {"forward_ran": True, "last_out_rel": rel(out[-LENGTH:], last[0])}
+        queue.put(report)  # kept if the backward ends the process
+        dq = torch.autograd.grad((out.float() * weight).sum(), q)[0]
+        torch.cuda.synchronize()
+        queue.put(dict(report, backward_ran=True, last_dq_rel=rel(dq[-LENGTH:], last[1])))
     except Exception as error:  # noqa: BLE001 (report what the kernel did)
-        queue.put({"ran": False, "error": f"{type(error).__name__}: {str(error).splitlines()[0]}"})
+        queue.put({"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"})
 
 
 def main():
@@ -79,7 +85,10 @@ def main():
     child = context.Process(target=one_call, args=(queue,))
     child.start()
     child.join()
-    results["one_varlen_call"] = queue.get() if not queue.empty() else {"ran": False, "exit": child.exitcode}
+    reports = []
+    while not queue.empty():
+        reports.append(queue.get())
+    results["one_varlen_call"] = dict(exit=child.exitcode, reports=reports)
     print("one varlen call:", results["one_varlen_call"], flush=True)
 
     from harts_hf.kernels import tree_attention

@@ -255,13 +255,16 @@ def test_varlen_calls_are_cut_below_the_kernels_32_bit_offsets(monkeypatch):
     cu_q, cu_k = layout.host_cu()
     U, HQ, HKV, D = packed.num_tokens, 4, 2, 8
     assert varlen.varlen_call_groups(cu_q, cu_k, HQ * D, HKV * D) == [(0, len(cu_q) - 1)]
-    limit = max(HQ * D * max(b - a for a, b in zip(cu_q, cu_q[1:])),  # the longest run or key path fits exactly
-                HKV * D * max(b - a for a, b in zip(cu_k, cu_k[1:])))
+    pad = varlen.PAD_ROWS
+    limit = max(HQ * D * (pad + max(b - a for a, b in zip(cu_q, cu_q[1:]))),  # the longest run or path fits exactly
+                HKV * D * (pad + max(b - a for a, b in zip(cu_k, cu_k[1:]))))
     groups = varlen.varlen_call_groups(cu_q, cu_k, HQ * D, HKV * D, limit)
     assert len(groups) > 2 and groups[0][0] == 0 and groups[-1][1] == len(cu_q) - 1
     assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))
     for r0, r1 in groups:
-        assert r1 > r0 and (cu_q[r1] - cu_q[r0]) * HQ * D <= limit and (cu_k[r1] - cu_k[r0]) * HKV * D <= limit
+        padding = pad * (r1 - r0)
+        assert r1 > r0 and (cu_q[r1] - cu_q[r0] + padding) * HQ * D <= limit
+        assert (cu_k[r1] - cu_k[r0] + padding) * HKV * D <= limit
     with pytest.raises(ValueError, match="tree_token_budget"):
         varlen.varlen_call_groups(cu_q, cu_k, HQ * D, HKV * D, limit - 1)
 

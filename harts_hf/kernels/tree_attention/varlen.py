@@ -20,9 +20,11 @@ __all__ = ["VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention
            "varlen_call_groups"]
 
 MAX_CALL_ELEMENTS = (1 << 31) - 1
-"""Most elements of the query or key tensor in one ``varlen_attn`` call. torch's flash varlen kernel addresses a
-sequence's rows with 32-bit offsets: on the H200 (torch 2.11), 16 heads x 256 with a sequence starting past row
-524,288 (2^31 elements) raised an illegal memory access. Larger layouts are split into several calls by runs."""
+"""Most elements of the query or key tensor in one ``varlen_attn`` call, counting the 128 padding rows per sequence
+of flash's backward (its fp32 ``dq`` accumulator): row offsets are 32-bit there. On the H200 (torch 2.11) a
+per-trajectory varlen call over ~600k rows of 16 heads x 256 raised an illegal memory access. Larger layouts are
+split into several calls by runs (benchmarks/varlen_limits.py)."""
+PAD_ROWS = 128  # per sequence, in flash's backward accumulator
 
 
 @dataclass
@@ -124,17 +126,19 @@ def varlen_available() -> bool:
 def varlen_call_groups(cu_q: list[int], cu_k: list[int], q_row_elements: int, k_row_elements: int,
                        limit: int | None = None) -> list[tuple[int, int]]:
     """Consecutive run ranges ``[(r0, r1), ...]`` covering every run, each with at most ``limit`` (default
-    :data:`MAX_CALL_ELEMENTS`) query elements and key elements; one range when everything fits."""
+    :data:`MAX_CALL_ELEMENTS`) query elements and key elements (rows plus :data:`PAD_ROWS` per run); one range when
+    everything fits."""
     limit = MAX_CALL_ELEMENTS if limit is None else limit
     groups, first, runs = [], 0, len(cu_q) - 1
     for r in range(runs):
-        q_rows, k_rows = cu_q[r + 1] - cu_q[r], cu_k[r + 1] - cu_k[r]
+        q_rows, k_rows = cu_q[r + 1] - cu_q[r] + PAD_ROWS, cu_k[r + 1] - cu_k[r] + PAD_ROWS
         if q_rows * q_row_elements > limit or k_rows * k_row_elements > limit:
             raise ValueError(f"tree attention: run {r} has {q_rows} queries and {k_rows} keys, more than one flash "
                              f"varlen call can address ({limit} elements per tensor); split the forest into pieces "
                              "(TreeGRPOConfig.tree_token_budget / harts_hf.planner.plan(token_budget=...))")
-        if ((cu_q[r + 1] - cu_q[first]) * q_row_elements > limit
-                or (cu_k[r + 1] - cu_k[first]) * k_row_elements > limit):
+        pad = PAD_ROWS * (r + 1 - first)
+        if ((cu_q[r + 1] - cu_q[first] + pad) * q_row_elements > limit
+                or (cu_k[r + 1] - cu_k[first] + pad) * k_row_elements > limit):
             groups.append((first, r))
             first = r
     groups.append((first, runs))
