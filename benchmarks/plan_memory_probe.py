@@ -117,30 +117,57 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
     return row
 
 
-def profile(model, sequences, device, attention: str, out: Path) -> dict:
-    """One warm whole-forest run under torch.profiler: device seconds by op family (gpu_suite's families), the sum of
-    all device time and the wall time (their gap is host time the GPU waited for); the top kernels go to a file."""
+def profile(model, sequences, device, attention: str, out: Path, loop_count: int = 8) -> dict:
+    """Warm runs under torch.profiler: the whole forest, and ``loop_count`` of its trajectories alone (length
+    quantiles 0.1-0.9, the per-trajectory path). For each: kernel seconds by op family (gpu_suite's families), their
+    sum, the wall time (the gap is host time the GPU waited for) and the tokens it ran (unique for the tree, path
+    tokens for the sample), so the two compare per token; the top kernels go to ``profile_<name>.txt``."""
+    from gpu_suite import _op_family
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from gpu_suite import _op_family
+    from harts_hf.trees import PrefixForest
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        wall = run(model, sequences, None, device, history=False, attention=attention)["seconds"]
-    events = prof.key_averages()
+    picks = _quantile_picks(sequences, loop_count)
+    forests = {"tree": [sequences], "loop": [[sequences[i]] for i in picks]}
+    report = {}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "profile.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=50))
-    families: dict = {}
-    for event in events:  # kernels only (an aten op's device time is its kernels' again)
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        family = _op_family(event.key)
-        families[family] = families.get(family, 0.0) + event.self_device_time_total / 1e6
-    families = dict(sorted(families.items(), key=lambda kv: -kv[1]))
-    device_total = sum(families.values())
-    print(f"profile: wall {wall:.2f} s (under the profiler), device time {device_total:.2f} s: "
-          + ", ".join(f"{k} {v:.2f}" for k, v in families.items()), flush=True)
-    return dict(wall_seconds=wall, device_seconds=device_total, device_seconds_by_family=families)
+    for name, batch in forests.items():
+        for forest in batch if name == "loop" else []:  # the tree is warm from the timed runs
+            run(model, forest, None, device, history=False, attention=attention)
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            wall = sum(run(model, forest, None, device, history=False, attention=attention)["seconds"]
+                       for forest in batch)
+        events = prof.key_averages()
+        (out / f"profile_{name}.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=50))
+        families, queue_full = {}, 0.0
+        for event in events:  # kernels only (an aten op's device time is its kernels' again)
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            if event.key == "Command Buffer Full":  # CUPTI: the host blocked on a full launch queue, not a kernel
+                queue_full += event.self_device_time_total / 1e6
+                continue
+            family = _op_family(event.key)
+            families[family] = families.get(family, 0.0) + event.self_device_time_total / 1e6
+        families = dict(sorted(families.items(), key=lambda kv: -kv[1]))
+        tokens = (PrefixForest.from_sequences(sequences).pack().num_tokens if name == "tree"
+                  else sum(len(forest[0]) for forest in batch))
+        report[name] = dict(wall_seconds=wall, device_seconds=sum(families.values()), tokens=tokens,
+                            device_seconds_by_family=families, launch_queue_full_seconds=queue_full)
+        print(f"profile {name} ({len(batch)} forest(s), {tokens} tokens): wall {wall:.2f} s, device "
+              f"{report[name]['device_seconds']:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in families.items()),
+              flush=True)
+    return report
+
+
+def _quantile_picks(sequences, count: int) -> list[int]:
+    """Indices of ``count`` sequences at length quantiles 0.1-0.9 in index order (all of them, shortest first, for
+    ``count < 0``)."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    if count < 0 or count >= len(order):
+        return order
+    return sorted({order[int(q * (len(order) - 1))] for q in [0.1 + 0.8 * i / max(count - 1, 1)
+                                                                for i in range(count)]})
 
 
 def _sync(device) -> None:
@@ -158,12 +185,7 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
     def price(length: int) -> float:
         return c + a * length + b * length ** 2 / 2
 
-    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
-    if count < 0 or count >= len(order):
-        picks = order
-    else:
-        picks = sorted({order[int(q * (len(order) - 1))] for q in
-                        [0.1 + 0.8 * i / max(count - 1, 1) for i in range(count)]})
+    picks = _quantile_picks(sequences, count)
     rows = []
     for i in picks:
         forest = PrefixForest.from_sequences([sequences[i]])
@@ -208,8 +230,9 @@ def main(argv=None):
     parser.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn"],
                         help="tree attention kernel for the tree and the per-trajectory sample alike")
     parser.add_argument("--profile", action="store_true",
-                        help="also run the whole forest once more under torch.profiler: device seconds per op family "
-                             "and the top kernels (OUT/profile.txt), next to the wall time")
+                        help="also run the whole forest once more, and 8 (or --loop-sample) of its trajectories alone, "
+                             "under torch.profiler: kernel seconds per op family and tokens of each, the top kernels "
+                             "in OUT/profile_tree.txt and OUT/profile_loop.txt")
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -233,7 +256,8 @@ def main(argv=None):
             for where, gib in r.get(key, [])[:15]:
                 print(f"    {gib:8.3f}  {where}")
     if args.profile:
-        rows.append(dict(profile=profile(model, sequences, device, args.attention, Path(args.out))))
+        rows.append(dict(profile=profile(model, sequences, device, args.attention, Path(args.out),
+                                         max(args.loop_sample, 8) if args.loop_sample >= 0 else 8)))
     if args.loop_sample:
         rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit,
                                                  args.attention)))
