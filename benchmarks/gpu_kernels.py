@@ -449,12 +449,18 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, row in results.get("timing", {}).items():
         s = row["stats"]
-        ms = lambda key: f"{1e3 * row[key]:.1f}" if key in row else "-"  # noqa: E731  (ops not timed: --ops)
-        ratio = lambda key: f"{row[key]:.2f}" if key in row else "-"  # noqa: E731
-        print(f"| {name} | {s['unique_tokens']} | {s['gdn_rounds']} | {ms('gdn_tree_fused_s')} | "
-              f"{ms('gdn_tree_per_round_s')} | {ms('gdn_single_call_s')} | {ratio('gdn_tree_over_single')} | "
-              f"{ms('attention_tree_s')} | {ratio('attention_tree_over_sdpa_rate')} | {ms('conv_tree_s')} | "
-              f"{ms('conv_plain_s')} | {ms('metadata_seconds')} |")
+        print(f"| {name} | {s['unique_tokens']} | {s['gdn_rounds']} | {_cell(row, 'gdn_tree_fused_s')} | "
+              f"{_cell(row, 'gdn_tree_per_round_s')} | {_cell(row, 'gdn_single_call_s')} | "
+              f"{_cell(row, 'gdn_tree_over_single', 1)} | {_cell(row, 'attention_tree_s')} | "
+              f"{_cell(row, 'attention_tree_over_sdpa_rate', 1)} | {_cell(row, 'conv_tree_s')} | "
+              f"{_cell(row, 'conv_plain_s')} | {_cell(row, 'metadata_seconds')} |")
+
+
+def _cell(row: dict, key: str, factor: float = 1e3) -> str:
+    """``row[key]`` in ms (ratios: ``factor=1``), or '-' for an op not timed (``--ops``)."""
+    if key not in row:
+        return "-"
+    return f"{factor * row[key]:.1f}" if factor != 1 else f"{row[key]:.2f}"
 
 
 if __name__ == "__main__":
