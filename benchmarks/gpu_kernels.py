@@ -58,7 +58,7 @@ def gdn_inputs(U, HK, HV, K, V, seed=0):
 
 def batched_rounds(run, batched: bool = True, state_pass: str = "rounds"):
     """``run()`` with ``fla_backend.BATCH_ROUNDS = batched`` (round-batched node or the fused per-round node) and
-    the round-batched node's ``fla_backend.STATE_PASS`` ("rounds" or "serial"), restoring both switches."""
+    the round-batched node's ``fla_backend.STATE_PASS`` ("rounds", "serial" or "lanes"), restoring both switches."""
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
 
     previous = fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS
@@ -283,6 +283,9 @@ def gdn_timing(row, packed, plan, U, backward) -> None:
         *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla"))))
     row["gdn_tree_serial_s"] = bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
         *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), state_pass="serial"))
+    row["gdn_tree_lanes_s"] = bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
+        *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), state_pass="lanes"))
+    row["gdn_lanes"] = lanes_shape(plan)
     row["gdn_tree_per_round_s"] = bench(lambda: backward(tree_gated_delta_rule_fla_autograd(
         *inputs, plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)))
     row["gdn_single_call_s"] = bench(lambda: backward(chunk_gated_delta_rule(
@@ -291,6 +294,24 @@ def gdn_timing(row, packed, plan, U, backward) -> None:
     row["gdn_tree_over_single"] = row["gdn_tree_fused_s"] / row["gdn_single_call_s"]
     row["gdn_tree_batched_over_single"] = row["gdn_tree_batched_s"] / row["gdn_single_call_s"]
     row["gdn_tree_serial_over_single"] = row["gdn_tree_serial_s"] / row["gdn_single_call_s"]
+    row["gdn_tree_lanes_over_single"] = row["gdn_tree_lanes_s"] / row["gdn_single_call_s"]
+    print(f"  gdn: tree {row['gdn_tree_fused_s'] * 1e3:.1f} ms (auto), serial {row['gdn_tree_serial_s'] * 1e3:.1f}, "
+          f"lanes {row['gdn_tree_lanes_s'] * 1e3:.1f} ({row['gdn_lanes']}), rounds "
+          f"{row['gdn_tree_batched_s'] * 1e3:.1f}, one varlen call {row['gdn_single_call_s'] * 1e3:.1f}", flush=True)
+
+
+def lanes_shape(plan) -> dict:
+    """Units, lanes, waves and the serial chain in chunk steps: every chunk (serial pass) vs the longest lane of
+    each wave, summed (lanes)."""
+    from harts_hf.kernels.tree_gated_delta_rule.serial_state_pass import serial_units
+
+    units = serial_units(plan, "cpu", lanes=True)
+    chunks = ((units.eos - units.bos + plan.chunk_size - 1) // plan.chunk_size).tolist()
+    start = units.lane_start.tolist()
+    chain = sum(max(sum(chunks[start[lane]: start[lane + 1]]) for lane in range(first, end))
+                for first, end in units.waves)
+    return dict(units=units.num_units, lanes=len(start) - 1, waves=len(units.waves), serial_chunks=sum(chunks),
+                lanes_chain_chunks=chain)
 
 
 def attention_timing(row, packed, layout, stats, sequences, backward, profile_attention) -> None:

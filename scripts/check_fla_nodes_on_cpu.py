@@ -1,7 +1,8 @@
 """Run the ``"fla"`` tree gated delta rule nodes through fla's real Triton kernels on the CPU (Triton's interpreter).
 
 Both fla nodes (the fused per-round node and the round-batched node, ``fla_backend.BATCH_ROUNDS``, with fla's state
-pass per round and with the one-launch serial state pass, ``fla_backend.STATE_PASS``) against the fp32 torch backend, on a forest of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state,
+pass per round, with the one-launch serial state pass and with its heavy-path lanes, ``fla_backend.STATE_PASS``)
+against the fp32 torch backend, on a forest of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state,
 context rows, requested states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
 (log-probs and every parameter gradient); and the tree conv with fla's ``causal_conv1d`` for its bulk. fp32
 throughout; a few minutes on 2 cores.
@@ -92,9 +93,9 @@ def main() -> None:
 
     def run_all(run, leaves):
         outs = {}
-        for name in ("torch", "fla", "fla_batched", "fla_serial"):
-            fla_backend.BATCH_ROUNDS = name in ("fla_batched", "fla_serial")
-            fla_backend.STATE_PASS = "serial" if name == "fla_serial" else "rounds"
+        for name in ("torch", "fla", "fla_batched", "fla_serial", "fla_lanes"):
+            fla_backend.BATCH_ROUNDS = name in ("fla_batched", "fla_serial", "fla_lanes")
+            fla_backend.STATE_PASS = {"fla_serial": "serial", "fla_lanes": "lanes"}.get(name, "rounds")
             out, states = run("torch" if name == "torch" else "fla")
             loss = out.square().sum() + sum(s.square().sum() for s in states if s is not None)
             outs[name] = (out.detach(), [s.detach() for s in states if s is not None],
@@ -105,7 +106,8 @@ def main() -> None:
         worst = 0.0
         line = [label]
         for name, against in (("fla", "torch"), ("fla_batched", "torch"), ("fla_batched", "fla"),
-                              ("fla_serial", "torch"), ("fla_serial", "fla")):
+                              ("fla_serial", "torch"), ("fla_serial", "fla"), ("fla_lanes", "torch"),
+                              ("fla_lanes", "fla")):
             mine, ref = outs[name], outs[against]
             errors = [rel(mine[0], ref[0]), max([rel(a, b) for a, b in zip(mine[1], ref[1])], default=0.0),
                       max(rel(a, b) for a, b in zip(mine[2], ref[2]))]
@@ -116,14 +118,21 @@ def main() -> None:
         print(" | ".join(line), flush=True)
         return worst
 
-    # nested forks: every level restarts from the previous level's chunk boundary (several rounds)
+    # nested forks: every level restarts from the previous level's chunk boundary (several rounds); three more
+    # children of the fork at 150 start from one state (sibling lanes adding to one row in the lanes backward)
     rng = random.Random(0)
     common = [rng.randrange(3) for _ in range(400)]
     packed = PrefixForest.from_sequences([common[: 75 * (i + 1)] + [3 + i] * (20 + 7 * i) for i in range(5)]
+                                         + [common[:150] + [9 + i] * (30 + 11 * i) for i in range(3)]
                                          + [common]).pack()
     inputs = inputs_for(packed.num_tokens)
     plans = {"torch": build_gated_delta_plan(packed), "fla": build_gated_delta_plan(packed, final_states_only=True)}
-    worst = report(f"forest: {plans['fla'].stats['rounds']} rounds, {packed.num_tokens} tokens", run_all(
+    from harts_hf.kernels.tree_gated_delta_rule.serial_state_pass import serial_units
+
+    lanes = serial_units(plans["fla"], torch.device("cpu"), lanes=True)
+    assert len(lanes.waves) > 1 and max(end - first for first, end in lanes.waves) > 2, lanes.waves
+    worst = report(f"forest: {plans['fla'].stats['rounds']} rounds, {lanes.lane_start.numel() - 1} lanes in "
+                   f"{len(lanes.waves)} waves, {packed.num_tokens} tokens", run_all(
         lambda backend: (tree_gated_delta_rule(*inputs, plans[backend], backend=backend,
                                                use_qk_l2norm_in_kernel=True), []), inputs))
     check_fewer_stages(lambda: tree_gated_delta_rule(*inputs, plans["fla"], backend="fla",
@@ -161,7 +170,7 @@ def main() -> None:
     worst = max(worst, check_model())
     assert worst < 1e-5, f"fla nodes differ from the fp32 torch backend by {worst:.1e}"
     print(f"OK: worst relative error against the torch backend {worst:.1e}; round-batched == fused bit for bit; "
-          "the serial state pass within the same tolerance")
+          "the serial state pass and its lanes within the same tolerance")
 
 
 def check_conv() -> float:
@@ -268,16 +277,17 @@ def check_model() -> float:
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
 
     results = {}
-    for backend, state_pass in (("torch", "rounds"), ("fla", "rounds"), ("fla_serial", "serial")):
+    for backend, state_pass in (("torch", "rounds"), ("fla", "rounds"), ("fla_serial", "serial"),
+                                ("fla_lanes", "lanes")):
         fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS = True, state_pass
-        out = tree_logprobs(model, sequences, gdn_backend=backend.removesuffix("_serial"), attention_backend="sdpa")
+        out = tree_logprobs(model, sequences, gdn_backend=backend.split("_")[0], attention_backend="sdpa")
         weights = [torch.randn(lp.shape, generator=torch.Generator().manual_seed(i)) for i, lp in
                    enumerate(out.logprobs)]
         loss = sum((lp * w).sum() for lp, w in zip(out.logprobs, weights))
         results[backend] = (torch.cat(out.logprobs).detach(), torch.autograd.grad(loss, params, allow_unused=True))
     fla_backend.STATE_PASS = "auto"
     worst_values = 0.0
-    for name in ("fla", "fla_serial"):
+    for name in ("fla", "fla_serial", "fla_lanes"):
         values = rel(results[name][0], results["torch"][0])
         grads = {n: rel(a, b) for n, a, b in zip(names, results[name][1], results["torch"][1])
                  if b is not None and b.norm() > 0}

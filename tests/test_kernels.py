@@ -568,3 +568,45 @@ def test_serial_units_follow_the_bank(seed):
             assert int(units.save_row[i]) not in written  # each row saved once
             written.add(int(units.save_row[i]))
     assert len(written) == batch.num_states
+
+
+def test_lane_order_walks_heavy_paths_in_waves():
+    """Heavy-path lanes on a hand-made unit table: unit 0 (a root) saves row 1; units 1 and 2 start from it; unit 1
+    saves row 2, which units 3 and 4 start from; unit 5 starts from a handed-in state (row 7, saved by no unit).
+    Heavy children: the longest chain of chunks (0 -> 1 -> 4); lanes of wave 0 are roots, the rest wave 1."""
+    from harts_hf.kernels.tree_gated_delta_rule.serial_state_pass import lane_order
+
+    order, lane_start, waves = lane_order([0, 1, 1, 2, 2, 7], [1, 2, -1, -1, -1, -1], [2, 5, 1, 1, 3, 1])
+    assert order == [0, 1, 4, 5, 2, 3] and lane_start == [0, 3, 4, 5, 6] and waves == [(0, 2), (2, 4)]
+    with pytest.raises(ValueError, match="does not run before it"):
+        lane_order([2, 0], [-1, 2], [1, 1])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_serial_units_in_lanes_keep_every_dependency(seed):
+    """``serial_units(plan, lanes=True)``: every unit once; within a lane a unit starts from the state its
+    predecessor in the lane saved, a lane's first unit from zeros, a handed-in state or a row saved in an earlier
+    wave; the chain per launch (the longest lane of each wave) adds up to no more than the serial pass's."""
+    from harts_hf.kernels.tree_gated_delta_rule.serial_state_pass import serial_units
+
+    sequences = random_tree_sequences(random.Random(seed), 12, vocab=5, max_tail=300) + chunk_edge_sequences()
+    plan = build_gated_delta_plan(PrefixForest.from_sequences(sequences).pack(), final_states_only=True)
+    serial, lanes = serial_units(plan, "cpu"), serial_units(plan, "cpu", lanes=True)
+    assert serial_units(plan, "cpu", lanes=True) is lanes and serial.waves == [(0, 1)]
+    assert sorted(lanes.bos.tolist()) == sorted(serial.bos.tolist()) and lanes.num_chunks == serial.num_chunks
+    chunks = ((lanes.eos - lanes.bos + plan.chunk_size - 1) // plan.chunk_size).tolist()
+    start = lanes.lane_start.tolist()
+    wave_of = [wave for wave, (first, end) in enumerate(lanes.waves) for lane in range(first, end)
+               for _ in range(start[lane], start[lane + 1])]
+    saved_in_wave = {int(row): wave_of[position] for position, row in enumerate(lanes.save_row.tolist()) if row > 0}
+    for lane in range(len(start) - 1):
+        for position in range(start[lane], start[lane + 1]):
+            row = int(lanes.initial_row[position])
+            if position > start[lane]:
+                assert row == int(lanes.save_row[position - 1]) > 0
+            else:
+                assert row == 0 or saved_in_wave[row] < wave_of[position]
+    assert len(lanes.waves) > 1
+    longest = sum(max(sum(chunks[start[lane]: start[lane + 1]]) for lane in range(first, end))
+                  for first, end in lanes.waves)
+    assert longest < sum(chunks)

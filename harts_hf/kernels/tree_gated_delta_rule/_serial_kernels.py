@@ -23,13 +23,21 @@ def _unit(unit_bos, unit_eos, unit_chunk, unit_initial, unit_save, i_u):
 
 
 @triton.jit
+def _lane(lane_start, first_lane):
+    """The unit range ``[begin, end)`` of this program's lane (``first_lane`` + the grid's third index)."""
+    lane = first_lane + tl.program_id(2)
+    return tl.load(lane_start + lane).to(tl.int64), tl.load(lane_start + lane + 1).to(tl.int64)
+
+
+@triton.jit
 def forward_kernel(k, w, u, g, h, v_new, bank, unit_bos, unit_eos, unit_chunk, unit_initial, unit_save,
-                   num_units, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   lane_start, first_lane, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // H)
     o_k, o_v, m_k, m_v, m_kv, o_kv = _state_columns(i_v, K, V, BK, BV)
-    for i_u in range(num_units):
+    begin, end = _lane(lane_start, first_lane)
+    for i_u in range(begin, end):
         bos, length, first, row_in, row_out = _unit(unit_bos, unit_eos, unit_chunk, unit_initial, unit_save, i_u)
         b_h = tl.load(bank + (row_in * HV + i_h) * K * V + o_kv, mask=m_kv, other=0.0).to(tl.float32)
         for i_t in range(tl.cdiv(length, BT)):
@@ -58,17 +66,19 @@ def forward_kernel(k, w, u, g, h, v_new, bank, unit_bos, unit_eos, unit_chunk, u
 
 @triton.jit
 def backward_kernel(q, k, w, g, do, dv, dh, dv2, d_bank, unit_bos, unit_eos, unit_chunk, unit_initial,
-                    unit_save, num_units, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
+                    unit_save, lane_start, first_lane, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
                     V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // H)
     o_k, o_v, m_k, m_v, m_kv, o_kv = _state_columns(i_v, K, V, BK, BV)
-    for j_u in range(num_units):
-        i_u = num_units - 1 - j_u
+    begin, end = _lane(lane_start, first_lane)
+    for j_u in range(begin, end):
+        i_u = begin + end - 1 - j_u
         bos, length, first, row_in, row_out = _unit(unit_bos, unit_eos, unit_chunk, unit_initial, unit_save, i_u)
-        # rows other than a saved final state hold no gradient for this unit: row 0 is never added to
+        # rows other than a saved final state hold no gradient for this unit: row 0 is never added to; ".cg" reads
+        # past L1, where lanes of an earlier launch added to the row
         b_dh = tl.load(d_bank + (tl.maximum(row_out, 0) * HV + i_h) * K * V + o_kv, mask=m_kv & (row_out > 0),
-                       other=0.0).to(tl.float32)
+                       other=0.0, cache_modifier=".cg").to(tl.float32)
         num_chunks = tl.cdiv(length, BT)
         for j_t in range(num_chunks):
             i_t = num_chunks - 1 - j_t
@@ -95,5 +105,8 @@ def backward_kernel(q, k, w, g, do, dv, dh, dv2, d_bank, unit_bos, unit_eos, uni
                 - tl.dot(b_w, b_dv.to(b_w.dtype))
         if row_in > 0:
             p_row = d_bank + (row_in * HV + i_h) * K * V + o_kv
-            tl.store(p_row, tl.load(p_row, mask=m_kv, other=0.0) + b_dh, mask=m_kv)
-            tl.debug_barrier()  # the unit that saved this row (processed later) reads it back
+            if i_u == begin:  # a lane's first unit: sibling lanes of this launch may add to the same row
+                tl.atomic_add(p_row, b_dh, mask=m_kv)
+            else:  # saved by an earlier unit of this lane (its parent, in lanes): no other program adds to it now
+                tl.store(p_row, tl.load(p_row, mask=m_kv, other=0.0, cache_modifier=".cg") + b_dh, mask=m_kv)
+                tl.debug_barrier()  # that unit, processed next, reads the row back

@@ -41,9 +41,11 @@ from .serial_state_pass import one_save_per_unit, serial_units, tree_state_backw
 
 BATCH_ROUNDS = True  # False: the fused per-round node (see the module docstring)
 # The round-batched node's state pass: "rounds" (fla's state pass once per round), "serial" (every unit in one
-# launch per direction, harts_hf.kernels.tree_gated_delta_rule.serial_state_pass) or "auto" (state_pass_for).
+# launch per direction, harts_hf.kernels.tree_gated_delta_rule.serial_state_pass), "lanes" (the serial kernels on
+# heavy-path lanes, one launch per wave; exact, not yet timed on a GPU, so "auto" does not pick it) or "auto"
+# (state_pass_for).
 STATE_PASS = "auto"
-_STATE_PASSES = ("auto", "rounds", "serial")
+_STATE_PASSES = ("auto", "rounds", "serial", "lanes")
 SERIAL_ROUND_CHUNKS = 45
 """What one round of fla's state pass costs beyond its longest unit, in chunk steps of the serial pass (host work,
 three launches, the bank gather/scatter; ~0.3 ms on the H200 against ~6.8 us per serial chunk step). Fitted so that
@@ -211,7 +213,7 @@ def _state_bank(batch: RoundBatch, initial_state, HV: int, K: int, V: int, devic
 
 
 def state_pass_for(plan: GatedDeltaPlan) -> str:
-    """``"serial"`` or ``"rounds"`` for ``plan`` under :data:`STATE_PASS`. ``"auto"`` compares the serial pass's
+    """``"serial"``, ``"lanes"`` or ``"rounds"`` for ``plan`` under :data:`STATE_PASS`. ``"auto"`` compares the serial pass's
     chain (every chunk of every unit, one after another) with the per-round pass (the longest unit of each round,
     plus :data:`SERIAL_ROUND_CHUNKS` per round), from the host copy of the plan (no device reads); a plan that saves
     one unit's state under two keys (which the serial pass does not keep) takes the rounds, and so does a plan of
@@ -231,8 +233,6 @@ def state_pass_for(plan: GatedDeltaPlan) -> str:
     return cache["auto"]
 
 
-def _serial_state_pass(plan: GatedDeltaPlan) -> bool:
-    return state_pass_for(plan) == "serial"
 
 
 class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
@@ -256,9 +256,9 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
         bank = _state_bank(batch, initial_state, HV, K, V, q.device)
         initials: list = []
-        serial = _serial_state_pass(plan)
-        if serial:
-            units = serial_units(plan, q.device)
+        state_pass = state_pass_for(plan)
+        if state_pass != "rounds":
+            units = serial_units(plan, q.device, lanes=state_pass == "lanes")
             h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
             if initial_state is not None:  # the recomputation rebuilds the bank from the handed-in state
                 initials.append(initial_state)
@@ -271,7 +271,7 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials)
         ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
         ctx.g_dtype, ctx.initial_dtype = g_dtype, None if initial_state is None else initial_state.dtype
-        ctx.serial = serial
+        ctx.state_pass = state_pass
         return out, requested
 
     @staticmethod
@@ -284,8 +284,8 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
         qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
         w, u = stages["recompute_w_u"](k=ke, v=ve, beta=be, A=A, g=g_cumsum, **grid)
-        if ctx.serial:
-            units = serial_units(plan, q.device)
+        if ctx.state_pass != "rounds":
+            units = serial_units(plan, q.device, lanes=ctx.state_pass == "lanes")
             bank = _state_bank(batch, initials[0] if initials else None, HV, k.shape[-1], V, q.device)
             h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
         else:
@@ -299,7 +299,7 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         d_bank = torch.zeros(batch.num_states, HV, k.shape[-1], V, dtype=torch.float32, device=v.device)
         if d_requested is not None and batch.requested_ids.numel():
             d_bank.index_add_(0, batch.requested_ids, d_requested.float())
-        if ctx.serial:
+        if ctx.state_pass != "rounds":
             dh, dv = tree_state_backward(units, qe, ke, w, g_cumsum, do, dv, d_bank, scale, plan.chunk_size)
         else:
             dh, dv = _state_gradient_pass(stages, batch, plan, qe, ke, w, g_cumsum, do, dv, initials, d_bank, scale)

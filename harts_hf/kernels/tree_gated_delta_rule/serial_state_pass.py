@@ -19,6 +19,12 @@ Trade-off: a program's serial chain is every chunk of every unit (fla's varlen c
 this wins while the per-round launch overhead exceeds the chunk steps: small and medium forests with several rounds.
 ``STATE_PASS`` in :mod:`.fla_backend` selects it (``"auto"``, the default: per plan, by
 :func:`.fla_backend.state_pass_for`).
+
+Lanes (``STATE_PASS = "lanes"``): the units split into heavy paths (from each unit on, the child with the longest
+chain of chunks below it), each walked by its own programs, one launch per wave (a lane's wave is one more than its
+parent unit's lane's); the chain per launch is the longest lane of the wave instead of every chunk of the plan.
+Backward: waves in reverse; a lane's first unit adds its initial-state gradient atomically (sibling lanes of one
+launch may share the row), the others as before. The serial pass is the one-lane case.
 """
 
 from __future__ import annotations
@@ -27,13 +33,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SerialUnits", "one_save_per_unit", "serial_units", "tree_state_backward", "tree_state_forward"]
+__all__ = ["SerialUnits", "lane_order", "one_save_per_unit", "serial_units", "tree_state_backward",
+           "tree_state_forward"]
 
 
 @dataclass
 class SerialUnits:
-    """Every unit of every round in round order, on one device: executed-token span ``[bos, eos)``, first chunk
-    of its ``h`` rows, the bank row it starts from and the bank row its final state goes to (-1: none)."""
+    """Every unit of every round, on one device: executed-token span ``[bos, eos)``, first chunk of its ``h`` rows,
+    the bank row it starts from and the bank row its final state goes to (-1: none); lane ``l`` walks units
+    ``lane_start[l] .. lane_start[l + 1] - 1`` in order, and ``waves`` lists each launch's lanes as ``(first, end)``
+    (one lane, one wave: the serial pass in round order)."""
 
     bos: torch.Tensor
     eos: torch.Tensor
@@ -41,10 +50,53 @@ class SerialUnits:
     initial_row: torch.Tensor
     save_row: torch.Tensor
     num_chunks: int
+    lane_start: torch.Tensor
+    waves: list
 
     @property
     def num_units(self) -> int:
         return int(self.bos.shape[0])
+
+
+def lane_order(initial_row: list[int], save_row: list[int], chunks: list[int]) -> tuple[list[int], list[int], list]:
+    """Heavy-path lanes of units given in round order (a unit's parent is the unit that saved the bank row it starts
+    from; rows no unit saves, zeros or a handed-in state, start a root): returns the unit order (lane after lane,
+    wave after wave; a lane's units parent first), ``lane_start`` offsets into it and each wave's ``(first, end)``
+    lanes. A unit's heavy child is its child with the longest chain of chunks below it (first such child on ties)."""
+    producer = {row: unit for unit, row in enumerate(save_row) if row > 0}
+    parent = [producer.get(row, -1) if row > 0 else -1 for row in initial_row]
+    children: list[list[int]] = [[] for _ in initial_row]
+    for unit, p in enumerate(parent):
+        if p >= unit:
+            raise ValueError(f"unit {unit} starts from the state of unit {p}, which does not run before it")
+        if p >= 0:
+            children[p].append(unit)
+    chain = list(chunks)
+    for unit in reversed(range(len(chain))):  # children after their parents in round order
+        if children[unit]:
+            chain[unit] += max(chain[c] for c in children[unit])
+    heavy = [max(c, key=lambda child: chain[child]) if c else -1 for c in children]
+    lanes, lane_of, wave_of = [], {}, []
+    for unit, p in enumerate(parent):
+        if p >= 0 and heavy[p] == unit:
+            continue  # walked with its parent's lane
+        lane, walk = [], unit
+        while walk >= 0:
+            lane.append(walk)
+            lane_of[walk] = len(lanes)
+            walk = heavy[walk]
+        wave_of.append(0 if p < 0 else wave_of[lane_of[p]] + 1)
+        lanes.append(lane)
+    by_wave = sorted(range(len(lanes)), key=lambda lane: wave_of[lane])  # stable: round order within a wave
+    order, lane_start, waves = [], [0], []
+    for position, lane in enumerate(by_wave):
+        order += lanes[lane]
+        lane_start.append(len(order))
+        if not waves or wave_of[lane] != wave_of[by_wave[waves[-1][0]]]:
+            waves.append([position, position + 1])
+        else:
+            waves[-1][1] = position + 1
+    return order, lane_start, [tuple(w) for w in waves]
 
 
 def one_save_per_unit(batch) -> bool:
@@ -53,13 +105,15 @@ def one_save_per_unit(batch) -> bool:
     return all(torch.unique(slots).numel() == slots.numel() for slots in batch.save_slots)
 
 
-def serial_units(plan, device) -> SerialUnits:
-    """The :class:`SerialUnits` of ``plan`` (cached on the plan per device), from its round batch."""
+def serial_units(plan, device, lanes: bool = False) -> SerialUnits:
+    """The :class:`SerialUnits` of ``plan`` (cached on the plan per device), from its round batch: one lane in round
+    order, or heavy-path ``lanes`` (:func:`lane_order`)."""
     from .fla_backend import round_batch
 
     cache = plan.__dict__.setdefault("_serial_units", {})
-    if str(device) in cache:
-        return cache[str(device)]
+    key = (str(device), lanes)
+    if key in cache:
+        return cache[key]
     batch = round_batch(plan, torch.device("cpu"))
     if not one_save_per_unit(batch):
         raise ValueError("a unit's final state is saved under two keys; the serial state pass keeps one row per "
@@ -74,9 +128,15 @@ def serial_units(plan, device) -> SerialUnits:
     for initial_ids, save_ids, save_slots in zip(batch.initial_ids, batch.save_ids, batch.save_slots):
         save_row[offset + save_slots] = save_ids
         offset += initial_ids.numel()
-    units = SerialUnits(cu[:-1].to(device), cu[1:].to(device), chunk[:-1].to(device), initial_row.to(device),
-                        save_row.to(device), int(chunk[-1]))
-    cache[str(device)] = units
+    if lanes:
+        order, lane_start, waves = lane_order(initial_row.tolist(), save_row.tolist(), counts.tolist())
+    else:
+        order, lane_start, waves = list(range(counts.numel())), [0, counts.numel()], [(0, 1)]
+    order = torch.tensor(order, dtype=torch.long)
+    units = SerialUnits(cu[:-1][order].to(device), cu[1:][order].to(device), chunk[:-1][order].to(device),
+                        initial_row[order].to(device), save_row[order].to(device), int(chunk[-1]),
+                        torch.tensor(lane_start, dtype=torch.long).to(device), waves)
+    cache[key] = units
     return units
 
 
@@ -86,10 +146,11 @@ def serial_units(plan, device) -> SerialUnits:
 _STAGES: dict[tuple, int] = {}
 
 
-def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_size: int, *scalars) -> None:
-    """One program per (value head, block of value columns); head counts and sizes from ``keys [1, T, H, K]`` and
-    ``values [1, T, HV, V]``. A variant that needs more shared memory than the GPU has is compiled again with
-    fewer pipelining stages."""
+def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_size: int, *scalars,
+            reverse: bool = False) -> None:
+    """One launch per wave (in reverse for the backward), one program per (value head, block of value columns,
+    lane of the wave); head counts and sizes from ``keys [1, T, H, K]`` and ``values [1, T, HV, V]``. A variant
+    that needs more shared memory than the GPU has is compiled again with fewer pipelining stages."""
     import triton
     from triton.runtime.errors import OutOfResources
 
@@ -99,18 +160,19 @@ def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_s
     HV, V = values.shape[2], values.shape[3]
     BK, BV = max(16, triton.next_power_of_2(K)), min(32, max(16, triton.next_power_of_2(V)))
     key = (name, keys.device.index, tuple(t.data_ptr() % 16 == 0 for t in tensors))
-    while True:
-        stages = {} if key not in _STAGES else {"num_stages": _STAGES[key]}
-        try:
-            getattr(_serial_kernels, name)[(triton.cdiv(V, BV), HV)](
-                *tensors, units.bos, units.eos, units.chunk, units.initial_row, units.save_row, units.num_units,
-                *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=4, **stages)
-            return
-        except OutOfResources:
-            fewer = _STAGES.get(key, 3) - 1
-            if fewer < 1:
-                raise
-            _STAGES[key] = fewer
+    for first, end in reversed(units.waves) if reverse else units.waves:
+        while True:
+            stages = {} if key not in _STAGES else {"num_stages": _STAGES[key]}
+            try:
+                getattr(_serial_kernels, name)[(triton.cdiv(V, BV), HV, end - first)](
+                    *tensors, units.bos, units.eos, units.chunk, units.initial_row, units.save_row, units.lane_start,
+                    first, *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=4, **stages)
+                break
+            except OutOfResources:
+                fewer = _STAGES.get(key, 3) - 1
+                if fewer < 1:
+                    raise
+                _STAGES[key] = fewer
 
 
 def tree_state_forward(units: SerialUnits, k, w, u, g, bank, chunk_size: int):
@@ -129,5 +191,6 @@ def tree_state_backward(units: SerialUnits, q, k, w, g, do, dv, d_bank, scale: f
     gradient is added to its row in place) -> ``dh [1, NT, HV, K, V]`` (``q.dtype``) and ``dv2`` like ``dv``."""
     dh = q.new_empty(1, units.num_chunks, do.shape[2], q.shape[3], do.shape[3])
     dv2 = torch.empty_like(dv)
-    _launch("backward_kernel", units, (q, k, w, g, do, dv, dh, dv2, d_bank), q, do, chunk_size, scale)
+    _launch("backward_kernel", units, (q, k, w, g, do, dv, dh, dv2, d_bank), q, do, chunk_size, scale,
+            reverse=True)
     return dh, dv2
