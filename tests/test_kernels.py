@@ -538,7 +538,7 @@ def test_state_pass_choice(monkeypatch):
     one = make_workload("swe", scale=0.02, seed=0).sequences[:1]  # one round: fla's own kernel
     assert fla_backend.state_pass_for(build_gated_delta_plan(PrefixForest.from_sequences(one).pack())) == "rounds"
     the_plan = plan_of("grpo", 0.05)
-    for value in ("rounds", "serial"):
+    for value in ("rounds", "serial", "lanes"):
         monkeypatch.setattr(fla_backend, "STATE_PASS", value)
         assert fla_backend.state_pass_for(the_plan) == value
     monkeypatch.setattr(fla_backend, "STATE_PASS", "fast")

@@ -24,7 +24,11 @@ Lanes (``STATE_PASS = "lanes"``): the units split into heavy paths (from each un
 chain of chunks below it), each walked by its own programs, one launch per wave (a lane's wave is one more than its
 parent unit's lane's); the chain per launch is the longest lane of the wave instead of every chunk of the plan.
 Backward: waves in reverse; a lane's first unit adds its initial-state gradient atomically (sibling lanes of one
-launch may share the row), the others as before. The serial pass is the one-lane case.
+launch may share the row), the others as before. The serial pass is the one-lane case. Chain per pass (chunk steps,
+serial -> lanes): full-size ``tau`` 1,621 -> 417 in 3 waves, full-size ``swe`` 6,802 -> 2,014, tau@0.02 125 -> 13.
+How many lanes run at once is bounded by occupancy: compiled offline for sm90 (Triton 3.6, 4 warps, 3 stages) the
+kernels take 255 registers per thread (the backward spills) and 29 / 50 KB of shared memory, so about two programs
+per SM: ~2 lanes of 128 programs at a time on an H200. Not yet timed on a GPU; ``"auto"`` does not pick it.
 """
 
 from __future__ import annotations
