@@ -7,8 +7,9 @@
    every input gradient. Hand-off pieces (handed-in state, context rows, requested states) on both nodes, and fla's
    own bf16 level for gradients through final states (its public function, loss on outputs and final states).
 2. Timing (fwd+bwd, warm, CUDA-synchronised) at the ~2B Qwen3-Next layer shapes on a workload's forest:
-   - gated delta rule: the fused tree node (all rounds), the per-round autograd version, and ONE varlen fla call
-     over the same unique tokens (the tree's runs as independent sequences, no hand-over): the target is
+   - gated delta rule: the tree node as the model runs it (``STATE_PASS="auto"``), with each state pass (fla's per
+     round, the serial one, the serial one on heavy-path lanes), the per-round autograd version, and ONE varlen fla
+     call over the same unique tokens (the tree's runs as independent sequences, no hand-over): the target is
      tree <= 1.15x that call;
    - attention: the varlen tree path and cuDNN per run (exact shapes, and bucketed: ``CUDNN_KEY_BLOCK = 4096``,
      each with its first call, which builds cuDNN's plans) vs SDPA causal on one plain sequence and vs the
@@ -270,6 +271,7 @@ def gdn_timing(row, packed, plan, U, backward) -> None:
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from harts_hf.kernels import tree_gated_delta_rule
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend
     from harts_hf.kernels.tree_gated_delta_rule.fla_backend import tree_gated_delta_rule_fla_autograd
 
     inputs = gdn_inputs(U, 16, 32, 128, 128)
@@ -277,27 +279,27 @@ def gdn_timing(row, packed, plan, U, backward) -> None:
     run_starts = torch.nonzero(packed.parent != torch.arange(U) - 1)[:, 0]
     run_lengths = torch.diff(torch.cat([run_starts, torch.tensor([U])]))
     cu_runs = torch.nn.functional.pad(run_lengths.cumsum(0), (1, 0)).to("cuda")
-    row["gdn_tree_fused_s"] = bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
-        *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), batched=False))
-    row["gdn_tree_batched_s"] = bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
-        *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla"))))
-    row["gdn_tree_serial_s"] = bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
-        *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), state_pass="serial"))
-    row["gdn_tree_lanes_s"] = bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
-        *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), state_pass="lanes"))
+    def tree(batched=True, state_pass="auto"):
+        return bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
+            *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), batched=batched, state_pass=state_pass))
+
+    row["gdn_tree_s"] = tree()  # as the model runs it: the round-batched node, the state pass "auto" picks
+    row["gdn_state_pass_auto"] = batched_rounds(lambda: fla_backend.state_pass_for(plan), state_pass="auto")
+    row["gdn_tree_fused_s"] = tree(batched=False)
+    for state_pass in ("rounds", "serial", "lanes"):
+        row[f"gdn_tree_{state_pass}_s"] = tree(state_pass=state_pass)
     row["gdn_lanes"] = lanes_shape(plan)
     row["gdn_tree_per_round_s"] = bench(lambda: backward(tree_gated_delta_rule_fla_autograd(
         *inputs, plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)))
     row["gdn_single_call_s"] = bench(lambda: backward(chunk_gated_delta_rule(
         *(x.unsqueeze(0) for x in inputs), cu_seqlens=cu_runs, use_qk_l2norm_in_kernel=True)[0]))
     row["gdn_single_call_runs"] = int(run_lengths.numel())
-    row["gdn_tree_over_single"] = row["gdn_tree_fused_s"] / row["gdn_single_call_s"]
-    row["gdn_tree_batched_over_single"] = row["gdn_tree_batched_s"] / row["gdn_single_call_s"]
-    row["gdn_tree_serial_over_single"] = row["gdn_tree_serial_s"] / row["gdn_single_call_s"]
-    row["gdn_tree_lanes_over_single"] = row["gdn_tree_lanes_s"] / row["gdn_single_call_s"]
-    print(f"  gdn: tree {row['gdn_tree_fused_s'] * 1e3:.1f} ms (auto), serial {row['gdn_tree_serial_s'] * 1e3:.1f}, "
-          f"lanes {row['gdn_tree_lanes_s'] * 1e3:.1f} ({row['gdn_lanes']}), rounds "
-          f"{row['gdn_tree_batched_s'] * 1e3:.1f}, one varlen call {row['gdn_single_call_s'] * 1e3:.1f}", flush=True)
+    for variant in ("", "_fused", "_rounds", "_serial", "_lanes"):
+        row[f"gdn_tree{variant}_over_single"] = row[f"gdn_tree{variant}_s"] / row["gdn_single_call_s"]
+    print(f"  gdn: tree {row['gdn_tree_s'] * 1e3:.1f} ms (auto: {row['gdn_state_pass_auto']}); state pass rounds "
+          f"{row['gdn_tree_rounds_s'] * 1e3:.1f}, serial {row['gdn_tree_serial_s'] * 1e3:.1f}, lanes "
+          f"{row['gdn_tree_lanes_s'] * 1e3:.1f} ({row['gdn_lanes']}); fused per-round node "
+          f"{row['gdn_tree_fused_s'] * 1e3:.1f}; one varlen call {row['gdn_single_call_s'] * 1e3:.1f}", flush=True)
 
 
 def lanes_shape(plan) -> dict:
@@ -465,12 +467,12 @@ def main():
         save()
         print(f"done {name} in {results[f'{name}_wall_s']:.0f} s", flush=True)
     print(json.dumps(results.get("parity", {}), indent=1))
-    print("| workload | U | rounds | GDN tree fused ms | per-round ms | single call ms | tree/single | attn tree ms | "
+    print("| workload | U | rounds | GDN tree ms | per-round ms | single call ms | tree/single | attn tree ms | "
           "attn rate vs SDPA causal | conv tree ms | conv plain ms | metadata ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, row in results.get("timing", {}).items():
         s = row["stats"]
-        print(f"| {name} | {s['unique_tokens']} | {s['gdn_rounds']} | {_cell(row, 'gdn_tree_fused_s')} | "
+        print(f"| {name} | {s['unique_tokens']} | {s['gdn_rounds']} | {_cell(row, 'gdn_tree_s')} | "
               f"{_cell(row, 'gdn_tree_per_round_s')} | {_cell(row, 'gdn_single_call_s')} | "
               f"{_cell(row, 'gdn_tree_over_single', 1)} | {_cell(row, 'attention_tree_s')} | "
               f"{_cell(row, 'attention_tree_over_sdpa_rate', 1)} | {_cell(row, 'conv_tree_s')} | "
