@@ -214,14 +214,16 @@ def attention_breakdown(function, top: int = 12) -> list:
 
 def path_attention(make, sequences, max_tokens: int, backward) -> dict:
     """The per-trajectory baseline's attention on the same kernel: flash varlen, causal, the workload's own
-    trajectories packed (unpadded) up to ``max_tokens`` path tokens; returns seconds, pairs and the pair rate."""
+    trajectories packed (unpadded) up to ``max_tokens`` path tokens and what one call can address
+    (``varlen.MAX_CALL_ELEMENTS``); returns seconds, pairs and the pair rate."""
     from torch.nn.attention.varlen import varlen_attn
 
-    from harts_hf.kernels.tree_attention.varlen import gqa_keyword
+    from harts_hf.kernels.tree_attention.varlen import MAX_CALL_ELEMENTS, PAD_ROWS, gqa_keyword
 
-    lengths = []
+    lengths = []  # one call: past 2^31 query elements (with the backward's padding rows) torch's kernel overflows
     for sequence in sorted(sequences, key=len):
-        if sum(lengths) + len(sequence) > max_tokens and lengths:
+        rows = sum(lengths) + len(sequence) + PAD_ROWS * (len(lengths) + 1)
+        if lengths and (sum(lengths) + len(sequence) > max_tokens or rows * 16 * 256 > MAX_CALL_ELEMENTS):
             break
         lengths.append(len(sequence))
     cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device="cuda")
@@ -369,10 +371,7 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
         for name, seconds, calls in row["attention_tree_kernels"]:
             print(f"    {seconds * 1e3:8.2f} ms {calls:4d}x {name}", flush=True)
     q = k = v = None
-    from harts_hf.kernels.tree_attention.varlen import MAX_CALL_ELEMENTS
-
-    # one varlen call per baseline: past 2^31 query elements torch's kernel overflows (benchmarks/varlen_limits.py)
-    row["attention_paths"] = path_attention(make, sequences, min(600_000, MAX_CALL_ELEMENTS // (16 * 256)), backward)
+    row["attention_paths"] = path_attention(make, sequences, 600_000, backward)
     row["attention_tree_over_paths_rate"] = tree_rate / row["attention_paths"]["pairs_per_s"]
     print(f"  attention: tree {row['attention_tree_s'] * 1e3:.1f} ms for {tree_pairs:.3g} pairs; rate vs SDPA causal "
           f"16k {row['attention_tree_over_sdpa_rate']:.2f}x, vs the trajectories' own varlen "
