@@ -213,11 +213,12 @@ def _state_bank(batch: RoundBatch, initial_state, HV: int, K: int, V: int, devic
 
 
 def state_pass_for(plan: GatedDeltaPlan) -> str:
-    """``"serial"``, ``"lanes"`` or ``"rounds"`` for ``plan`` under :data:`STATE_PASS`. ``"auto"`` compares the serial pass's
-    chain (every chunk of every unit, one after another) with the per-round pass (the longest unit of each round,
-    plus :data:`SERIAL_ROUND_CHUNKS` per round), from the host copy of the plan (no device reads); a plan that saves
-    one unit's state under two keys (which the serial pass does not keep) takes the rounds, and so does a plan of
-    one round (one launch of fla's own state pass either way: a single sequence is exactly fla's kernel)."""
+    """``"serial"``, ``"lanes"`` or ``"rounds"`` for ``plan`` under :data:`STATE_PASS`. ``"auto"`` compares the
+    serial pass's chain (every chunk of every unit, one after another) with the per-round pass (the longest unit of
+    each round, plus :data:`SERIAL_ROUND_CHUNKS` per round), from the host copy of the plan (no device reads); it
+    does not pick ``"lanes"`` (not yet timed on a GPU). A plan that saves one unit's state under two keys (which the
+    serial pass does not keep) takes the rounds, and so does a plan of one round (one launch of fla's own state pass
+    either way: a single sequence is exactly fla's kernel)."""
     if STATE_PASS not in _STATE_PASSES:
         raise ValueError(f"fla_backend.STATE_PASS must be one of {_STATE_PASSES}, got {STATE_PASS!r}")
     if STATE_PASS != "auto":
@@ -231,8 +232,6 @@ def state_pass_for(plan: GatedDeltaPlan) -> str:
         single = len(counts) <= 1
         cache["auto"] = "serial" if serial <= rounds and not single and one_save_per_unit(batch) else "rounds"
     return cache["auto"]
-
-
 
 
 class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
