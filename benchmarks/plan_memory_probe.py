@@ -121,7 +121,8 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     """Warm runs under torch.profiler: the whole forest, and ``loop_count`` of its trajectories alone (length
     quantiles 0.1-0.9, the per-trajectory path). For each: kernel seconds by op family (gpu_suite's families), their
     sum, the wall time (the gap is host time the GPU waited for) and the tokens it ran (unique for the tree, path
-    tokens for the sample), so the two compare per token; the top kernels go to ``profile_<name>.txt``."""
+    tokens for the sample), so the two compare per token; the top kernels go to ``profile_<name>.txt``, and a cProfile
+    of one more warm tree run (host time by Python function) to ``profile_tree_host.txt``."""
     from gpu_suite import _op_family
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -157,6 +158,16 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
         print(f"profile {name} ({len(batch)} forest(s), {tokens} tokens): wall {wall:.2f} s, device "
               f"{report[name]['device_seconds']:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in families.items()),
               flush=True)
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()  # host time of one warm tree run: where a small forest's fixed cost goes
+    report["tree"]["host_wall_seconds"] = profiler.runcall(
+        lambda: run(model, sequences, None, device, history=False, attention=attention)["seconds"])
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
+    (out / "profile_tree_host.txt").write_text(text.getvalue())
     return report
 
 
