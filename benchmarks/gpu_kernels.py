@@ -215,15 +215,15 @@ def attention_breakdown(function, top: int = 12) -> list:
 def path_attention(make, sequences, max_tokens: int, backward) -> dict:
     """The per-trajectory baseline's attention on the same kernel: flash varlen, causal, the workload's own
     trajectories packed (unpadded) up to ``max_tokens`` path tokens and what one call can address
-    (``varlen.MAX_CALL_ELEMENTS``); returns seconds, pairs and the pair rate."""
+    (``varlen.varlen_call_groups``); returns seconds, pairs and the pair rate."""
     from torch.nn.attention.varlen import varlen_attn
 
-    from harts_hf.kernels.tree_attention.varlen import MAX_CALL_ELEMENTS, PAD_ROWS, gqa_keyword
+    from harts_hf.kernels.tree_attention.varlen import gqa_keyword, varlen_call_groups
 
-    lengths = []  # one call: past 2^31 query elements (with the backward's padding rows) torch's kernel overflows
+    lengths = []  # what ONE call addresses: past it torch's kernel overflows (the tree path splits, this baseline stops)
     for sequence in sorted(sequences, key=len):
-        rows = sum(lengths) + len(sequence) + PAD_ROWS * (len(lengths) + 1)
-        if lengths and (sum(lengths) + len(sequence) > max_tokens or rows * 16 * 256 > MAX_CALL_ELEMENTS):
+        offsets = [0] + np.cumsum(lengths + [len(sequence)]).tolist()
+        if lengths and (offsets[-1] > max_tokens or len(varlen_call_groups(offsets, offsets, 16 * 256, 2 * 256)) > 1):
             break
         lengths.append(len(sequence))
     cu = torch.tensor([0] + np.cumsum(lengths).tolist(), dtype=torch.int32, device="cuda")
@@ -342,27 +342,23 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
     row["attention_pairs_per_s_tree"], row["attention_pairs_per_s_sdpa_causal"] = tree_rate, plain_rate
     row["attention_tree_over_sdpa_rate"] = tree_rate / plain_rate
     qs = ks = vs = None
-    start = time.perf_counter()  # first call: cuDNN builds its graphs for this forest's run shapes
-    backward(tree_attention(q, k, v, subtree_end, backend="cudnn", layout=layout))
-    torch.cuda.synchronize()
-    row["attention_cudnn_first_s"] = time.perf_counter() - start
-    row["attention_cudnn_s"] = bench(lambda: backward(tree_attention(q, k, v, subtree_end, backend="cudnn",
-                                                                     layout=layout)))
-    row["attention_cudnn_over_sdpa_rate"] = tree_pairs / row["attention_cudnn_s"] / plain_rate
-    row["attention_cudnn_shapes"] = len(run_blocks(layout).shapes())
     from harts_hf.kernels.tree_attention import ops as attention_ops
 
-    attention_ops.CUDNN_KEY_BLOCK = 4096  # bucketed shapes: the first call builds only shapes not seen before
-    try:
-        start = time.perf_counter()
+    def cudnn():
         backward(tree_attention(q, k, v, subtree_end, backend="cudnn", layout=layout))
-        torch.cuda.synchronize()
-        row["attention_cudnn_bucketed_first_s"] = time.perf_counter() - start
-        row["attention_cudnn_bucketed_s"] = bench(lambda: backward(tree_attention(
-            q, k, v, subtree_end, backend="cudnn", layout=layout)))
-        row["attention_cudnn_bucketed_shapes"] = len(run_blocks(layout, key_block=4096).shapes())
-    finally:
-        attention_ops.CUDNN_KEY_BLOCK = None
+
+    for name, key_block in (("attention_cudnn", None), ("attention_cudnn_bucketed", 4096)):
+        attention_ops.CUDNN_KEY_BLOCK = key_block  # bucketed: the first call builds only shapes not seen before
+        try:
+            start = time.perf_counter()  # first call: cuDNN builds its plans for this forest's block shapes
+            cudnn()
+            torch.cuda.synchronize()
+            row[f"{name}_first_s"] = time.perf_counter() - start
+            row[f"{name}_s"] = bench(cudnn)
+            row[f"{name}_shapes"] = len(run_blocks(layout, key_block=key_block).shapes())
+        finally:
+            attention_ops.CUDNN_KEY_BLOCK = None
+    row["attention_cudnn_over_sdpa_rate"] = tree_pairs / row["attention_cudnn_s"] / plain_rate
     row["attention_parity"] = attention_parity(q, k, v, subtree_end, layout, fp32_reference=U <= 20_000)
     print(f"  attention parity: {row['attention_parity']}", flush=True)
     if profile_attention:
@@ -473,16 +469,16 @@ def main():
         s = row["stats"]
         print(f"| {name} | {s['unique_tokens']} | {s['gdn_rounds']} | {_cell(row, 'gdn_tree_s')} | "
               f"{_cell(row, 'gdn_tree_per_round_s')} | {_cell(row, 'gdn_single_call_s')} | "
-              f"{_cell(row, 'gdn_tree_over_single', 1)} | {_cell(row, 'attention_tree_s')} | "
-              f"{_cell(row, 'attention_tree_over_sdpa_rate', 1)} | {_cell(row, 'conv_tree_s')} | "
+              f"{_cell(row, 'gdn_tree_over_single', ratio=True)} | {_cell(row, 'attention_tree_s')} | "
+              f"{_cell(row, 'attention_tree_over_sdpa_rate', ratio=True)} | {_cell(row, 'conv_tree_s')} | "
               f"{_cell(row, 'conv_plain_s')} | {_cell(row, 'metadata_seconds')} |")
 
 
-def _cell(row: dict, key: str, factor: float = 1e3) -> str:
-    """``row[key]`` in ms (ratios: ``factor=1``), or '-' for an op not timed (``--ops``)."""
+def _cell(row: dict, key: str, ratio: bool = False) -> str:
+    """``row[key]`` in ms (or as a ratio), or '-' for an op not timed (``--ops``)."""
     if key not in row:
         return "-"
-    return f"{factor * row[key]:.1f}" if factor != 1 else f"{row[key]:.2f}"
+    return f"{row[key]:.2f}" if ratio else f"{1e3 * row[key]:.1f}"
 
 
 if __name__ == "__main__":

@@ -22,7 +22,10 @@ Needs CUDA. Writes ``OUT/probe.json`` and prints the tables.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import sys
 import time
 from collections import Counter
@@ -127,8 +130,6 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from harts_hf.trees import PrefixForest
-
     picks = _quantile_picks(sequences, loop_count)
     forests = {"tree": [sequences], "loop": [[sequences[i]] for i in picks]}
     report = {}
@@ -137,8 +138,8 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
         for forest in batch if name == "loop" else []:  # the tree is warm from the timed runs
             run(model, forest, None, device, history=False, attention=attention)
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            wall = sum(run(model, forest, None, device, history=False, attention=attention)["seconds"]
-                       for forest in batch)
+            runs = [run(model, forest, None, device, history=False, attention=attention) for forest in batch]
+        wall, tokens = sum(r["seconds"] for r in runs), sum(r["unique_tokens"] for r in runs)
         events = prof.key_averages()
         (out / f"profile_{name}.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=50))
         families, queue_full = {}, 0.0
@@ -151,17 +152,11 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
             family = _op_family(event.key)
             families[family] = families.get(family, 0.0) + event.self_device_time_total / 1e6
         families = dict(sorted(families.items(), key=lambda kv: -kv[1]))
-        tokens = (PrefixForest.from_sequences(sequences).pack().num_tokens if name == "tree"
-                  else sum(len(forest[0]) for forest in batch))
         report[name] = dict(wall_seconds=wall, device_seconds=sum(families.values()), tokens=tokens,
                             device_seconds_by_family=families, launch_queue_full_seconds=queue_full)
         print(f"profile {name} ({len(batch)} forest(s), {tokens} tokens): wall {wall:.2f} s, device "
               f"{report[name]['device_seconds']:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in families.items()),
               flush=True)
-    import cProfile
-    import io
-    import pstats
-
     profiler = cProfile.Profile()  # host time of one warm tree run: where a small forest's fixed cost goes
     report["tree"]["host_wall_seconds"] = profiler.runcall(
         lambda: run(model, sequences, None, device, history=False, attention=attention)["seconds"])
@@ -268,7 +263,7 @@ def main(argv=None):
                 print(f"    {gib:8.3f}  {where}")
     if args.profile:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, Path(args.out),
-                                         max(args.loop_sample, 8) if args.loop_sample >= 0 else 8)))
+                                         max(args.loop_sample, 8))))
     if args.loop_sample:
         rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit,
                                                  args.attention)))

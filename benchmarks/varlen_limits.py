@@ -22,6 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_kernels import rel  # noqa: E402
 
 SEQUENCES, LENGTH, HQ, HKV, D = 64, 9_000, 16, 2, 256
 
@@ -46,11 +49,6 @@ def alone(q, k, v, weight, index: int):
 def output_weight():
     generator = torch.Generator(device="cuda").manual_seed(1)
     return torch.randn(SEQUENCES * LENGTH, HQ, D, device="cuda", generator=generator)
-
-
-def rel(a, b) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm())
 
 
 def one_call(queue) -> None:

@@ -228,19 +228,15 @@ def test_bucket_rows():
 
 
 def _varlen_attn_by_sequence(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, 0), **_):
-    """torch's ``varlen_attn`` semantics (bottom-right causal, GQA) one sequence at a time with SDPA: the kernel
-    itself is CUDA-only, this stands in for it to test how calls are cut (the kernel is checked on the GPU)."""
-    assert window_size == (-1, 0) and max_q >= int((cu_q[1:] - cu_q[:-1]).max()) and max_k >= int((cu_k[1:] - cu_k[:-1]).max())
-    outputs = []
-    for r in range(cu_q.shape[0] - 1):
-        qs, ks, vs = q[cu_q[r]: cu_q[r + 1]], k[cu_k[r]: cu_k[r + 1]], v[cu_k[r]: cu_k[r + 1]]
-        Lq, Lk = qs.shape[0], ks.shape[0]
-        visible = torch.arange(Lk)[None, :] <= torch.arange(Lq)[:, None] + (Lk - Lq)
-        out = torch.nn.functional.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1),
-                                                               vs.transpose(0, 1), attn_mask=visible,
-                                                               scale=scale, enable_gqa=True)
-        outputs.append(out.transpose(0, 1))
-    return torch.cat(outputs)
+    """torch's ``varlen_attn`` semantics (bottom-right causal, GQA) one sequence at a time: the per-run SDPA path on
+    keys given in place (an identity key index). The kernel itself is CUDA-only; this stands in for it to test how
+    calls are cut (the kernel is checked on the GPU)."""
+    from harts_hf.kernels.tree_attention.ops import _attention_by_runs
+    from harts_hf.kernels.tree_attention.varlen import VarlenLayout
+
+    assert window_size == (-1, 0)
+    assert max_q >= int((cu_q[1:] - cu_q[:-1]).max()) and max_k >= int((cu_k[1:] - cu_k[:-1]).max())
+    return _attention_by_runs(q, k, v, VarlenLayout(torch.arange(k.shape[0]), cu_q, cu_k, max_q, max_k), scale)
 
 
 def test_varlen_calls_are_cut_below_the_kernels_32_bit_offsets(monkeypatch):

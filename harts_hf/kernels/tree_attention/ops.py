@@ -28,7 +28,9 @@ CUDNN_KEY_BLOCK: int | None = None
 """Shape buckets for ``backend="cudnn"`` (:func:`.split.run_blocks`): ``None`` runs every run's exact block shapes
 (measured: 0.93x SDPA's pair rate on full-size ``swe``, but new plans for every new forest); an int (e.g. 4096)
 runs ancestors in blocks of that many keys and rounds rows up, so the plans come from a small fixed set (exact on
-CPU with explicit softmax blocks; not yet timed on a GPU)."""
+CPU with explicit softmax blocks). Measured with 4096 (BENCHMARKS.md, eighth session): full-size ``swe`` 0.77-0.79x
+SDPA's rate and 3.2 s of plans for a second forest (exact shapes: 11.6 s); full-size ``tau`` 0.41x (its shorter
+paths waste the blocks)."""
 
 
 def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0) -> torch.Tensor:

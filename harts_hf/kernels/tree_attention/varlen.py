@@ -153,7 +153,11 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
 
     extra = gqa_keyword(varlen_attn) if q.shape[1] != k.shape[1] else {}
     cu_q, cu_k = layout.host_cu()
-    groups = varlen_call_groups(cu_q, cu_k, q[0].numel(), k[0].numel())
+    cache = layout.__dict__.setdefault("_call_groups", {})  # per layout, head shape and limit (as run_blocks caches)
+    key = (q[0].numel(), k[0].numel(), MAX_CALL_ELEMENTS)
+    if key not in cache:
+        cache[key] = varlen_call_groups(cu_q, cu_k, *key)
+    groups = cache[key]
     if len(groups) == 1:
         keys, values = gather_rows(k, layout.key_index), gather_rows(v, layout.key_index)
         return varlen_attn(q, keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale=scaling,
