@@ -4,8 +4,9 @@ Trains a few TreeGRPO steps and writes each rank's final parameters and world si
 Mode ``groups``: the MoE load-balancing loss, one tree forward per microbatch. Mode ``planner``: a token budget
 that some prompts' trees fit and others' do not (ranks run different numbers of pieces, or one tree forward);
 also runs as one process over the same global batch (``per_device_train_batch_size`` doubled), for the test to
-compare parameters. Mode ``cross`` (``cross_grpo``: loss_type 'grpo'): ``planner`` with ``tree_cross_replica_handoffs`` (on 2 processes, one plan over both
-processes' rows, pieces of a tree on either process). Mode ``balance``: TRL's split gives process 0 the two big trees of every generation batch
+compare parameters. Mode ``cross`` (``cross_grpo``: loss_type 'grpo'): ``planner`` with
+``tree_cross_replica_handoffs`` (on 2 processes, one plan over both processes' rows, pieces of a tree on either
+process). Mode ``balance``: TRL's split gives process 0 the two big trees of every generation batch
 (``shuffle_dataset=False``; prompts marked "!" get a long draft); ``tree_balance_replicas`` moves whole groups;
 also records the first optimizer step's gradient and the prompts each process trains on; as one process it is
 the reference over the same global batch.
