@@ -99,7 +99,12 @@ def build_model(hidden=1024, layers=8, vocab=151936):
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4),
         mlp_only_layers=list(range(layers)), max_position_embeddings=262144, router_aux_loss_coef=0.0)
     torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    return spread_decays(transformers.Qwen3NextForCausalLM(config).to(device="cuda", dtype=torch.bfloat16))
+
+
+def spread_decays(model):
+    """Per-head decays exp(A_log) drawn in [0.01, 1] as in the CPU tests (transformers' init reaches 16, which
+    leaves little state to hand over); returns ``model``."""
     with torch.no_grad():
         for module in model.modules():
             if hasattr(module, "A_log"):
@@ -211,6 +216,11 @@ def main():
     parser.add_argument("--out", default="results")
     parser.add_argument("--scale", type=float, default=0.01)
     parser.add_argument("--skip", nargs="*", default=[], choices=["kernel", "model"])
+    parser.add_argument("--preset", default=None,
+                        help="a model preset of bench_tree_vs_trajectory.py (e.g. qwen3_next_2b_4layers, the ~2B "
+                             "layer shapes in 4 layers) instead of the 8-layer hidden-1024 model; bf16, decays spread")
+    parser.add_argument("--family", default="qwen3_next", choices=["qwen3_next", "qwen3_5"])
+    parser.add_argument("--no-timing", dest="timing", action="store_false", help="parity only")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -222,7 +232,14 @@ def main():
         (out / "gpu_parity.json").write_text(json.dumps(results, indent=2, default=str))
         print("saved", results.get("model_stages"), flush=True)
 
-    for name, step in (("kernel", kernel_parity), ("model", lambda r: model_parity(r, args.scale, save))):
+    model = None
+    if args.preset is not None and "model" not in args.skip:
+        import bench_tree_vs_trajectory as bench
+
+        model = spread_decays(bench.build_model(args.preset, args.family, torch.device("cuda"), torch.bfloat16))
+        results["preset"] = {"model": args.preset, "family": args.family}
+    for name, step in (("kernel", kernel_parity),
+                       ("model", lambda r: model_parity(r, args.scale, save, model=model, timing=args.timing))):
         if name in args.skip:
             continue
         start = time.perf_counter()

@@ -152,11 +152,7 @@ def main():
                         "cpu_seconds_by_family": report}
 
     def model_parity(r):
-        small = bench.build_model("qwen3_next_2b_4layers", args.family, device, torch.bfloat16)
-        with torch.no_grad():  # decays in [0.01, 1] as in the CPU tests (transformers' init reaches 16)
-            for module in small.modules():
-                if hasattr(module, "A_log"):
-                    module.A_log.copy_(torch.empty_like(module.A_log).uniform_(0.01, 1.0).log())
+        small = parity.spread_decays(bench.build_model("qwen3_next_2b_4layers", args.family, device, torch.bfloat16))
         parity.model_parity(r, args.parity_scale, save, model=small, timing=False)
 
     def warmup(r):
