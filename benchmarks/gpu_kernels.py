@@ -198,7 +198,7 @@ def handoff_parity(results: dict) -> None:
     results["handoff_parity_vs_fp32"] = report
 
 
-def attention_breakdown(function, top: int = 12) -> list:
+def kernel_breakdown(function, top: int = 12) -> list:
     """Device time of ``function()`` by kernel (torch.profiler, one warm call): ``[(name, seconds, calls)]``."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -236,7 +236,7 @@ def path_attention(make, sequences, max_tokens: int, backward) -> dict:
 
 
 def timing(results: dict, workload: str, scale: float, ops=("gdn", "attention", "conv"),
-           profile_attention: bool = False, seed: int = 0) -> None:
+           profile: bool = False, seed: int = 0) -> None:
     from harts_hf.kernels import TreeMetadata
     from harts_hf.trees import PrefixForest
     from harts_hf.workloads import make_workload
@@ -260,14 +260,14 @@ def timing(results: dict, workload: str, scale: float, ops=("gdn", "attention", 
         out.float().square().mean().backward()
 
     if "gdn" in ops:
-        gdn_timing(row, packed, plan, U, backward)
+        gdn_timing(row, packed, plan, U, backward, profile)
     if "attention" in ops:
-        attention_timing(row, packed, layout, stats, sequences, backward, profile_attention)
+        attention_timing(row, packed, layout, stats, sequences, backward, profile)
     if "conv" in ops:
         conv_timing(row, U, ancestors, backward)
 
 
-def gdn_timing(row, packed, plan, U, backward) -> None:
+def gdn_timing(row, packed, plan, U, backward, profile: bool = False) -> None:
     """Gated delta rule at Qwen3-Next-2B shapes (16 key heads, 32 value heads, 128 dims): the tree nodes vs one
     varlen fla call over the tree's runs."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -298,6 +298,15 @@ def gdn_timing(row, packed, plan, U, backward) -> None:
     row["gdn_single_call_runs"] = int(run_lengths.numel())
     for variant in ("", "_fused", "_rounds", "_serial", "_lanes"):
         row[f"gdn_tree{variant}_over_single"] = row[f"gdn_tree{variant}_s"] / row["gdn_single_call_s"]
+    if profile:  # where the tree node's time beyond one varlen call goes
+        for key, run in (("gdn_tree_kernels", lambda: backward(tree_gated_delta_rule(
+                              *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla"))),
+                         ("gdn_single_call_kernels", lambda: backward(chunk_gated_delta_rule(
+                             *(x.unsqueeze(0) for x in inputs), cu_seqlens=cu_runs, use_qk_l2norm_in_kernel=True)[0]))):
+            row[key] = kernel_breakdown(run, top=20)
+            print(f"    {key}:", flush=True)
+            for name, seconds, calls in row[key]:
+                print(f"    {seconds * 1e3:8.2f} ms {calls:4d}x {name}", flush=True)
     print(f"  gdn: tree {row['gdn_tree_s'] * 1e3:.1f} ms (auto: {row['gdn_state_pass_auto']}); state pass rounds "
           f"{row['gdn_tree_rounds_s'] * 1e3:.1f}, serial {row['gdn_tree_serial_s'] * 1e3:.1f}, lanes "
           f"{row['gdn_tree_lanes_s'] * 1e3:.1f} ({row['gdn_lanes']}); fused per-round node "
@@ -318,7 +327,7 @@ def lanes_shape(plan) -> dict:
                 lanes_chain_chunks=chain)
 
 
-def attention_timing(row, packed, layout, stats, sequences, backward, profile_attention) -> None:
+def attention_timing(row, packed, layout, stats, sequences, backward, profile) -> None:
     """Attention with 16 query heads, 2 KV heads, head_dim 256: the tree varlen path vs SDPA causal on one plain
     16k sequence and vs the per-trajectory path (flash varlen over the trajectories), in attended pairs per second."""
     import torch.nn.functional as F
@@ -361,8 +370,8 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile_at
     row["attention_cudnn_over_sdpa_rate"] = tree_pairs / row["attention_cudnn_s"] / plain_rate
     row["attention_parity"] = attention_parity(q, k, v, subtree_end, layout, fp32_reference=U <= 20_000)
     print(f"  attention parity: {row['attention_parity']}", flush=True)
-    if profile_attention:
-        row["attention_tree_kernels"] = attention_breakdown(lambda: backward(tree_attention(
+    if profile:
+        row["attention_tree_kernels"] = kernel_breakdown(lambda: backward(tree_attention(
             q, k, v, subtree_end, backend="varlen", layout=layout)))
         for name, seconds, calls in row["attention_tree_kernels"]:
             print(f"    {seconds * 1e3:8.2f} ms {calls:4d}x {name}", flush=True)
@@ -434,8 +443,9 @@ def main():
     parser.add_argument("--ops", nargs="+", default=["gdn", "attention", "conv"], choices=["gdn", "attention", "conv"],
                         help="which ops to time on each workload")
     parser.add_argument("--skip-parity", action="store_true", help="timing only")
-    parser.add_argument("--profile-attention", action="store_true",
-                        help="also list the tree attention's kernels by device time (torch.profiler)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also list the kernels of the tree GDN node, of the one varlen fla call and of the tree "
+                             "attention by device time (torch.profiler)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -447,7 +457,7 @@ def main():
     steps = [] if args.skip_parity else [("parity", parity), ("handoff_parity", handoff_parity),
                                          ("final_state_parity", final_state_parity)]
     steps += [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1]), args.ops,
-                                              args.profile_attention, int(s.split(":")[2]) if s.count(":") > 1 else 0))
+                                              args.profile, int(s.split(":")[2]) if s.count(":") > 1 else 0))
               for spec in args.workloads]
     for name, step in steps:
         start = time.perf_counter()
