@@ -12,9 +12,12 @@ innermost frame inside harts_hf / transformers / fla, and the innermost frame of
     python3 benchmarks/plan_memory_probe.py --scale 1.0 --budget 65536 --no-history --loop-sample 12 --attention cudnn
     python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --loop-sample -1
     python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --profile
+    python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --packed-groups 0
 
 ``--loop-sample`` also times trajectories alone through the same kernels (the per-trajectory baseline at lengths
-where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the cost fit's price.
+where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the cost fit's price;
+``--packed-groups`` times the strongest per-trajectory path over all trajectories: packed (each its own tree, no
+padding) into calls of at most as many path tokens as the tree has unique ones (the same memory envelope).
 
 Needs CUDA. Writes ``OUT/probe.json`` and prints the tables.
 """
@@ -84,11 +87,13 @@ def live_at_peak(snapshot: dict, device: int) -> tuple[float, list, list]:
     return peak / 2**30, top(ours), top(anywhere)
 
 
-def run(model, sequences, budget, device, history: bool, attention: str = "auto") -> dict:
+def run(model, sequences, budget, device, history: bool, attention: str = "auto", share: bool = True) -> dict:
+    """One fwd+bwd of ``sequences`` through the planner's executor (as the trainer runs it); ``share=False``: every
+    sequence its own tree (the packed per-trajectory path: same kernels, no sharing, no padding)."""
     from harts_hf.planner import execute_plan, plan
     from harts_hf.trees import PrefixForest
 
-    packed = PrefixForest.from_sequences(sequences).pack()
+    packed = PrefixForest.from_sequences(sequences, groups=None if share else list(range(len(sequences)))).pack()
     the_plan = plan(packed, num_replicas=1, token_budget=budget or packed.num_tokens)
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(len(s) - 1, generator=generator) * 1e-4 for s in sequences]
@@ -217,6 +222,33 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
                 whole_loop_priced_seconds=total_priced)
 
 
+def packed_groups(model, sequences, max_tokens: int, device, attention: str = "auto") -> dict:
+    """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed (each its
+    own tree: same kernels, no padding, no sharing) into calls of at most ``max_tokens`` path tokens, every call
+    fwd+bwd, the second of two runs timed (the first compiles / autotunes new shapes). Sum of the calls' seconds and
+    the largest peak."""
+    groups, current = [], []
+    for sequence in sequences:
+        if current and sum(map(len, current)) + len(sequence) > max_tokens:
+            groups.append(current)
+            current = []
+        current.append(sequence)
+    groups.append(current)
+    rows = []
+    for group in groups:
+        run(model, group, None, device, history=False, attention=attention, share=False)
+        row = run(model, group, None, device, history=False, attention=attention, share=False)
+        rows.append(dict(trajectories=len(group), tokens=row["unique_tokens"], seconds=row["seconds"],
+                         peak_gib=row["peak_gib"]))
+        print(f"packed group: {len(group)} trajectories, {row['unique_tokens']} tokens, {row['seconds']:.3f} s, "
+              f"peak {row['peak_gib']:.1f} GiB", flush=True)
+    total = dict(calls=len(rows), max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
+                 peak_gib=max(r["peak_gib"] for r in rows), groups=rows)
+    print(f"packed per-trajectory: {len(sequences)} trajectories in {len(rows)} calls of <= {max_tokens} tokens: "
+          f"{total['seconds']:.2f} s, peak {total['peak_gib']:.1f} GiB", flush=True)
+    return total
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=0.2)
@@ -239,6 +271,9 @@ def main(argv=None):
                         help="also run the whole forest once more, and 8 (or --loop-sample) of its trajectories alone, "
                              "under torch.profiler: kernel seconds per op family and tokens of each, the top kernels "
                              "in OUT/profile_tree.txt and OUT/profile_loop.txt")
+    parser.add_argument("--packed-groups", type=int, default=None, metavar="TOKENS",
+                        help="also time the packed per-trajectory path over ALL trajectories, in calls of at most "
+                             "TOKENS path tokens (0: the forest's unique-token count, i.e. the tree's memory envelope)")
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -264,6 +299,11 @@ def main(argv=None):
     if args.profile:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, Path(args.out),
                                          max(args.loop_sample, 8))))
+    if args.packed_groups is not None:
+        from harts_hf.trees import PrefixForest
+
+        cap = args.packed_groups or PrefixForest.from_sequences(sequences).pack().num_tokens
+        rows.append(dict(packed_groups=packed_groups(model, sequences, cap, device, args.attention)))
     if args.loop_sample:
         rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit,
                                                  args.attention)))
