@@ -87,13 +87,11 @@ def live_at_peak(snapshot: dict, device: int) -> tuple[float, list, list]:
     return peak / 2**30, top(ours), top(anywhere)
 
 
-def run(model, sequences, budget, device, history: bool, attention: str = "auto", share: bool = True) -> dict:
-    """One fwd+bwd of ``sequences`` through the planner's executor (as the trainer runs it); ``share=False``: every
-    sequence its own tree (the packed per-trajectory path: same kernels, no sharing, no padding)."""
+def run(model, sequences, budget, device, history: bool, attention: str = "auto") -> dict:
     from harts_hf.planner import execute_plan, plan
     from harts_hf.trees import PrefixForest
 
-    packed = PrefixForest.from_sequences(sequences, groups=None if share else list(range(len(sequences)))).pack()
+    packed = PrefixForest.from_sequences(sequences).pack()
     the_plan = plan(packed, num_replicas=1, token_budget=budget or packed.num_tokens)
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(len(s) - 1, generator=generator) * 1e-4 for s in sequences]
@@ -223,10 +221,12 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
 
 
 def packed_groups(model, sequences, max_tokens: int, device, attention: str = "auto") -> dict:
-    """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed (each its
-    own tree: same kernels, no padding, no sharing) into calls of at most ``max_tokens`` path tokens, every call
-    fwd+bwd, the second of two runs timed (the first compiles / autotunes new shapes). Sum of the calls' seconds and
-    the largest peak."""
+    """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed into ONE
+    forward each (every trajectory its own tree: same kernels, no padding, no sharing; ``tree_logprobs`` as the
+    bench's ``packed``) of at most ``max_tokens`` path tokens, fwd+bwd, the second of two runs timed (the first
+    compiles / autotunes new shapes). Sum of the calls' seconds and the largest peak."""
+    from harts_hf.trees import PrefixForest
+
     groups, current = [], []
     for sequence in sequences:
         if current and sum(map(len, current)) + len(sequence) > max_tokens:
@@ -236,12 +236,22 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
     groups.append(current)
     rows = []
     for group in groups:
-        run(model, group, None, device, history=False, attention=attention, share=False)
-        row = run(model, group, None, device, history=False, attention=attention, share=False)
-        rows.append(dict(trajectories=len(group), tokens=row["unique_tokens"], seconds=row["seconds"],
-                         peak_gib=row["peak_gib"]))
-        print(f"packed group: {len(group)} trajectories, {row['unique_tokens']} tokens, {row['seconds']:.3f} s, "
-              f"peak {row['peak_gib']:.1f} GiB", flush=True)
+        forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(2):
+            _sync(device)
+            start = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16):  # as the tree run (and the trainer)
+                run_tree(model, forest, attention)
+            _sync(device)
+            seconds = time.perf_counter() - start
+        rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)), seconds=seconds,
+                         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))
+        print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {seconds:.3f} s, "
+              f"peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
+    model.zero_grad(set_to_none=True)
     total = dict(calls=len(rows), max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
                  peak_gib=max(r["peak_gib"] for r in rows), groups=rows)
     print(f"packed per-trajectory: {len(sequences)} trajectories in {len(rows)} calls of <= {max_tokens} tokens: "
