@@ -110,7 +110,7 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
     seconds = time.perf_counter() - start
     row = dict(budget=budget, unique_tokens=packed.num_tokens, pieces=len(the_plan.pieces), seconds=seconds,
                base_gib=base / 2**30, peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
-               reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30, stats=execution.stats,
+               reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,  # so far in the process stats=execution.stats,
                memory=[(p, phase, round(a, 3), round(m, 3)) for p, phase, a, m in execution.memory],
                piece_tokens=[int(sum(int(packed.cu_seqlens[s + 1] - packed.cu_seqlens[s]) for s in p.segments))
                              for p in the_plan.pieces])
@@ -119,8 +119,8 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
         torch.cuda.memory._record_memory_history(enabled=None)
         row["trace_peak_gib"], row["peak_by_our_line"], row["peak_by_line"] = live_at_peak(snapshot, device.index or 0)
     model.zero_grad(set_to_none=True)
-    torch.cuda.empty_cache()
-    return row
+    return row  # the allocator's cache stays warm, as between a trainer's steps (an emptied cache puts cudaMalloc
+    # calls into the next timed run, which the per-trajectory sample's runs do not pay)
 
 
 def profile(model, sequences, device, attention: str, out: Path, loop_count: int = 8) -> dict:
