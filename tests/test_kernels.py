@@ -504,6 +504,16 @@ def test_round_batch_lays_the_rounds_back_to_back(seed):
         unit += round_.num_units
     assert sorted(batch.output_token.tolist()) == list(range(packed.num_tokens))
     assert torch.equal(batch.token_index[batch.output_position], batch.output_token)
+    # the same map as gathers: each token's own position, the token each position outputs, the replayed positions
+    assert torch.equal(batch.token_index[batch.own_position], torch.arange(packed.num_tokens))
+    assert torch.equal(batch.position_token[batch.own_position], torch.arange(packed.num_tokens))
+    assert batch.replay_position.numel() == batch.token_index.numel() - packed.num_tokens > 0
+    assert torch.equal(batch.replay_token, batch.token_index[batch.replay_position])
+    assert not set(batch.replay_position.tolist()) & set(batch.own_position.tolist())
+    # sum_by_token: a gather plus the replays' scatter equals the full scatter into zeros (context rows past U too)
+    grad = torch.randn(batch.token_index.numel(), 3, dtype=torch.float64)
+    expected = torch.zeros(packed.num_tokens + 2, 3, dtype=torch.float64).index_add_(0, batch.token_index, grad)
+    torch.testing.assert_close(batch.sum_by_token(grad, packed.num_tokens + 2), expected, rtol=0, atol=1e-12)
     # the state bank: a unit starts from the row its state was saved in (row 0: zeros, never written)
     row = {}
     for r, round_ in enumerate(plan.rounds):
@@ -515,10 +525,10 @@ def test_round_batch_lays_the_rounds_back_to_back(seed):
 
 
 def test_state_pass_choice(monkeypatch):
-    """``STATE_PASS='auto'`` picks the serial pass where the H200 measured it faster (swe, tau: many rounds of
-    short units) and fla's per-round pass on grpo (2 rounds, one long chain of completions in parallel) and on a
-    single sequence (one round: exactly fla's kernel, the per-trajectory baseline's); explicit
-    values win; a bad value names the choices."""
+    """``STATE_PASS='auto'`` picks the serial pass where the H200 measured it faster (swe, tau at small and full
+    size, grpo) and fla's per-round pass on a single sequence (one round: exactly fla's kernel, the per-trajectory
+    baseline's) and where the serial chain is several times the rounds' (full-size swe); explicit values win; a
+    bad value names the choices."""
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
     from harts_hf.workloads import make_workload
 
@@ -528,9 +538,10 @@ def test_state_pass_choice(monkeypatch):
 
     monkeypatch.setattr(fla_backend, "STATE_PASS", "auto")
     assert fla_backend.STATE_PASS == "auto"
-    chosen = {name: fla_backend.state_pass_for(plan_of(name, scale))
-              for name, scale in (("swe", 0.02), ("tau", 0.02), ("grpo", 0.05))}
-    assert chosen == {"swe": "serial", "tau": "serial", "grpo": "rounds"}
+    chosen = {f"{name}@{scale}": fla_backend.state_pass_for(plan_of(name, scale))
+              for name, scale in (("swe", 0.02), ("tau", 0.02), ("grpo", 0.05), ("tau", 1.0))}
+    assert set(chosen.values()) == {"serial"}, chosen
+    assert fla_backend.state_pass_for(plan_of("swe", 1.0)) == "rounds"
     one = make_workload("swe", scale=0.02, seed=0).sequences[:1]  # one round: fla's own kernel
     assert fla_backend.state_pass_for(build_gated_delta_plan(PrefixForest.from_sequences(one).pack())) == "rounds"
     the_plan = plan_of("grpo", 0.05)

@@ -42,15 +42,19 @@ from .serial_state_pass import one_save_per_unit, serial_units, tree_state_backw
 BATCH_ROUNDS = True  # False: the fused per-round node (see the module docstring)
 # The round-batched node's state pass: "rounds" (fla's state pass once per round), "serial" (every unit in one
 # launch per direction, harts_hf.kernels.tree_gated_delta_rule.serial_state_pass), "lanes" (the serial kernels on
-# heavy-path lanes, one launch per wave; exact, not yet timed on a GPU, so "auto" does not pick it) or "auto"
+# heavy-path lanes, one launch per wave; exact, and on the H200 never faster than "serial": ~2 programs per SM
+# fit at 255 registers, so ~2 lanes run at once; "auto" does not pick it) or "auto"
 # (state_pass_for).
 STATE_PASS = "auto"
 _STATE_PASSES = ("auto", "rounds", "serial", "lanes")
-SERIAL_ROUND_CHUNKS = 45
+SERIAL_ROUND_CHUNKS = 120
 """What one round of fla's state pass costs beyond its longest unit, in chunk steps of the serial pass (host work,
-three launches, the bank gather/scatter; ~0.3 ms on the H200 against ~6.8 us per serial chunk step). Fitted so that
-the choice matches all four model-level measurements of the fifth GPU session (BENCHMARKS.md): swe@0.02, tau@0.02
-and swe@0.05 serial, grpo@0.05 rounds."""
+three launches, the bank gather/scatter, and a round's units beyond what runs at once). Measured on the H200 (fwd+bwd
+of one 2B-shaped GDN layer, BENCHMARKS.md): the serial pass was faster on every forest of more than one round timed
+so far: swe@0.02, tau@0.02, swe@0.05 (fifth GPU session, model level), full-size tau (56.5 vs 60.4 ms; chains of
+1,621 vs 332 chunk steps over 13 rounds) and grpo@0.05 (5.4 vs 6.5 ms; 154 vs 6 over 2 rounds; ninth session). 45,
+the earlier value, sent both of the latter to the per-round pass; 120 sends them to the serial one and keeps the per-round
+pass for full-size swe (6,802 vs 1,346 over 8 rounds; not yet timed there) and for one round."""
 
 
 def _import_fla():
@@ -87,7 +91,10 @@ class RoundBatch:
     """All rounds' executed tokens back to back, round after round (host-built, then moved once).
 
     ``token_index [E]``, ``cu_seqlens [N + 1]`` and ``chunk_indices [NT, 2]`` describe every unit of every round as
-    one varlen batch; ``output_position`` / ``output_token`` place the units' own outputs. Per round ``r``:
+    one varlen batch; ``output_position`` / ``output_token`` place the units' own outputs, and the same map as
+    gathers: ``own_position [U]`` (each token's own executed position), ``position_token [E]`` (the token a position
+    outputs, 0 at a replayed one), ``replay_position`` / ``replay_token`` (the positions that only replay a token:
+    its gradient's other terms). Per round ``r``:
     ``tokens[r]`` / ``chunks[r]`` slice that round's executed tokens and chunks out of the batch, and
     ``round_cu[r]``, ``round_chunk_indices[r]``, ``round_chunk_offsets[r]`` are the round's own varlen grid.
 
@@ -112,6 +119,10 @@ class RoundBatch:
     save_slots: list
     requested_ids: torch.Tensor
     context_id: int | None
+    own_position: torch.Tensor
+    position_token: torch.Tensor
+    replay_position: torch.Tensor
+    replay_token: torch.Tensor
 
     def to(self, device) -> RoundBatch:
         move = lambda items: [t.to(device) for t in items]  # noqa: E731
@@ -119,7 +130,19 @@ class RoundBatch:
                           self.output_position.to(device), self.output_token.to(device), self.tokens, self.chunks,
                           move(self.round_cu), move(self.round_chunk_indices), move(self.round_chunk_offsets),
                           self.num_states, move(self.initial_ids), move(self.save_ids), move(self.save_slots),
-                          self.requested_ids.to(device), self.context_id)
+                          self.requested_ids.to(device), self.context_id, *move(
+                              [self.own_position, self.position_token, self.replay_position, self.replay_token]))
+
+    def sum_by_token(self, grad: torch.Tensor, rows: int) -> torch.Tensor:
+        """``[rows, ...]``: the gradient of every input row from ``grad [E, ...]`` over the executed positions,
+        its own position gathered plus its replayed positions added (rows past U are handed-in context rows, which
+        only replays read). One gather and a small scatter instead of a full-size atomic scatter into zeros."""
+        total = grad.index_select(0, self.own_position)
+        if rows > total.shape[0]:
+            total = torch.cat([total, total.new_zeros(rows - total.shape[0], *total.shape[1:])])
+        if self.replay_position.numel():
+            total.index_add_(0, self.replay_token, grad.index_select(0, self.replay_position))
+        return total
 
 
 def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
@@ -157,12 +180,23 @@ def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
                 raise ValueError("the fla backend needs a plan built with final_states_only=True")
             row_of.setdefault(key, len(row_of))
     rows = lambda keys: torch.tensor([row_of[key] for key in keys], dtype=torch.long)  # noqa: E731
-    batch = RoundBatch(torch.cat([r.token_index for r in cpu]), torch.cat(cu), torch.cat(chunk_indices),
-                       torch.cat(positions), torch.cat([r.output_token for r in cpu]), tokens, chunks, round_cu,
-                       round_chunk_indices, round_chunk_offsets, len(row_of),
+    token_index, output_position = torch.cat([r.token_index for r in cpu]).long(), torch.cat(positions).long()
+    output_token = torch.cat([r.output_token for r in cpu]).long()
+    own_position = torch.full((plan.num_tokens,), -1, dtype=torch.long)
+    own_position[output_token] = output_position
+    if output_token.numel() != plan.num_tokens or bool((own_position < 0).any()):
+        raise AssertionError("the plan's units must output every token exactly once")
+    position_token = torch.zeros(token_index.shape[0], dtype=torch.long)
+    position_token[output_position] = output_token
+    replayed = torch.ones(token_index.shape[0], dtype=torch.bool)
+    replayed[output_position] = False
+    replay_position = torch.nonzero(replayed)[:, 0]
+    batch = RoundBatch(token_index, torch.cat(cu), torch.cat(chunk_indices), output_position, output_token, tokens,
+                       chunks, round_cu, round_chunk_indices, round_chunk_offsets, len(row_of),
                        [rows(r.initial_state) for r in cpu], [rows([key for _, _, key in r.saved_states]) for r in cpu],
                        [torch.tensor([slot for slot, _, _ in r.saved_states], dtype=torch.long) for r in cpu],
-                       rows(plan.requested_states), row_of.get(CONTEXT_STATE))
+                       rows(plan.requested_states), row_of.get(CONTEXT_STATE), own_position, position_token,
+                       replay_position, token_index[replay_position])
     cache[str(device)] = batch = batch.to(device)
     return batch
 
@@ -216,7 +250,7 @@ def state_pass_for(plan: GatedDeltaPlan) -> str:
     """``"serial"``, ``"lanes"`` or ``"rounds"`` for ``plan`` under :data:`STATE_PASS`. ``"auto"`` compares the
     serial pass's chain (every chunk of every unit, one after another) with the per-round pass (the longest unit of
     each round, plus :data:`SERIAL_ROUND_CHUNKS` per round), from the host copy of the plan (no device reads); it
-    does not pick ``"lanes"`` (not yet timed on a GPU). A plan that saves one unit's state under two keys (which the
+    does not pick ``"lanes"`` (timed on the H200 at 1.00-1.13x the serial pass's time, never faster). A plan that saves one unit's state under two keys (which the
     serial pass does not keep) takes the rounds, and so does a plan of one round (one launch of fla's own state pass
     either way: a single sequence is exactly fla's kernel)."""
     if STATE_PASS not in _STATE_PASSES:
@@ -240,7 +274,7 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel):
         stages, l2norm_fwd = _import_fla_stages(), _import_fla()[3]
-        U, HV, V = plan.num_tokens, v.shape[1], v.shape[2]
+        HV, V = v.shape[1], v.shape[2]
         K = k.shape[-1]
         batch = round_batch(plan, q.device)
         q_rstd = k_rstd = None
@@ -264,8 +298,7 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         else:
             h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials, bank)
         o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size, **grid)
-        out = v.new_zeros(U, HV, V)
-        out[batch.output_token] = o[0, batch.output_position].to(v.dtype)
+        out = o[0].index_select(0, batch.own_position).to(v.dtype)
         requested = bank[batch.requested_ids]
         ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials)
         ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
@@ -289,8 +322,9 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
             h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
         else:
             h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials)
-        do = d_out.new_zeros(index.shape[0], HV, V)
-        do[batch.output_position] = d_out[batch.output_token]
+        do = d_out.index_select(0, batch.position_token)  # replayed positions output nothing: zero there
+        if batch.replay_position.numel():
+            do.index_fill_(0, batch.replay_position, 0)
         do = do.unsqueeze(0)
         dv = stages["bwd_dv_local"](q=qe, k=ke, g=g_cumsum, do=do, scale=scale, chunk_size=plan.chunk_size, **grid)
         # gradient flowing into every bank row: from requested states, then from the units that started from it
@@ -309,12 +343,7 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         dk_e.add_(dk2)
         dg_e.add_(dg2)
         dg_e = stages["cumsum"](dg_e, chunk_size=plan.chunk_size, reverse=True, **grid)
-        gathered = []
-        for grad, like in ((dq_e, q), (dk_e, k), (dv_e, v), (dg_e, None), (db_e, None)):
-            shape = like.shape if like is not None else (rows, HV)
-            total = torch.zeros(shape, dtype=torch.float32, device=v.device)
-            gathered.append(total.index_add_(0, index, grad[0].float()))
-        dq, dk, dv, dg, dbeta = gathered
+        dq, dk, dv, dg, dbeta = (batch.sum_by_token(grad[0].float(), rows) for grad in (dq_e, dk_e, dv_e, dg_e, db_e))
         return _input_grads(ctx, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd), (dq, dk, dv, dg, dbeta), d_state)
 
 
