@@ -565,3 +565,26 @@ def _piece_roots(the_plan, piece) -> set:
     parent = the_plan.packed.segment_parent.tolist()
     inside = set(piece.segments)
     return {s for s in piece.segments if parent[s] not in inside}
+
+
+@pytest.mark.parametrize("family", ["qwen3_next"])
+def test_whole_trees_sharing_a_microbatch_run_as_one_piece(family):
+    """Small whole trees placed in one microbatch become one piece (one forward and backward, as a microbatch
+    promises), next to a large tree cut into hand-off pieces; still exact against one tree forward and the
+    per-trajectory path."""
+    rng = random.Random(1)
+    small = [[VOCAB - 1 - i] + [rng.randrange(VOCAB) for _ in range(rng.randrange(12, 30))] for i in range(8)]
+    sequences = handoff_sequences() + small
+    the_plan, run = check_plan(build(family), sequences, 140, reference=True)
+    parent = the_plan.packed.segment_parent.tolist()
+    top_level = [sum(parent[s] < 0 for s in piece.segments) for piece in the_plan.pieces]
+    assert max(top_level) > 1  # a piece made of several whole trees
+    trees = sum(p < 0 for p in parent)
+    assert len(the_plan.pieces) < trees + sum(p.handoff is not None for p in the_plan.pieces)
+    sources = {p.handoff.source_piece for p in the_plan.pieces if p.handoff is not None}
+    for slots in the_plan.replicas:
+        for microbatch in slots:
+            whole = [i for i in microbatch.pieces if the_plan.pieces[i].handoff is None and i not in sources]
+            assert len(whole) <= 1, microbatch
+    assert [p.index for p in the_plan.pieces] == list(range(len(the_plan.pieces)))
+    assert sorted(s for p in the_plan.pieces for s in p.segments) == list(range(len(parent)))

@@ -13,7 +13,7 @@ run in depth-first order, so a source piece runs before its children there.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -38,7 +38,8 @@ class Handoff:
 
 @dataclass
 class Piece:
-    """Segments (packed segment ids, preorder) computed together; ``tree`` is the index of its root tree."""
+    """Segments (packed segment ids, preorder) computed together, in one forward; ``tree`` is the index of its root
+    tree (the first, when whole trees sharing a microbatch were merged into one piece)."""
 
     index: int
     segments: list[int]
@@ -54,7 +55,8 @@ class Piece:
 
 @dataclass
 class Microbatch:
-    """Pieces run in one forward+backward (empty in padding slots)."""
+    """Pieces of one gradient-accumulation slot (empty in padding slots); whole trees placed together are one
+    piece, so one forward+backward (a piece handed a context, or handing one on, runs as its own)."""
 
     pieces: list[int] = field(default_factory=list)
     unique_tokens: int = 0
@@ -230,7 +232,47 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
         pieces.append(Piece(index, segments, int(tree_of[root]), handoff, features, cost_model.cost(features)))
 
     replicas = _place(pieces, num_replicas, token_budget, cost_model, cross_replica)
+    pieces, replicas = _merge_whole_trees(pieces, replicas, cost_model)
     return Plan(pieces, replicas, token_budget, cost_model, packed)
+
+
+def _merge_whole_trees(pieces: list[Piece], replicas: list[list[Microbatch]],
+                       cost_model: CostModel) -> tuple[list[Piece], list[list[Microbatch]]]:
+    """Whole trees (no hand-off in or out) placed in the same microbatch become ONE piece, so the executor runs
+    them in one forward and backward (one piece is one forward): without this, every small tree of a microbatch
+    paid a forward's fixed cost of its own. The merged piece takes its first tree's place in the (preorder) piece
+    order; indices are renumbered throughout."""
+    sources = {p.handoff.source_piece for p in pieces if p.handoff is not None}
+    first_of: dict[int, int] = {}  # merged piece -> the piece it joins
+    for slots in replicas:
+        for microbatch in slots:
+            whole = [i for i in microbatch.pieces if pieces[i].handoff is None and i not in sources]
+            first_of.update((i, whole[0]) for i in whole[1:])
+    if not first_of:
+        return pieces, replicas
+    kept = [p for p in pieces if p.index not in first_of]
+    new_index = {p.index: i for i, p in enumerate(kept)}
+    new_index.update((i, new_index[first]) for i, first in first_of.items())
+    groups: dict[int, list[Piece]] = {}
+    for p in pieces:
+        groups.setdefault(new_index[p.index], []).append(p)
+    merged = []
+    for i, p in enumerate(kept):
+        group = groups[i]
+        handoff = p.handoff if p.handoff is None else replace(p.handoff, source_piece=new_index[p.handoff.source_piece])
+        features = p.features if len(group) == 1 else {
+            key: max(q.features[key] for q in group) if key == "rounds" else sum(q.features[key] for q in group)
+            for key in p.features}
+        merged.append(Piece(i, sorted(s for q in group for s in q.segments), p.tree, handoff, features,
+                            p.cost if len(group) == 1 else cost_model.cost(features)))
+    renumbered = []
+    for slots in replicas:
+        renumbered.append([])
+        for microbatch in slots:
+            indices = sorted({new_index[i] for i in microbatch.pieces})
+            cost = microbatch.cost - sum(pieces[i].cost for i in microbatch.pieces) + sum(merged[i].cost for i in indices)
+            renumbered[-1].append(Microbatch(indices, microbatch.unique_tokens, cost))
+    return merged, renumbered
 
 
 def _piece_features(segments, lengths, depth0, parent, children, ends, chunk_size, handoff) -> dict:
