@@ -184,6 +184,19 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def second_run(model, forest, device, attention: str) -> float:
+    """Seconds of the second of two fwd+bwd runs of ``forest`` (``tree_logprobs`` under bf16 autocast, as the tree
+    run and the trainer); the first compiles / autotunes new lengths."""
+    for _ in range(2):
+        _sync(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            run_tree(model, forest, attention)
+        _sync(device)
+        seconds = time.perf_counter() - start
+    return seconds
+
+
 def loop_sample(model, sequences, count: int, device, fit, attention: str = "auto") -> dict:
     """The per-trajectory path on ``count`` trajectories (all for -1): each alone, fwd+bwd, with its fitted price;
     with all of them, ``measured_seconds`` is the whole per-trajectory loop."""
@@ -197,15 +210,8 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
     picks = _quantile_picks(sequences, count)
     rows = []
     for i in picks:
-        forest = PrefixForest.from_sequences([sequences[i]])
         try:
-            for _ in range(2):  # the second run is timed (the first compiles / autotunes new lengths)
-                _sync(device)
-                start = time.perf_counter()
-                with torch.autocast(device.type, dtype=torch.bfloat16):  # as the tree run (and the trainer)
-                    run_tree(model, forest, attention)
-                _sync(device)
-                seconds = time.perf_counter() - start
+            seconds = second_run(model, PrefixForest.from_sequences([sequences[i]]), device, attention)
         except torch.OutOfMemoryError:
             seconds = float("nan")
         length = len(sequences[i])
@@ -240,13 +246,7 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        for _ in range(2):
-            _sync(device)
-            start = time.perf_counter()
-            with torch.autocast(device.type, dtype=torch.bfloat16):  # as the tree run (and the trainer)
-                run_tree(model, forest, attention)
-            _sync(device)
-            seconds = time.perf_counter() - start
+        seconds = second_run(model, forest, device, attention)
         rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)), seconds=seconds,
                          peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))
         print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {seconds:.3f} s, "
