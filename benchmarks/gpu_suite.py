@@ -140,12 +140,7 @@ def main():
                     torch.cuda.synchronize()
             events = prof.key_averages()
             (out / f"profile_{path}.txt").write_text(events.table(sort_by=sort, row_limit=40))
-            families: dict = {}
-            for event in events:
-                seconds = (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / 1e6
-                family = _op_family(event.key)
-                families[family] = families.get(family, 0.0) + seconds
-            report[path] = dict(sorted(families.items(), key=lambda kv: -kv[1]))
+            report[path], _ = op_families(events, on_cuda)
             print(f"  profile {path}: " + ", ".join(f"{k} {v:.3f}s" for k, v in list(report[path].items())[:6]),
                   flush=True)
         r["profile"] = {"workload": f"{name}@{scale}", "device_seconds_by_family" if on_cuda else
@@ -258,6 +253,23 @@ _FAMILIES = (("gemm", ("gemm", "matmul", "mm", "addmm", "linear", "cutlass", "sm
              ("softmax / log-prob", ("softmax", "logsumexp", "log_softmax", "nll", "gather")),
              ("index / copy", ("index", "copy", "cat", "scatter", "gather", "to_copy", "elementwise_kernel_with_index")),
              ("conv", ("conv",)))
+
+
+def op_families(events, on_cuda: bool) -> tuple[dict, float]:
+    """Seconds by op family, largest first, from ``prof.key_averages()``, and the seconds of CUPTI's "Command Buffer
+    Full" entries (the host blocked on a full launch queue; not a kernel). On CUDA kernels only: an aten op's device
+    time is its kernels' again. On CPU the ops' self time."""
+    families, queue_full = {}, 0.0
+    for event in events:
+        if on_cuda and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        seconds = (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / 1e6
+        if event.key == "Command Buffer Full":
+            queue_full += seconds
+            continue
+        family = _op_family(event.key)
+        families[family] = families.get(family, 0.0) + seconds
+    return dict(sorted(families.items(), key=lambda kv: -kv[1])), queue_full
 
 
 def _op_family(name: str) -> str:

@@ -129,7 +129,7 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     sum, the wall time (the gap is host time the GPU waited for) and the tokens it ran (unique for the tree, path
     tokens for the sample), so the two compare per token; the top kernels go to ``profile_<name>.txt``, and a cProfile
     of one more warm tree run (host time by Python function) to ``profile_tree_host.txt``."""
-    from gpu_suite import _op_family
+    from gpu_suite import op_families
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -145,16 +145,7 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
         wall, tokens = sum(r["seconds"] for r in runs), sum(r["unique_tokens"] for r in runs)
         events = prof.key_averages()
         (out / f"profile_{name}.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=50))
-        families, queue_full = {}, 0.0
-        for event in events:  # kernels only (an aten op's device time is its kernels' again)
-            if event.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            if event.key == "Command Buffer Full":  # CUPTI: the host blocked on a full launch queue, not a kernel
-                queue_full += event.self_device_time_total / 1e6
-                continue
-            family = _op_family(event.key)
-            families[family] = families.get(family, 0.0) + event.self_device_time_total / 1e6
-        families = dict(sorted(families.items(), key=lambda kv: -kv[1]))
+        families, queue_full = op_families(events, on_cuda=True)
         report[name] = dict(wall_seconds=wall, device_seconds=sum(families.values()), tokens=tokens,
                             device_seconds_by_family=families, launch_queue_full_seconds=queue_full)
         print(f"profile {name} ({len(batch)} forest(s), {tokens} tokens): wall {wall:.2f} s, device "
