@@ -110,7 +110,8 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
     seconds = time.perf_counter() - start
     row = dict(budget=budget, unique_tokens=packed.num_tokens, pieces=len(the_plan.pieces), seconds=seconds,
                base_gib=base / 2**30, peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
-               reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,  # so far in the process stats=execution.stats,
+               reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,  # the process's so far
+               stats=execution.stats,
                memory=[(p, phase, round(a, 3), round(m, 3)) for p, phase, a, m in execution.memory],
                piece_tokens=[int(sum(int(packed.cu_seqlens[s + 1] - packed.cu_seqlens[s]) for s in p.segments))
                              for p in the_plan.pieces])

@@ -270,7 +270,8 @@ def _merge_whole_trees(pieces: list[Piece], replicas: list[list[Microbatch]],
         renumbered.append([])
         for microbatch in slots:
             indices = sorted({new_index[i] for i in microbatch.pieces})
-            cost = microbatch.cost - sum(pieces[i].cost for i in microbatch.pieces) + sum(merged[i].cost for i in indices)
+            cost = microbatch.cost - sum(pieces[i].cost for i in microbatch.pieces) + \
+                sum(merged[i].cost for i in indices)
             renumbered[-1].append(Microbatch(indices, microbatch.unique_tokens, cost))
     return merged, renumbered
 

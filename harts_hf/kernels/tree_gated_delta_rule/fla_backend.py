@@ -52,9 +52,9 @@ SERIAL_ROUND_CHUNKS = 120
 three launches, the bank gather/scatter, and a round's units beyond what runs at once). Measured on the H200 (fwd+bwd
 of one 2B-shaped GDN layer, BENCHMARKS.md): the serial pass was faster on every forest of more than one round timed
 so far: swe@0.02, tau@0.02, swe@0.05 (fifth GPU session, model level), full-size tau (56.5 vs 60.4 ms; chains of
-1,621 vs 332 chunk steps over 13 rounds) and grpo@0.05 (5.4 vs 6.5 ms; 154 vs 6 over 2 rounds; ninth session). 45,
-the earlier value, sent both of the latter to the per-round pass; 120 sends them to the serial one and keeps the per-round
-pass for full-size swe (6,802 vs 1,346 over 8 rounds; not yet timed there) and for one round."""
+1,621 vs 332 chunk steps over 13 rounds) and grpo@0.05 (5.4 vs 6.5 ms; 154 vs 6 over 2 rounds; ninth session).
+45, the earlier value, sent both of the latter to the per-round pass; 120 sends them to the serial one and keeps
+the per-round pass for full-size swe (6,802 vs 1,346 over 8 rounds; not yet timed there) and for one round."""
 
 
 def _import_fla():
@@ -250,9 +250,9 @@ def state_pass_for(plan: GatedDeltaPlan) -> str:
     """``"serial"``, ``"lanes"`` or ``"rounds"`` for ``plan`` under :data:`STATE_PASS`. ``"auto"`` compares the
     serial pass's chain (every chunk of every unit, one after another) with the per-round pass (the longest unit of
     each round, plus :data:`SERIAL_ROUND_CHUNKS` per round), from the host copy of the plan (no device reads); it
-    does not pick ``"lanes"`` (timed on the H200 at 1.00-1.13x the serial pass's time, never faster). A plan that saves one unit's state under two keys (which the
-    serial pass does not keep) takes the rounds, and so does a plan of one round (one launch of fla's own state pass
-    either way: a single sequence is exactly fla's kernel)."""
+    does not pick ``"lanes"`` (timed on the H200 at 1.00-1.13x the serial pass's time, never faster). A plan that
+    saves one unit's state under two keys (which the serial pass does not keep) takes the rounds, and so does a plan
+    of one round (one launch of fla's own state pass either way: a single sequence is exactly fla's kernel)."""
     if STATE_PASS not in _STATE_PASSES:
         raise ValueError(f"fla_backend.STATE_PASS must be one of {_STATE_PASSES}, got {STATE_PASS!r}")
     if STATE_PASS != "auto":
