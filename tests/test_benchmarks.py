@@ -27,6 +27,10 @@ def test_gpu_suite_model_stages_on_cpu(tmp_path):
     assert results["warmup"]["loop_length_classes"] >= 1 and results["warmup"]["padded_shape_classes"] >= 1
     assert "| swe@0.002 |" in run.stdout
     assert row["baseline"] in ("packed", "loop", "padded") and row["tree_rate_vs_plain"] > 0
+    # the stricter limit counts the per-call cost as each baseline pays it (the tree once, the loop per trajectory)
+    with_calls = row["S_phys_with_calls"]
+    assert set(with_calls) == {"packed", "loop", "padded"} and with_calls["loop"] >= with_calls["packed"] > 0
+    assert 0 < row["fraction_of_S_phys_with_calls"] < float("inf")
     families = results["profile"]["cpu_seconds_by_family"]
     assert set(families) == {"tree", "packed"} and all(sum(f.values()) > 0 for f in families.values())
     assert (tmp_path / "profile_tree.txt").read_text().count("\n") > 10
