@@ -198,8 +198,9 @@ def handoff_parity(results: dict) -> None:
     results["handoff_parity_vs_fp32"] = report
 
 
-def kernel_breakdown(function, top: int = 12) -> list:
-    """Device time of ``function()`` by kernel (torch.profiler, one warm call): ``[(name, seconds, calls)]``."""
+def kernel_breakdown(function, top: int = 12, label: str = "kernels") -> list:
+    """Device time of ``function()`` by kernel (torch.profiler, one warm call): ``[(name, seconds, calls)]``, also
+    printed under ``label``."""
     from torch.profiler import ProfilerActivity, profile
 
     function()
@@ -209,7 +210,11 @@ def kernel_breakdown(function, top: int = 12) -> list:
         torch.cuda.synchronize()
     rows = [(e.key[:90], e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()
             if e.self_device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])[:top]
+    rows = sorted(rows, key=lambda r: -r[1])[:top]
+    print(f"    {label}:", flush=True)
+    for name, seconds, calls in rows:
+        print(f"    {seconds * 1e3:8.2f} ms {calls:4d}x {name}", flush=True)
+    return rows
 
 
 def path_attention(make, sequences, max_tokens: int, backward) -> dict:
@@ -281,9 +286,16 @@ def gdn_timing(row, packed, plan, U, backward, profile: bool = False) -> None:
     run_starts = torch.nonzero(packed.parent != torch.arange(U) - 1)[:, 0]
     run_lengths = torch.diff(torch.cat([run_starts, torch.tensor([U])]))
     cu_runs = torch.nn.functional.pad(run_lengths.cumsum(0), (1, 0)).to("cuda")
+
+    def node():  # the tree node as the model calls it
+        backward(tree_gated_delta_rule(*inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla"))
+
+    def single():  # one fla varlen call over the tree's runs
+        backward(chunk_gated_delta_rule(*(x.unsqueeze(0) for x in inputs), cu_seqlens=cu_runs,
+                                        use_qk_l2norm_in_kernel=True)[0])
+
     def tree(batched=True, state_pass="auto"):
-        return bench(lambda: batched_rounds(lambda: backward(tree_gated_delta_rule(
-            *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla")), batched=batched, state_pass=state_pass))
+        return bench(lambda: batched_rounds(node, batched=batched, state_pass=state_pass))
 
     row["gdn_tree_s"] = tree()  # as the model runs it: the round-batched node, the state pass "auto" picks
     row["gdn_state_pass_auto"] = batched_rounds(lambda: fla_backend.state_pass_for(plan), state_pass="auto")
@@ -293,20 +305,13 @@ def gdn_timing(row, packed, plan, U, backward, profile: bool = False) -> None:
     row["gdn_lanes"] = lanes_shape(plan)
     row["gdn_tree_per_round_s"] = bench(lambda: backward(tree_gated_delta_rule_fla_autograd(
         *inputs, plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)))
-    row["gdn_single_call_s"] = bench(lambda: backward(chunk_gated_delta_rule(
-        *(x.unsqueeze(0) for x in inputs), cu_seqlens=cu_runs, use_qk_l2norm_in_kernel=True)[0]))
+    row["gdn_single_call_s"] = bench(single)
     row["gdn_single_call_runs"] = int(run_lengths.numel())
     for variant in ("", "_fused", "_rounds", "_serial", "_lanes"):
         row[f"gdn_tree{variant}_over_single"] = row[f"gdn_tree{variant}_s"] / row["gdn_single_call_s"]
     if profile:  # where the tree node's time beyond one varlen call goes
-        for key, run in (("gdn_tree_kernels", lambda: backward(tree_gated_delta_rule(
-                              *inputs, plan, use_qk_l2norm_in_kernel=True, backend="fla"))),
-                         ("gdn_single_call_kernels", lambda: backward(chunk_gated_delta_rule(
-                             *(x.unsqueeze(0) for x in inputs), cu_seqlens=cu_runs, use_qk_l2norm_in_kernel=True)[0]))):
-            row[key] = kernel_breakdown(run, top=20)
-            print(f"    {key}:", flush=True)
-            for name, seconds, calls in row[key]:
-                print(f"    {seconds * 1e3:8.2f} ms {calls:4d}x {name}", flush=True)
+        row["gdn_tree_kernels"] = kernel_breakdown(node, top=20, label="gdn_tree_kernels")
+        row["gdn_single_call_kernels"] = kernel_breakdown(single, top=20, label="gdn_single_call_kernels")
     print(f"  gdn: tree {row['gdn_tree_s'] * 1e3:.1f} ms (auto: {row['gdn_state_pass_auto']}); state pass rounds "
           f"{row['gdn_tree_rounds_s'] * 1e3:.1f}, serial {row['gdn_tree_serial_s'] * 1e3:.1f}, lanes "
           f"{row['gdn_tree_lanes_s'] * 1e3:.1f} ({row['gdn_lanes']}); fused per-round node "
@@ -372,9 +377,7 @@ def attention_timing(row, packed, layout, stats, sequences, backward, profile) -
     print(f"  attention parity: {row['attention_parity']}", flush=True)
     if profile:
         row["attention_tree_kernels"] = kernel_breakdown(lambda: backward(tree_attention(
-            q, k, v, subtree_end, backend="varlen", layout=layout)))
-        for name, seconds, calls in row["attention_tree_kernels"]:
-            print(f"    {seconds * 1e3:8.2f} ms {calls:4d}x {name}", flush=True)
+            q, k, v, subtree_end, backend="varlen", layout=layout)), label="attention_tree_kernels")
     q = k = v = None
     row["attention_paths"] = path_attention(make, sequences, 600_000, backward)
     row["attention_tree_over_paths_rate"] = tree_rate / row["attention_paths"]["pairs_per_s"]

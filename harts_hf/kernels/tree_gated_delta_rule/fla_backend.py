@@ -284,7 +284,7 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         g_dtype = g.dtype
         index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
         qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
-        g_cumsum = stages["cumsum"](g.float()[index].unsqueeze(0), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
+        g_cumsum = stages["cumsum"](g[index].float().unsqueeze(0), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
                                     **grid)
         w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
         bank = _state_bank(batch, initial_state, HV, K, V, q.device)

@@ -28,7 +28,8 @@ launch may share the row), the others as before. The serial pass is the one-lane
 serial -> lanes): full-size ``tau`` 1,621 -> 417 in 3 waves, full-size ``swe`` 6,802 -> 2,014, tau@0.02 125 -> 13.
 How many lanes run at once is bounded by occupancy: compiled offline for sm90 (Triton 3.6, 4 warps, 3 stages) the
 kernels take 255 registers per thread (the backward spills) and 29 / 50 KB of shared memory, so about two programs
-per SM: ~2 lanes of 128 programs at a time on an H200. Not yet timed on a GPU; ``"auto"`` does not pick it.
+per SM: ~2 lanes of 128 programs at a time on an H200. Timed there (ninth GPU session): 1.00-1.13x the serial
+pass's time, never faster, so ``"auto"`` does not pick it.
 """
 
 from __future__ import annotations
