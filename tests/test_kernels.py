@@ -527,8 +527,8 @@ def test_round_batch_lays_the_rounds_back_to_back(seed):
 def test_state_pass_choice(monkeypatch):
     """``STATE_PASS='auto'`` picks the serial pass where the H200 measured it faster (swe, tau at small and full
     size, grpo) and fla's per-round pass on a single sequence (one round: exactly fla's kernel, the per-trajectory
-    baseline's) and where the serial chain is several times the rounds' (full-size swe); explicit values win; a
-    bad value names the choices."""
+    baseline's) and on a round of many long siblings (the serial chain walks all of them, fla's pass runs them side
+    by side); explicit values win; a bad value names the choices."""
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
     from harts_hf.workloads import make_workload
 
@@ -539,9 +539,12 @@ def test_state_pass_choice(monkeypatch):
     monkeypatch.setattr(fla_backend, "STATE_PASS", "auto")
     assert fla_backend.STATE_PASS == "auto"
     chosen = {f"{name}@{scale}": fla_backend.state_pass_for(plan_of(name, scale))
-              for name, scale in (("swe", 0.02), ("tau", 0.02), ("grpo", 0.05), ("tau", 1.0))}
+              for name, scale in (("swe", 0.02), ("tau", 0.02), ("grpo", 0.05), ("tau", 1.0), ("swe", 1.0))}
     assert set(chosen.values()) == {"serial"}, chosen
-    assert fla_backend.state_pass_for(plan_of("swe", 1.0)) == "rounds"
+    prompt = list(range(1, 301))
+    wide = [prompt + [1000 + i] * 4096 for i in range(64)]  # 64 siblings of 64 chunks after one prompt
+    assert fla_backend.state_pass_for(build_gated_delta_plan(PrefixForest.from_sequences(wide).pack(),
+                                                             final_states_only=True)) == "rounds"
     one = make_workload("swe", scale=0.02, seed=0).sequences[:1]  # one round: fla's own kernel
     assert fla_backend.state_pass_for(build_gated_delta_plan(PrefixForest.from_sequences(one).pack())) == "rounds"
     the_plan = plan_of("grpo", 0.05)

@@ -47,14 +47,16 @@ BATCH_ROUNDS = True  # False: the fused per-round node (see the module docstring
 # (state_pass_for).
 STATE_PASS = "auto"
 _STATE_PASSES = ("auto", "rounds", "serial", "lanes")
-SERIAL_ROUND_CHUNKS = 120
+SERIAL_ROUND_CHUNKS = 1000
 """What one round of fla's state pass costs beyond its longest unit, in chunk steps of the serial pass (host work,
 three launches, the bank gather/scatter, and a round's units beyond what runs at once). Measured on the H200 (fwd+bwd
-of one 2B-shaped GDN layer, BENCHMARKS.md): the serial pass was faster on every forest of more than one round timed
-so far: swe@0.02, tau@0.02, swe@0.05 (fifth GPU session, model level), full-size tau (56.5 vs 60.4 ms; chains of
-1,621 vs 332 chunk steps over 13 rounds) and grpo@0.05 (5.4 vs 6.5 ms; 154 vs 6 over 2 rounds; ninth session).
-45, the earlier value, sent both of the latter to the per-round pass; 120 sends them to the serial one and keeps
-the per-round pass for full-size swe (6,802 vs 1,346 over 8 rounds; not yet timed there) and for one round."""
+of one 2B-shaped GDN layer, BENCHMARKS.md): the serial pass was faster on every forest of more than one round timed:
+swe@0.02, tau@0.02, swe@0.05 (fifth GPU session, model level), grpo@0.05 (5.2 vs 6.8 ms; chains of 154 vs 6 chunk
+steps over 2 rounds), full-size tau (48.4 vs 51.4 ms; 1,621 vs 332 over 13 rounds) and full-size swe (200.5 vs
+212.0 ms; 6,802 vs 386 over 8 rounds; tenth session). 120, the earlier value, sent full-size swe to the per-round
+pass; 1000 sends every timed forest to the serial one and keeps the per-round pass for rounds of many long
+siblings (64 completions of 4k tokens: 4,096 serial steps vs 64 per round), for one round, and where a unit's state
+is saved twice."""
 
 
 def _import_fla():
