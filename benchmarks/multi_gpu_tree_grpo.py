@@ -21,8 +21,8 @@ to run big microbatches as planner pieces, DDP or DeepSpeed; on the lent machine
     python benchmarks/multi_gpu_tree_grpo.py --preset 2b --scale 0.05 --tasks-per-step 4 --steps 6 --warmup 2 \
         --trainer trl --grad-accum 54 --out results/mgpu/trl --compare results/mgpu/one/summary.json
     accelerate launch --config_file examples/accelerate_ddp.yaml benchmarks/multi_gpu_tree_grpo.py --preset 2b \
-        --scale 1.0 --tasks-per-step 1 --rows-per-task 52 --steps 3 --warmup 1 --tree-token-budget 65536 \
-        --cross-replica --out results/mgpu/cross      # one full-size task per step, its tree split over both GPUs
+        --scale 0.1 --tasks-per-step 2 --steps 2 --warmup 1 --tree-token-budget 16384 \
+        --cross-replica --out results/mgpu/cross      # both tasks' trees planned as one forest over both GPUs
 
 The last one is TRL's own GRPOTrainer on the same rollouts (right-padded micro-batches, every trajectory computed
 alone): the end-to-end baseline, with the loss and grad norm to compare against the tree run.

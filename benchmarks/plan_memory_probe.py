@@ -34,6 +34,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -222,7 +223,10 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
     """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed into ONE
     forward each (every trajectory its own tree: same kernels, no padding, no sharing; ``tree_logprobs`` as the
     bench's ``packed``) of at most ``max_tokens`` path tokens, fwd+bwd, the second of two runs timed (the first
-    compiles / autotunes new shapes). Sum of the calls' seconds and the largest peak."""
+    compiles / autotunes new shapes). Gradients accumulate over the calls, as over a trainer's microbatches (and
+    over the tree's pieces), so every call after the first peaks with them. Sum of the calls' seconds, the largest
+    peak, and ``c + a tokens + b pairs`` fitted to the calls (least squares; pairs = sum L(L+1)/2) with the tree's
+    price under it (:func:`packed_fit`)."""
     from harts_hf.trees import PrefixForest
 
     groups, current = [], []
@@ -233,22 +237,44 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
         current.append(sequence)
     groups.append(current)
     rows = []
+    model.zero_grad(set_to_none=True)
     for group in groups:
         forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
-        model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
         seconds = second_run(model, forest, device, attention)
-        rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)), seconds=seconds,
+        rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)),
+                         pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=seconds,
                          peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))
         print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {seconds:.3f} s, "
               f"peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
     model.zero_grad(set_to_none=True)
     total = dict(calls=len(rows), max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
-                 peak_gib=max(r["peak_gib"] for r in rows), groups=rows)
+                 peak_gib=max(r["peak_gib"] for r in rows), groups=rows, **packed_fit(rows, sequences))
     print(f"packed per-trajectory: {len(sequences)} trajectories in {len(rows)} calls of <= {max_tokens} tokens: "
-          f"{total['seconds']:.2f} s, peak {total['peak_gib']:.1f} GiB", flush=True)
+          f"{total['seconds']:.2f} s, peak {total['peak_gib']:.1f} GiB; fit c {total['fit'][0]:.4g} s, "
+          f"a {total['fit'][1]:.4g} s/token, b {total['fit'][2]:.4g} s/pair; the tree priced "
+          f"{total['tree_priced_seconds']:.2f} s, S_phys against this path {total['S_phys_packed']:.2f}", flush=True)
     return total
+
+
+def packed_fit(rows: list[dict], sequences) -> dict:
+    """``c + a tokens + b pairs`` fitted to the packed calls (``rows``: tokens, pairs, seconds) and the whole forest
+    priced by it (one call over its unique tokens and tree pairs): ``S_phys_packed`` = the calls' seconds / that
+    price, the speed-up a tree running at the packed path's own per-token and per-pair rates would reach. With
+    fewer than three calls the fit is undetermined (NaN)."""
+    from harts_hf.trees import PrefixForest
+
+    stats = PrefixForest.from_sequences(sequences).pack().stats()
+    if len(rows) < 3:
+        fit = [float("nan")] * 3
+    else:
+        features = np.array([[1.0, r["tokens"], r["pairs"]] for r in rows])
+        fit = np.linalg.lstsq(features, np.array([r["seconds"] for r in rows]), rcond=None)[0].tolist()
+    c, a, b = fit
+    priced = c + a * stats["unique_tokens"] + b * stats["tree_attention_pairs"]
+    return dict(fit=fit, tree_priced_seconds=priced, S_phys_packed=sum(r["seconds"] for r in rows) / priced,
+                unique_tokens=stats["unique_tokens"], tree_attention_pairs=stats["tree_attention_pairs"])
 
 
 def main(argv=None):
@@ -306,6 +332,11 @@ def main(argv=None):
 
         cap = args.packed_groups or PrefixForest.from_sequences(sequences).pack().num_tokens
         rows.append(dict(packed_groups=packed_groups(model, sequences, cap, device, args.attention)))
+        packed = rows[-1]["packed_groups"]
+        for tree in (r for r in rows if r.get("pieces") is not None):
+            speedup = packed["seconds"] / tree["seconds"]
+            print(f"tree, budget {tree['budget']}: {tree['seconds']:.2f} s, {speedup:.2f}x the packed path, "
+                  f"{speedup / packed['S_phys_packed']:.3f} of S_phys {packed['S_phys_packed']:.2f}", flush=True)
     if args.loop_sample:
         rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit,
                                                  args.attention)))

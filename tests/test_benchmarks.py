@@ -1,6 +1,7 @@
 """The GPU benchmark suite's model stages run end to end on the CPU (a tiny model), so a broken stage shows here
 and not in the device minutes of a GPU session."""
 
+import math
 import json
 import subprocess
 import sys
@@ -56,3 +57,28 @@ def test_plan_memory_probe_per_trajectory_sample_on_cpu():
     every = loop_sample(model, sequences, -1, torch.device("cpu"), fit)
     assert every["all"] and every["measured_seconds"] > 0
     assert abs(every["priced_seconds"] - every["whole_loop_priced_seconds"]) < 1e-9
+
+
+def test_plan_memory_probe_prices_the_tree_at_the_packed_paths_rates():
+    """packed_fit recovers c + a tokens + b pairs from the packed calls and prices the forest (one call over its
+    unique tokens and tree pairs) with it; S_phys_packed = the calls' seconds / that price."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plan_memory_probe import packed_fit
+
+    from harts_hf.trees import PrefixForest
+
+    prompt = list(range(1, 41))
+    sequences = [prompt + [100 + i] * n for i, n in enumerate((10, 30, 50, 70, 90, 110))]
+    c, a, b = 0.2, 5e-5, 2e-9
+    groups = [sequences[:2], sequences[2:3], sequences[3:5], sequences[5:]]
+    rows = []
+    for group in groups:
+        tokens, pairs = sum(map(len, group)), sum(len(s) * (len(s) + 1) / 2 for s in group)
+        rows.append(dict(tokens=tokens, pairs=pairs, seconds=c + a * tokens + b * pairs))
+    result = packed_fit(rows, sequences)
+    assert max(abs(x - y) / y for x, y in zip(result["fit"], (c, a, b))) < 1e-6
+    stats = PrefixForest.from_sequences(sequences).pack().stats()
+    price = c + a * stats["unique_tokens"] + b * stats["tree_attention_pairs"]
+    assert abs(result["tree_priced_seconds"] - price) < 1e-12
+    assert abs(result["S_phys_packed"] - sum(r["seconds"] for r in rows) / price) < 1e-9
+    assert math.isnan(packed_fit(rows[:2], sequences)["S_phys_packed"])  # two calls: c, a, b undetermined
