@@ -126,33 +126,60 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
 
 
 def profile(model, sequences, device, attention: str, out: Path, loop_count: int = 8) -> dict:
-    """Warm runs under torch.profiler: the whole forest, and ``loop_count`` of its trajectories alone (length
-    quantiles 0.1-0.9, the per-trajectory path). For each: kernel seconds by op family (gpu_suite's families), their
-    sum, the wall time (the gap is host time the GPU waited for) and the tokens it ran (unique for the tree, path
-    tokens for the sample), so the two compare per token; the top kernels go to ``profile_<name>.txt``, and a cProfile
-    of one more warm tree run (host time by Python function) to ``profile_tree_host.txt``."""
+    """Warm runs under torch.profiler: the whole forest, ``loop_count`` of its trajectories alone (length quantiles
+    0.1-0.9, the per-trajectory path) and ONE packed call of its first trajectories up to the forest's unique-token
+    count (the packed per-trajectory path at the tree's size). For each: kernel seconds by op family (gpu_suite's
+    families) and by model part, forward / recomputed forward / backward (:mod:`module_breakdown`: GDN layers with
+    the tree conv and the gated delta rule inside, attention layers with the attention kernel inside, MLPs, the LM
+    head, the rest), their sum, the wall time (the gap is host time the GPU waited for) and the tokens it ran
+    (unique for the tree, path tokens for the others), so they compare per token; the top kernels go to
+    ``profile_<name>.txt``, and a cProfile of one more warm tree run (host time by Python function) to
+    ``profile_tree_host.txt``."""
     from gpu_suite import op_families
+    from module_breakdown import attribute, labelled, table
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    from harts_hf.trees import PrefixForest
+
     picks = _quantile_picks(sequences, loop_count)
-    forests = {"tree": [sequences], "loop": [[sequences[i]] for i in picks]}
+    unique = PrefixForest.from_sequences(sequences).pack().num_tokens
+    group = []
+    for sequence in sequences:
+        if group and sum(map(len, group)) + len(sequence) > unique:
+            break
+        group.append(sequence)
+    packed = PrefixForest.from_sequences(group, groups=list(range(len(group))))
+    forests = {"tree": [sequences], "loop": [[sequences[i]] for i in picks], "packed": [group]}
     report = {}
     out.mkdir(parents=True, exist_ok=True)
     for name, batch in forests.items():
+        if name == "packed":
+            second_run(model, packed, device, attention)  # compiles / autotunes its lengths
         for forest in batch if name == "loop" else []:  # the tree is warm from the timed runs
             run(model, forest, None, device, history=False, attention=attention)
-        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            runs = [run(model, forest, None, device, history=False, attention=attention) for forest in batch]
+        with labelled(model), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            if name == "packed":
+                _sync(device)
+                start = time.perf_counter()
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    run_tree(model, packed, attention)
+                _sync(device)
+                runs = [dict(seconds=time.perf_counter() - start, unique_tokens=sum(map(len, group)))]
+            else:
+                runs = [run(model, forest, None, device, history=False, attention=attention) for forest in batch]
         wall, tokens = sum(r["seconds"] for r in runs), sum(r["unique_tokens"] for r in runs)
         events = prof.key_averages()
         (out / f"profile_{name}.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=50))
         families, queue_full = op_families(events, on_cuda=True)
+        parts = attribute(prof.events(), on_cuda=True)
         report[name] = dict(wall_seconds=wall, device_seconds=sum(families.values()), tokens=tokens,
-                            device_seconds_by_family=families, launch_queue_full_seconds=queue_full)
-        print(f"profile {name} ({len(batch)} forest(s), {tokens} tokens): wall {wall:.2f} s, device "
-              f"{report[name]['device_seconds']:.2f} s: " + ", ".join(f"{k} {v:.2f}" for k, v in families.items()),
-              flush=True)
+                            device_seconds_by_family=families, launch_queue_full_seconds=queue_full,
+                            device_seconds_by_part=parts)
+        print(f"profile {name} ({len(batch)} forest(s) of {sum(map(len, batch))} trajectories, {tokens} tokens): "
+              f"wall {wall:.2f} s, device {report[name]['device_seconds']:.2f} s: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in families.items()), flush=True)
+        print(f"  by part (device s; all {parts['total']:.2f}):\n" + table(parts, tokens), flush=True)
     profiler = cProfile.Profile()  # host time of one warm tree run: where a small forest's fixed cost goes
     report["tree"]["host_wall_seconds"] = profiler.runcall(
         lambda: run(model, sequences, None, device, history=False, attention=attention)["seconds"])
@@ -296,9 +323,11 @@ def main(argv=None):
     parser.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn"],
                         help="tree attention kernel for the tree and the per-trajectory sample alike")
     parser.add_argument("--profile", action="store_true",
-                        help="also run the whole forest once more, and 8 (or --loop-sample) of its trajectories alone, "
-                             "under torch.profiler: kernel seconds per op family and tokens of each, the top kernels "
-                             "in OUT/profile_tree.txt and OUT/profile_loop.txt")
+                        help="also run the whole forest once more, 8 (or --loop-sample) of its trajectories alone and "
+                             "one packed call of its first trajectories up to its unique-token count, under "
+                             "torch.profiler: kernel seconds per op family and per model part (forward / recomputed "
+                             "forward / backward of GDN layers, tree conv, gated delta rule, attention, MLP, head) "
+                             "and tokens of each, the top kernels in OUT/profile_<tree|loop|packed>.txt")
     parser.add_argument("--packed-groups", type=int, default=None, metavar="TOKENS",
                         help="also time the packed per-trajectory path over ALL trajectories, in calls of at most "
                              "TOKENS path tokens (0: the forest's unique-token count, i.e. the tree's memory envelope)")

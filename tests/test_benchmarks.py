@@ -1,8 +1,8 @@
 """The GPU benchmark suite's model stages run end to end on the CPU (a tiny model), so a broken stage shows here
 and not in the device minutes of a GPU session."""
 
-import math
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +82,46 @@ def test_plan_memory_probe_prices_the_tree_at_the_packed_paths_rates():
     assert abs(result["tree_priced_seconds"] - price) < 1e-12
     assert abs(result["S_phys_packed"] - sum(r["seconds"] for r in rows) / price) < 1e-9
     assert math.isnan(packed_fit(rows[:2], sequences)["S_phys_packed"])  # two calls: c, a, b undetermined
+
+
+def test_module_breakdown_gives_every_op_to_one_part_on_cpu():
+    """module_breakdown: a tree forward+backward (tiny model, gradient checkpointing) profiled under ``labelled``;
+    every op's own time lands in exactly one part and phase (their sum is the profile's), the GDN kernel, tree conv,
+    attention kernel, MLP and head get forward and backward time, checkpointing's recomputed forwards are told
+    apart, and the hooks and wrappers are gone afterwards."""
+    import random
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_tree_vs_trajectory import build_model, run_tree
+    from module_breakdown import PREFIX, attribute, labelled, table
+
+    import harts_hf.model_patches.gated_deltanet as gdn_patch
+    from harts_hf.trees import PrefixForest
+
+    model = build_model("tiny", "qwen3_next", torch.device("cpu"), torch.float32)
+    rng = random.Random(0)
+    prompt = [rng.randrange(1, 500) for _ in range(70)]
+    forest = PrefixForest.from_sequences([prompt + [rng.randrange(1, 500) for _ in range(n)] for n in (20, 45, 90)])
+    run_tree(model, forest)  # patches the model (first use) outside the profile
+    original = gdn_patch.tree_gated_delta_rule
+
+    def hooks():
+        return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+    before = hooks()
+    with labelled(model), profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_tree(model, forest)
+    assert gdn_patch.tree_gated_delta_rule is original and hooks() == before
+    events = prof.events()
+    parts = attribute(events, on_cuda=False)
+    own = sum(e.self_cpu_time_total for e in events if e.device_type == torch.autograd.DeviceType.CPU) / 1e6
+    assert abs(sum(sum(p.values()) for p in parts.values()) - own) < 1e-6 * max(own, 1.0)
+    for part in ("gdn_kernel", "conv", "attention_kernel", "mlp", "head"):
+        assert parts[part]["forward"] > 0 and parts[part]["backward"] > 0, (part, parts[part])
+    assert parts["mlp"]["recompute"] > 0 and parts["head"]["recompute"] == 0  # layers are checkpointed, the head not
+    assert {"gdn_layer", "attention_layer", "other"} <= set(parts)
+    assert {e.name for e in events if e.name.startswith(PREFIX)} == {PREFIX + p for p in parts if p != "other"}
+    assert "gdn_kernel" in table(parts, tokens=forest.pack().num_tokens)

@@ -1,0 +1,159 @@
+"""Where a forward+backward's time goes, by model part: GDN layers (and inside them the tree conv and the gated delta
+rule), attention layers (and inside them the attention kernel), MLPs, the LM head, the rest.
+
+    with labelled(model):
+        with torch.profiler.profile(activities=[CPU, CUDA]) as prof:
+            loss = ...; loss.backward()
+    parts = attribute(prof.events(), on_cuda=True)
+
+``labelled`` opens a ``record_function`` range named ``harts::<part>`` around every call of the model's GDN,
+attention and MLP modules (forward hooks) and of harts_hf's tree conv, gated delta rule, tree attention and chunked
+head (wrapped where the model patches call them). ``attribute`` gives each profiled op's own time (device time on
+CUDA, CPU time on CPU) to its innermost range:
+
+- an op inside a range: that part's ``forward`` (``recompute`` when the range runs inside a backward node, as
+  gradient checkpointing's recomputed forwards do);
+- an op inside a backward node (``autograd::engine::evaluate_function: ...``): the part whose range held the forward
+  op that made the node (autograd's sequence number, per forward thread): that part's ``backward``;
+- anything else: ``other`` (embedding, norms between layers, residual adds, the loss).
+
+Device time no op claims (kernels whose launch the profiler did not link to an op) is reported as
+``unattributed``, so a part never silently loses time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import defaultdict
+
+import torch
+from torch.autograd.profiler import record_function
+
+PREFIX = "harts::"
+MODULE_PARTS = (("GatedDeltaNet", "gdn_layer"), ("Attention", "attention_layer"), ("MLP", "mlp"))
+"""Class-name suffix -> part, for the model's own modules (Qwen3-Next, Qwen3.5)."""
+FUNCTION_PARTS = (("harts_hf.model_patches.gated_deltanet", "tree_causal_conv1d", "conv"),
+                  ("harts_hf.model_patches.gated_deltanet", "tree_gated_delta_rule", "gdn_kernel"),
+                  ("harts_hf.model_patches.core", "tree_attention", "attention_kernel"),
+                  ("harts_hf.model_patches.entry", "chunked_logprobs", "head"))
+"""(module, name, part): harts_hf functions, wrapped where the model patches look them up."""
+BACKWARD = "autograd::engine::evaluate_function: "
+
+
+def _part_of_module(module: torch.nn.Module) -> str | None:
+    name = type(module).__name__
+    return next((part for suffix, part in MODULE_PARTS if name.endswith(suffix)), None)
+
+
+def _labelled_function(function, part: str):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        with record_function(PREFIX + part):
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def labelled(model: torch.nn.Module):
+    """Name every call of the model's parts (see the module docstring) for the profiler; undone on exit."""
+    import importlib
+
+    handles, open_ranges, wrapped = [], [], []
+
+    def enter(part, module, args):
+        scope = record_function(PREFIX + part)
+        scope.__enter__()
+        open_ranges.append(scope)
+
+    def leave(module, args, output):
+        open_ranges.pop().__exit__(None, None, None)
+
+    for module in model.modules():
+        part = _part_of_module(module)
+        if part is not None:
+            handles.append(module.register_forward_pre_hook(functools.partial(enter, part)))
+            # always_call: also when the forward raises, as checkpointing's early stop does inside a recomputed
+            # forward once it has the tensors it needs (a range left open would misnest every later one)
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    for module_name, name, part in FUNCTION_PARTS:
+        owner = importlib.import_module(module_name)
+        original = getattr(owner, name)
+        setattr(owner, name, _labelled_function(original, part))
+        wrapped.append((owner, name, original))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        for owner, name, original in wrapped:
+            setattr(owner, name, original)
+
+
+def _own_seconds(event, on_cuda: bool) -> float:
+    return (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / 1e6
+
+
+def attribute(events, on_cuda: bool) -> dict:
+    """``{part: {"forward": s, "recompute": s, "backward": s}}`` plus ``"other"`` and, on CUDA, ``"unattributed"``
+    and ``"total"`` (all device time), from ``prof.events()`` of a run under :func:`labelled`."""
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+
+    def enclosing(event):
+        """The innermost labelled range and the innermost backward node above ``event`` (or itself), and which
+        of the two is nearer."""
+        label = node = None
+        nearer = None
+        current = event
+        while current is not None and (label is None or node is None):
+            if label is None and current.name.startswith(PREFIX):
+                label = current
+                nearer = nearer or "label"
+            if node is None and current.name.startswith(BACKWARD):
+                node = current
+                nearer = nearer or "node"
+            current = current.cpu_parent
+        return label, node, nearer
+
+    part_of_sequence = {}
+    for event in cpu:
+        if event.sequence_nr < 0 or event.name.startswith(BACKWARD):
+            continue
+        label, _, nearer = enclosing(event)
+        if nearer == "label":
+            part_of_sequence.setdefault((event.thread, event.sequence_nr), label.name[len(PREFIX):])
+    parts = defaultdict(lambda: {"forward": 0.0, "recompute": 0.0, "backward": 0.0})
+    claimed = 0.0
+    for event in cpu:
+        seconds = _own_seconds(event, on_cuda)
+        if seconds <= 0:
+            continue
+        claimed += seconds
+        label, node, nearer = enclosing(event)
+        if nearer == "label":
+            parts[label.name[len(PREFIX):]]["recompute" if node is not None else "forward"] += seconds
+        elif nearer == "node":
+            part = part_of_sequence.get((node.fwd_thread, node.sequence_nr), "other")
+            parts[part]["backward"] += seconds
+        else:
+            parts["other"]["forward"] += seconds
+    result = {part: dict(phases) for part, phases in sorted(parts.items())}
+    if on_cuda:
+        total = sum(_own_seconds(e, True) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        result["unattributed"] = {"forward": max(total - claimed, 0.0), "recompute": 0.0, "backward": 0.0}
+        result["total"] = total
+    return result
+
+
+def table(parts: dict, tokens: int | None = None) -> str:
+    """Rows ``part: forward / recompute / backward / sum`` in seconds (and microseconds per token)."""
+    lines = []
+    for part, phases in parts.items():
+        if not isinstance(phases, dict):
+            continue
+        total = sum(phases.values())
+        per_token = f", {total / tokens * 1e6:8.2f} us/token" if tokens else ""
+        lines.append(f"  {part:17s} fwd {phases['forward']:8.3f}  recompute {phases['recompute']:8.3f}  "
+                     f"bwd {phases['backward']:8.3f}  sum {total:8.3f} s{per_token}")
+    return "\n".join(lines)
