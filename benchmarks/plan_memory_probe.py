@@ -88,7 +88,7 @@ def live_at_peak(snapshot: dict, device: int) -> tuple[float, list, list]:
     return peak / 2**30, top(ours), top(anywhere)
 
 
-def run(model, sequences, budget, device, history: bool, attention: str = "auto") -> dict:
+def run(model, sequences, budget, device, history: bool, attention: str = "auto", recompute: bool = True) -> dict:
     from harts_hf.planner import execute_plan, plan
     from harts_hf.trees import PrefixForest
 
@@ -106,7 +106,7 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
     start = time.perf_counter()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         execution = execute_plan(model, the_plan, logprob_weights=weights,  # bf16 head, as the trainer's default
-                                 attention_backend=attention)
+                                 attention_backend=attention, recompute=recompute)
     torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     row = dict(budget=budget, unique_tokens=packed.num_tokens, pieces=len(the_plan.pieces), seconds=seconds,
@@ -314,6 +314,9 @@ def main(argv=None):
     parser.add_argument("--model", default="qwen3_next_2b", choices=sorted(MODELS))
     parser.add_argument("--loop-only", action="store_true", help="only the per-trajectory sample (--loop-sample)")
     parser.add_argument("--no-history", action="store_true", help="skip the allocator history (faster)")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="execute_plan(recompute=False): a hand-off source runs one forward with gradient and keeps "
+                             "its graph while its children run (no no-grad forward first; more memory)")
     parser.add_argument("--loop-sample", type=int, default=0,
                         help="also time this many of the task's trajectories alone (-1: all), each its own forward "
                              "and backward through the same kernels (the tree path on a one-sequence forest: fla, "
@@ -343,7 +346,8 @@ def main(argv=None):
         run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
             attention=args.attention)                                      # cuDNN plans)
     for budget in [] if args.loop_only else [b or None for b in args.budget]:
-        rows.append(run(model, sequences, budget, device, history=not args.no_history, attention=args.attention))
+        rows.append(run(model, sequences, budget, device, history=not args.no_history, attention=args.attention,
+                        recompute=not args.no_recompute))
         r = rows[-1]
         print(f"budget {budget}: {r['pieces']} pieces, {r['seconds']:.2f} s, peak {r['peak_gib']:.1f} GiB "
               f"(weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}", flush=True)

@@ -67,7 +67,11 @@ class TreeGRPOConfig(GRPOConfig):
                           "the rows of ALL processes as one forest and let a tree's pieces run on different "
                           "processes, the shared prefix once on one of them, its states and keys handed to the "
                           "others point to point (harts_hf.planner.execute_plan(replica=rank)). Balances trees "
-                          "larger than one process's share. Token-level losses only; not with DeepSpeed or FSDP."},
+                          "larger than one process's share. Token-level losses only; not with DeepSpeed or FSDP. "
+                          "Costlier than whole trees per process where those fit: the processes wait on each "
+                          "other's hand-offs (2 x H200, 2B model, swe scale 0.1, budget 16384: 10.6 s per step "
+                          "for ~82k unique tokens, vs ~4.6 s for ~88k with whole groups per process; "
+                          "BENCHMARKS.md)."},
     )
     tree_cost_model: str | None = field(
         default=None,
