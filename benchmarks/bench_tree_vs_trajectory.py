@@ -74,10 +74,13 @@ def timed(device, function, repeats: int):
     return seconds, peak
 
 
-def run_tree(model, forest, attention_backend: str = "auto"):
+def run_tree(model, forest, attention_backend: str = "auto", zero_grad: bool = True):
+    """One fwd+bwd of ``forest`` (loss: the sum of its log-probs); ``zero_grad=False`` accumulates into the
+    gradients already there, as a trainer's later microbatches do."""
     from harts_hf import tree_logprobs
 
-    model.zero_grad(set_to_none=True)
+    if zero_grad:
+        model.zero_grad(set_to_none=True)
     out = tree_logprobs(model, forest=forest, attention_backend=attention_backend)
     sum(lp.sum() for lp in out.logprobs).backward()
     return out.stats

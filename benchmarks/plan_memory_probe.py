@@ -204,14 +204,15 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def second_run(model, forest, device, attention: str) -> float:
+def second_run(model, forest, device, attention: str, zero_grad: bool = True) -> float:
     """Seconds of the second of two fwd+bwd runs of ``forest`` (``tree_logprobs`` under bf16 autocast, as the tree
-    run and the trainer); the first compiles / autotunes new lengths."""
+    run and the trainer); the first compiles / autotunes new lengths. ``zero_grad=False``: into the gradients
+    already there."""
     for _ in range(2):
         _sync(device)
         start = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            run_tree(model, forest, attention)
+            run_tree(model, forest, attention, zero_grad=zero_grad)
         _sync(device)
         seconds = time.perf_counter() - start
     return seconds
@@ -269,7 +270,7 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
         forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        seconds = second_run(model, forest, device, attention)
+        seconds = second_run(model, forest, device, attention, zero_grad=False)
         rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)),
                          pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=seconds,
                          peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))

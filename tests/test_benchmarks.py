@@ -125,3 +125,23 @@ def test_module_breakdown_gives_every_op_to_one_part_on_cpu():
     assert {"gdn_layer", "attention_layer", "other"} <= set(parts)
     assert {e.name for e in events if e.name.startswith(PREFIX)} == {PREFIX + p for p in parts if p != "other"}
     assert "gdn_kernel" in table(parts, tokens=forest.pack().num_tokens)
+
+
+def test_run_tree_accumulates_gradients_when_asked():
+    """The packed baseline's calls accumulate gradients as a trainer's microbatches do (run_tree(zero_grad=False)),
+    so its peak memory counts them; the default starts from none."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_tree_vs_trajectory import build_model, run_tree
+
+    from harts_hf.trees import PrefixForest
+
+    model = build_model("tiny", "qwen3_next", torch.device("cpu"), torch.float32)
+    forest = PrefixForest.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8]])
+    run_tree(model, forest)
+    once = [p.grad.clone() for p in model.parameters()]
+    run_tree(model, forest, zero_grad=False)
+    assert all(torch.allclose(p.grad, 2 * g, rtol=1e-5, atol=1e-7) for p, g in zip(model.parameters(), once))
+    run_tree(model, forest)
+    assert all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7) for p, g in zip(model.parameters(), once))
