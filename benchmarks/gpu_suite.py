@@ -261,7 +261,8 @@ def op_families(events, on_cuda: bool) -> tuple[dict, float]:
     time is its kernels' again. On CPU the ops' self time."""
     families, queue_full = {}, 0.0
     for event in events:
-        if on_cuda and event.device_type != torch.autograd.DeviceType.CUDA:
+        if on_cuda and (event.device_type != torch.autograd.DeviceType.CUDA
+                        or getattr(event, "is_user_annotation", False)):  # a record_function range's GPU span
             continue
         seconds = (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / 1e6
         if event.key == "Command Buffer Full":

@@ -14,11 +14,14 @@ CUDA, CPU time on CPU) to its innermost range:
 - an op inside a range: that part's ``forward`` (``recompute`` when the range runs inside a backward node, as
   gradient checkpointing's recomputed forwards do);
 - an op inside a backward node (``autograd::engine::evaluate_function: ...``): the part whose range held the forward
-  op that made the node (autograd's sequence number, per forward thread): that part's ``backward``;
+  op that made the node (autograd's sequence number, per forward thread): that part's ``backward``; but a forward
+  op recomputed there outside every range (it has a sequence number; backward ops have none), such as a
+  checkpointed layer's norms and residual adds: ``other``'s ``recompute``;
 - anything else: ``other`` (embedding, norms between layers, residual adds, the loss).
 
 Device time no op claims (kernels whose launch the profiler did not link to an op) is reported as
-``unattributed``, so a part never silently loses time.
+``unattributed``, so a part never silently loses time. The GPU-side copies of the ranges (Kineto's
+``gpu_user_annotation`` events, spans from a range's first kernel to its last) are not kernels and are left out.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ MODULE_PARTS = (("GatedDeltaNet", "gdn_layer"), ("Attention", "attention_layer")
 FUNCTION_PARTS = (("harts_hf.model_patches.gated_deltanet", "tree_causal_conv1d", "conv"),
                   ("harts_hf.model_patches.gated_deltanet", "tree_gated_delta_rule", "gdn_kernel"),
                   ("harts_hf.model_patches.core", "tree_attention", "attention_kernel"),
-                  ("harts_hf.model_patches.entry", "chunked_logprobs", "head"))
-"""(module, name, part): harts_hf functions, wrapped where the model patches look them up."""
+                  ("harts_hf.model_patches.entry", "chunked_logprobs", "head"),
+                  ("harts_hf.kernels.chunked_logprobs", "_score_chunk", "head"))
+"""(module, name, part): harts_hf functions, wrapped where their callers look them up (the head's row chunks too:
+past one chunk they are checkpointed, and their recomputation runs in the backward, outside the head's range)."""
 BACKWARD = "autograd::engine::evaluate_function: "
 
 
@@ -91,6 +96,13 @@ def labelled(model: torch.nn.Module):
             setattr(owner, name, original)
 
 
+def is_kernel(event) -> bool:
+    """A device event that is a kernel or copy: not Kineto's GPU-side copy of a ``record_function`` range
+    (``gpu_user_annotation``, which spans other kernels) and not CUPTI's "Command Buffer Full" marker."""
+    return (event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+            and event.key != "Command Buffer Full")
+
+
 def _own_seconds(event, on_cuda: bool) -> float:
     return (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / 1e6
 
@@ -101,10 +113,10 @@ def attribute(events, on_cuda: bool) -> dict:
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
 
     def enclosing(event):
-        """The innermost labelled range and the innermost backward node above ``event`` (or itself), and which
-        of the two is nearer."""
+        """The innermost labelled range and the innermost backward node above ``event`` (or itself), which of the
+        two is nearer, and whether a forward op (one with a sequence number) lies below the nearer node."""
         label = node = None
-        nearer = None
+        nearer, forward_op = None, False
         current = event
         while current is not None and (label is None or node is None):
             if label is None and current.name.startswith(PREFIX):
@@ -113,16 +125,20 @@ def attribute(events, on_cuda: bool) -> dict:
             if node is None and current.name.startswith(BACKWARD):
                 node = current
                 nearer = nearer or "node"
+            if nearer is None and current.sequence_nr >= 0:
+                forward_op = True
             current = current.cpu_parent
-        return label, node, nearer
+        return label, node, nearer, forward_op
 
     part_of_sequence = {}
-    for event in cpu:
+    # in start order, so that of the ops sharing a sequence number (those that make no node take the next one's)
+    # the last, the one that made the node, decides
+    for event in sorted(cpu, key=lambda e: e.time_range.start):
         if event.sequence_nr < 0 or event.name.startswith(BACKWARD):
             continue
-        label, _, nearer = enclosing(event)
+        label, _, nearer, _ = enclosing(event)
         if nearer == "label":
-            part_of_sequence.setdefault((event.thread, event.sequence_nr), label.name[len(PREFIX):])
+            part_of_sequence[event.thread, event.sequence_nr] = label.name[len(PREFIX):]
     parts = defaultdict(lambda: {"forward": 0.0, "recompute": 0.0, "backward": 0.0})
     claimed = 0.0
     for event in cpu:
@@ -130,9 +146,11 @@ def attribute(events, on_cuda: bool) -> dict:
         if seconds <= 0:
             continue
         claimed += seconds
-        label, node, nearer = enclosing(event)
+        label, node, nearer, forward_op = enclosing(event)
         if nearer == "label":
             parts[label.name[len(PREFIX):]]["recompute" if node is not None else "forward"] += seconds
+        elif nearer == "node" and forward_op:
+            parts["other"]["recompute"] += seconds
         elif nearer == "node":
             part = part_of_sequence.get((node.fwd_thread, node.sequence_nr), "other")
             parts[part]["backward"] += seconds
@@ -140,7 +158,7 @@ def attribute(events, on_cuda: bool) -> dict:
             parts["other"]["forward"] += seconds
     result = {part: dict(phases) for part, phases in sorted(parts.items())}
     if on_cuda:
-        total = sum(_own_seconds(e, True) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        total = sum(_own_seconds(e, True) for e in events if is_kernel(e))
         result["unattributed"] = {"forward": max(total - claimed, 0.0), "recompute": 0.0, "backward": 0.0}
         result["total"] = total
     return result

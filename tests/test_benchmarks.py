@@ -121,7 +121,8 @@ def test_module_breakdown_gives_every_op_to_one_part_on_cpu():
     assert abs(sum(sum(p.values()) for p in parts.values()) - own) < 1e-6 * max(own, 1.0)
     for part in ("gdn_kernel", "conv", "attention_kernel", "mlp", "head"):
         assert parts[part]["forward"] > 0 and parts[part]["backward"] > 0, (part, parts[part])
-    assert parts["mlp"]["recompute"] > 0 and parts["head"]["recompute"] == 0  # layers are checkpointed, the head not
+    # layers are checkpointed; the head's rows fit one chunk here, which it does not checkpoint
+    assert parts["mlp"]["recompute"] > 0 and parts["head"]["recompute"] == 0
     assert {"gdn_layer", "attention_layer", "other"} <= set(parts)
     assert {e.name for e in events if e.name.startswith(PREFIX)} == {PREFIX + p for p in parts if p != "other"}
     assert "gdn_kernel" in table(parts, tokens=forest.pack().num_tokens)
@@ -145,3 +146,37 @@ def test_run_tree_accumulates_gradients_when_asked():
     assert all(torch.allclose(p.grad, 2 * g, rtol=1e-5, atol=1e-7) for p, g in zip(model.parameters(), once))
     run_tree(model, forest)
     assert all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7) for p, g in zip(model.parameters(), once))
+
+
+def test_module_breakdown_counts_device_time_once():
+    """On CUDA (events built by hand as Kineto's parse gives them): a kernel's time is its launching op's own device
+    time; the GPU-side spans of the ``record_function`` ranges are not kernels; a forward op recomputed in a backward
+    node outside every range goes to ``other``'s recompute; kernels no op claims are ``unattributed``."""
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from module_breakdown import attribute
+
+    cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    start = iter(range(100))
+
+    def event(name, parent=None, seq=-1, device_s=0.0, device=cpu, annotation=False, fwd_thread=1):
+        return SimpleNamespace(name=name, key=name, cpu_parent=parent, sequence_nr=seq, thread=1,
+                               fwd_thread=fwd_thread, time_range=SimpleNamespace(start=next(start)),
+                               self_device_time_total=device_s * 1e6, self_cpu_time_total=0.0, device_type=device,
+                               is_user_annotation=annotation)
+
+    mlp = event("harts::mlp")
+    linear = event("aten::linear", mlp, seq=5)
+    mm = event("aten::mm", linear, seq=5, device_s=2.0)
+    node = event("autograd::engine::evaluate_function: MmBackward0", seq=5)
+    mm_backward = event("aten::mm", node, device_s=3.0)
+    norm = event("aten::mul", node, seq=9, device_s=0.5)  # a checkpointed layer's norm, recomputed
+    kernels = [event(f"kernel{i}", device=cuda, device_s=s) for i, s in enumerate((2.0, 3.0, 0.5, 1.0))]
+    span = event("harts::mlp", device=cuda, device_s=10.0, annotation=True)
+    parts = attribute([mlp, linear, mm, node, mm_backward, norm, *kernels, span], on_cuda=True)
+    assert parts["mlp"] == {"forward": 2.0, "recompute": 0.0, "backward": 3.0}
+    assert parts["other"] == {"forward": 0.0, "recompute": 0.5, "backward": 0.0}
+    assert parts["total"] == 6.5 and parts["unattributed"]["forward"] == 1.0

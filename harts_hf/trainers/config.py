@@ -68,10 +68,9 @@ class TreeGRPOConfig(GRPOConfig):
                           "processes, the shared prefix once on one of them, its states and keys handed to the "
                           "others point to point (harts_hf.planner.execute_plan(replica=rank)). Balances trees "
                           "larger than one process's share. Token-level losses only; not with DeepSpeed or FSDP. "
-                          "Costlier than whole trees per process where those fit: the processes wait on each "
-                          "other's hand-offs (2 x H200, 2B model, swe scale 0.1, budget 16384: 10.6 s per step "
-                          "for ~82k unique tokens, vs ~4.6 s for ~88k with whole groups per process; "
-                          "BENCHMARKS.md)."},
+                          "Costlier than whole trees per process where those fit (2 x H200, 2B model, swe scale "
+                          "0.1, budget 16384: 10.6 s per step for ~82k unique tokens; plain DDP with whole groups "
+                          "and no pieces, on swe scale 0.05 x 4 tasks: ~4.6 s for ~88k; BENCHMARKS.md)."},
     )
     tree_cost_model: str | None = field(
         default=None,
