@@ -67,6 +67,38 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def check_value_blocks(packed, plans) -> float:
+    """The serial pass (and its lanes) with two programs per value head: value heads of 32 columns in blocks of 16
+    (``serial_state_pass.VALUE_BLOCK``; the other checks' heads fit one block), vs the fp32 torch backend."""
+    import torch
+
+    from harts_hf.kernels import tree_gated_delta_rule
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend, serial_state_pass
+
+    torch.manual_seed(1)
+    U = packed.num_tokens
+    leaves = [t.requires_grad_() for t in (torch.randn(U, 1, 16), torch.randn(U, 1, 16), torch.randn(U, 2, 32),
+                                           -torch.rand(U, 2) * 0.2, torch.rand(U, 2))]
+    outputs = {}
+    serial_state_pass.VALUE_BLOCK = 16
+    try:
+        for name, state_pass in (("torch", "rounds"), ("fla_serial", "serial"), ("fla_lanes", "lanes")):
+            fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS = True, state_pass
+            backend = name.split("_")[0]
+            out = tree_gated_delta_rule(*leaves, plans[backend], backend=backend, use_qk_l2norm_in_kernel=True)
+            outputs[name] = (out.detach(), torch.autograd.grad(out.square().sum(), leaves))
+    finally:
+        serial_state_pass.VALUE_BLOCK = 32
+        fla_backend.STATE_PASS = "auto"
+    worst = 0.0
+    for name in ("fla_serial", "fla_lanes"):
+        errors = [rel(outputs[name][0], outputs["torch"][0]),
+                  max(rel(a, b) for a, b in zip(outputs[name][1], outputs["torch"][1]))]
+        print(f"two value blocks per head: {name} vs torch: out {errors[0]:.1e} grads {errors[1]:.1e}", flush=True)
+        worst = max(worst, *errors)
+    return worst
+
+
 def main() -> None:
     copy = _prepare_interpreter()
     import fla
@@ -137,6 +169,7 @@ def main() -> None:
                                                use_qk_l2norm_in_kernel=True), []), inputs))
     check_fewer_stages(lambda: tree_gated_delta_rule(*inputs, plans["fla"], backend="fla",
                                                      use_qk_l2norm_in_kernel=True), inputs)
+    worst = max(worst, check_value_blocks(packed, plans))
 
     # planner pieces with hand-offs
     the_plan = plan(handoff_sequences(seed=3), token_budget=140)

@@ -145,10 +145,28 @@ def serial_units(plan, device, lanes: bool = False) -> SerialUnits:
     return units
 
 
-# pipelining stages per (kernel, 16-byte alignment of its tensors) that fit in shared memory (Triton specialises
-# on the alignment: a one-sequence forest's aligned variant pipelined deeper and asked for 246 KB of the H200's
-# 227 KB at the default stages)
+VALUE_BLOCK = 32
+"""Value columns per program (capped at the value head size, at least 16): a program holds a ``[K, VALUE_BLOCK]``
+fp32 state. Smaller blocks mean more programs (``HV * V / VALUE_BLOCK`` per lane: 128 at the 2B shapes, on 132
+SMs) and fewer registers for the state, at the cost of loading each chunk's ``k`` and ``w`` once per block. 16, 32
+or 64; the results are the same (columns of the state never mix)."""
+NUM_WARPS = 4
+"""Warps per program: 4 or 8 (more threads share the ``[BT, K]`` tiles of ``k`` and ``w``: fewer registers each)."""
+
+# pipelining stages per (kernel, 16-byte alignment of its tensors, block, warps) that fit in shared memory (Triton
+# specialises on the alignment: a one-sequence forest's aligned variant pipelined deeper and asked for 246 KB of the
+# H200's 227 KB at the default stages)
 _STAGES: dict[tuple, int] = {}
+
+
+def block_and_warps(V: int) -> tuple[int, int]:
+    """The value block (:data:`VALUE_BLOCK`, capped at ``V`` rounded up to a power of two, at least 16) and the
+    warps (:data:`NUM_WARPS`) of a launch over value heads of ``V`` columns."""
+    if VALUE_BLOCK not in (16, 32, 64):
+        raise ValueError(f"serial_state_pass.VALUE_BLOCK must be 16, 32 or 64, got {VALUE_BLOCK!r}")
+    if NUM_WARPS not in (4, 8):
+        raise ValueError(f"serial_state_pass.NUM_WARPS must be 4 or 8, got {NUM_WARPS!r}")
+    return min(VALUE_BLOCK, max(16, 1 << (V - 1).bit_length())), NUM_WARPS
 
 
 def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_size: int, *scalars,
@@ -163,15 +181,17 @@ def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_s
 
     _, _, H, K = keys.shape
     HV, V = values.shape[2], values.shape[3]
-    BK, BV = max(16, triton.next_power_of_2(K)), min(32, max(16, triton.next_power_of_2(V)))
-    key = (name, keys.device.index, tuple(t.data_ptr() % 16 == 0 for t in tensors))
+    BK = max(16, triton.next_power_of_2(K))
+    BV, num_warps = block_and_warps(V)
+    key = (name, keys.device.index, tuple(t.data_ptr() % 16 == 0 for t in tensors), BV, num_warps)
     for first, end in reversed(units.waves) if reverse else units.waves:
         while True:
             stages = {} if key not in _STAGES else {"num_stages": _STAGES[key]}
             try:
                 getattr(_serial_kernels, name)[(triton.cdiv(V, BV), HV, end - first)](
                     *tensors, units.bos, units.eos, units.chunk, units.initial_row, units.save_row, units.lane_start,
-                    first, *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=4, **stages)
+                    first, *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=num_warps,
+                    **stages)
                 break
             except OutOfResources:
                 fewer = _STAGES.get(key, 3) - 1
