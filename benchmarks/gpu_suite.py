@@ -259,14 +259,15 @@ def op_families(events, on_cuda: bool) -> tuple[dict, float]:
     """Seconds by op family, largest first, from ``prof.key_averages()``, and the seconds of CUPTI's "Command Buffer
     Full" entries (the host blocked on a full launch queue; not a kernel). On CUDA kernels only: an aten op's device
     time is its kernels' again. On CPU the ops' self time."""
+    from module_breakdown import is_kernel
+
     families, queue_full = {}, 0.0
     for event in events:
-        if on_cuda and (event.device_type != torch.autograd.DeviceType.CUDA
-                        or getattr(event, "is_user_annotation", False)):  # a record_function range's GPU span
-            continue
         seconds = (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / 1e6
-        if event.key == "Command Buffer Full":
+        if on_cuda and event.device_type == torch.autograd.DeviceType.CUDA and event.key == "Command Buffer Full":
             queue_full += seconds
+            continue
+        if on_cuda and not is_kernel(event):  # host ops, and the GPU spans of record_function ranges
             continue
         family = _op_family(event.key)
         families[family] = families.get(family, 0.0) + seconds

@@ -143,12 +143,7 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     from harts_hf.trees import PrefixForest
 
     picks = _quantile_picks(sequences, loop_count)
-    unique = PrefixForest.from_sequences(sequences).pack().num_tokens
-    group = []
-    for sequence in sequences:
-        if group and sum(map(len, group)) + len(sequence) > unique:
-            break
-        group.append(sequence)
+    group = consecutive_groups(sequences, PrefixForest.from_sequences(sequences).pack().num_tokens)[0]
     packed = PrefixForest.from_sequences(group, groups=list(range(len(group))))
     forests = {"tree": [sequences], "loop": [[sequences[i]] for i in picks], "packed": [group]}
     report = {}
@@ -160,12 +155,7 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
             run(model, forest, None, device, history=False, attention=attention)
         with labelled(model), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             if name == "packed":
-                _sync(device)
-                start = time.perf_counter()
-                with torch.autocast(device.type, dtype=torch.bfloat16):
-                    run_tree(model, packed, attention)
-                _sync(device)
-                runs = [dict(seconds=time.perf_counter() - start, unique_tokens=sum(map(len, group)))]
+                runs = [dict(seconds=timed_run(model, packed, device, attention), unique_tokens=sum(map(len, group)))]
             else:
                 runs = [run(model, forest, None, device, history=False, attention=attention) for forest in batch]
         wall, tokens = sum(r["seconds"] for r in runs), sum(r["unique_tokens"] for r in runs)
@@ -204,18 +194,33 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_run(model, forest, device, attention: str, zero_grad: bool = True) -> float:
+    """Seconds of one fwd+bwd of ``forest`` (``tree_logprobs`` under bf16 autocast, as the tree run and the
+    trainer); ``zero_grad=False``: into the gradients already there."""
+    _sync(device)
+    start = time.perf_counter()
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        run_tree(model, forest, attention, zero_grad=zero_grad)
+    _sync(device)
+    return time.perf_counter() - start
+
+
 def second_run(model, forest, device, attention: str, zero_grad: bool = True) -> float:
-    """Seconds of the second of two fwd+bwd runs of ``forest`` (``tree_logprobs`` under bf16 autocast, as the tree
-    run and the trainer); the first compiles / autotunes new lengths. ``zero_grad=False``: into the gradients
-    already there."""
-    for _ in range(2):
-        _sync(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            run_tree(model, forest, attention, zero_grad=zero_grad)
-        _sync(device)
-        seconds = time.perf_counter() - start
-    return seconds
+    """Seconds of the second of two :func:`timed_run` calls (the first compiles / autotunes new lengths)."""
+    timed_run(model, forest, device, attention, zero_grad)
+    return timed_run(model, forest, device, attention, zero_grad)
+
+
+def consecutive_groups(sequences, max_tokens: int) -> list[list]:
+    """Consecutive ``sequences`` in groups of at most ``max_tokens`` tokens (a longer sequence alone)."""
+    groups, current = [], []
+    for sequence in sequences:
+        if current and sum(map(len, current)) + len(sequence) > max_tokens:
+            groups.append(current)
+            current = []
+        current.append(sequence)
+    groups.append(current)
+    return groups
 
 
 def loop_sample(model, sequences, count: int, device, fit, attention: str = "auto") -> dict:
@@ -257,16 +262,9 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
     price under it (:func:`packed_fit`)."""
     from harts_hf.trees import PrefixForest
 
-    groups, current = [], []
-    for sequence in sequences:
-        if current and sum(map(len, current)) + len(sequence) > max_tokens:
-            groups.append(current)
-            current = []
-        current.append(sequence)
-    groups.append(current)
     rows = []
     model.zero_grad(set_to_none=True)
-    for group in groups:
+    for group in consecutive_groups(sequences, max_tokens):
         forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
