@@ -67,14 +67,19 @@ def rel(a, b) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def check_value_blocks(packed, plans) -> float:
+def check_value_blocks() -> float:
     """The serial pass (and its lanes) with two programs per value head: value heads of 32 columns in blocks of 16
-    (``serial_state_pass.VALUE_BLOCK``; the other checks' heads fit one block), vs the fp32 torch backend."""
+    (``serial_state_pass.VALUE_BLOCK``; the other checks' heads fit one block), vs the fp32 torch backend, on forks
+    at chunk offsets 0, 1, 63, 64, 65, 127-129 with nested forks."""
     import torch
 
-    from harts_hf.kernels import tree_gated_delta_rule
+    from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend, serial_state_pass
+    from harts_hf.trees import PrefixForest
+    from tests.forests import chunk_edge_sequences
 
+    packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
+    plans = {"torch": build_gated_delta_plan(packed), "fla": build_gated_delta_plan(packed, final_states_only=True)}
     torch.manual_seed(1)
     U = packed.num_tokens
     leaves = [t.requires_grad_() for t in (torch.randn(U, 1, 16), torch.randn(U, 1, 16), torch.randn(U, 2, 32),
@@ -169,7 +174,7 @@ def main() -> None:
                                                use_qk_l2norm_in_kernel=True), []), inputs))
     check_fewer_stages(lambda: tree_gated_delta_rule(*inputs, plans["fla"], backend="fla",
                                                      use_qk_l2norm_in_kernel=True), inputs)
-    worst = max(worst, check_value_blocks(packed, plans))
+    worst = max(worst, check_value_blocks())
 
     # planner pieces with hand-offs
     the_plan = plan(handoff_sequences(seed=3), token_budget=140)
