@@ -12,12 +12,13 @@ head (wrapped where the model patches call them). ``attribute`` gives each profi
 CUDA, CPU time on CPU) to its innermost range:
 
 - an op inside a range: that part's ``forward`` (``recompute`` when the range runs inside a backward node, as
-  gradient checkpointing's recomputed forwards do);
-- an op inside a backward node (``autograd::engine::evaluate_function: ...``): the part whose range held the forward
-  op that made the node (autograd's sequence number, per forward thread): that part's ``backward``; but a forward
-  op recomputed there outside every range (it has a sequence number; backward ops have none), such as a
-  checkpointed layer's norms and residual adds: ``other``'s ``recompute``;
-- anything else: ``other`` (embedding, norms between layers, residual adds, the loss).
+  gradient checkpointing's recomputed forwards do; the decoder layers' own norms are a part, ``layer_norms``, so that
+  what a checkpointed layer recomputes lies in a range, but for its two residual adds, which count as backward);
+- an op inside a backward node (``autograd::engine::evaluate_function: ...``) and no range below it: the part whose
+  range held the forward op that made the node (autograd's sequence number, per forward thread): that part's
+  ``backward``. The ops' own sequence numbers are not read here: on the H200 (torch 2.11, CUDA's autograd thread)
+  backward ops carried some, which booked the whole backward as recomputed forward;
+- anything else: ``other`` (embedding, final norm, the loss).
 
 Device time no op claims (kernels whose launch the profiler did not link to an op) is reported as
 ``unattributed``, so a part never silently loses time. The GPU-side copies of the ranges (Kineto's
@@ -36,6 +37,9 @@ from torch.autograd.profiler import record_function
 PREFIX = "harts::"
 MODULE_PARTS = (("GatedDeltaNet", "gdn_layer"), ("Attention", "attention_layer"), ("MLP", "mlp"))
 """Class-name suffix -> part, for the model's own modules (Qwen3-Next, Qwen3.5)."""
+LAYER_NORMS = ("DecoderLayer", "RMSNorm", "layer_norms")
+"""A decoder layer's own norms (children of a module whose class name ends with the first, their class name with
+the second): the part named last."""
 FUNCTION_PARTS = (("harts_hf.model_patches.gated_deltanet", "tree_causal_conv1d", "conv"),
                   ("harts_hf.model_patches.gated_deltanet", "tree_gated_delta_rule", "gdn_kernel"),
                   ("harts_hf.model_patches.core", "tree_attention", "attention_kernel"),
@@ -75,8 +79,11 @@ def labelled(model: torch.nn.Module):
     def leave(module, args, output):
         open_ranges.pop().__exit__(None, None, None)
 
+    layer, norm, norms_part = LAYER_NORMS
+    layer_norms = {id(child) for module in model.modules() if type(module).__name__.endswith(layer)
+                   for child in module.children() if type(child).__name__.endswith(norm)}
     for module in model.modules():
-        part = _part_of_module(module)
+        part = norms_part if id(module) in layer_norms else _part_of_module(module)
         if part is not None:
             handles.append(module.register_forward_pre_hook(functools.partial(enter, part)))
             # always_call: also when the forward raises, as checkpointing's early stop does inside a recomputed
@@ -113,10 +120,9 @@ def attribute(events, on_cuda: bool) -> dict:
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
 
     def enclosing(event):
-        """The innermost labelled range and the innermost backward node above ``event`` (or itself), which of the
-        two is nearer, and whether a forward op (one with a sequence number) lies below the nearer node."""
-        label = node = None
-        nearer, forward_op = None, False
+        """The innermost labelled range and the innermost backward node above ``event`` (or itself), and which
+        of the two is nearer."""
+        label = node = nearer = None
         current = event
         while current is not None and (label is None or node is None):
             if label is None and current.name.startswith(PREFIX):
@@ -125,10 +131,8 @@ def attribute(events, on_cuda: bool) -> dict:
             if node is None and current.name.startswith(BACKWARD):
                 node = current
                 nearer = nearer or "node"
-            if nearer is None and current.sequence_nr >= 0:
-                forward_op = True
             current = current.cpu_parent
-        return label, node, nearer, forward_op
+        return label, node, nearer
 
     part_of_sequence = {}
     # in start order, so that of the ops sharing a sequence number (those that make no node take the next one's)
@@ -136,7 +140,7 @@ def attribute(events, on_cuda: bool) -> dict:
     for event in sorted(cpu, key=lambda e: e.time_range.start):
         if event.sequence_nr < 0 or event.name.startswith(BACKWARD):
             continue
-        label, _, nearer, _ = enclosing(event)
+        label, _, nearer = enclosing(event)
         if nearer == "label":
             part_of_sequence[event.thread, event.sequence_nr] = label.name[len(PREFIX):]
     parts = defaultdict(lambda: {"forward": 0.0, "recompute": 0.0, "backward": 0.0})
@@ -146,11 +150,9 @@ def attribute(events, on_cuda: bool) -> dict:
         if seconds <= 0:
             continue
         claimed += seconds
-        label, node, nearer, forward_op = enclosing(event)
+        label, node, nearer = enclosing(event)
         if nearer == "label":
             parts[label.name[len(PREFIX):]]["recompute" if node is not None else "forward"] += seconds
-        elif nearer == "node" and forward_op:
-            parts["other"]["recompute"] += seconds
         elif nearer == "node":
             part = part_of_sequence.get((node.fwd_thread, node.sequence_nr), "other")
             parts[part]["backward"] += seconds

@@ -123,6 +123,8 @@ def test_module_breakdown_gives_every_op_to_one_part_on_cpu():
         assert parts[part]["forward"] > 0 and parts[part]["backward"] > 0, (part, parts[part])
     # layers are checkpointed; the head's rows fit one chunk here, which it does not checkpoint
     assert parts["mlp"]["recompute"] > 0 and parts["head"]["recompute"] == 0
+    # every recomputed op lies in a range: the decoder layers' norms and residual adds are a part of their own
+    assert parts["layer_norms"]["recompute"] > 0 and parts["other"]["recompute"] == 0
     assert {"gdn_layer", "attention_layer", "other"} <= set(parts)
     assert {e.name for e in events if e.name.startswith(PREFIX)} == {PREFIX + p for p in parts if p != "other"}
     assert "gdn_kernel" in table(parts, tokens=forest.pack().num_tokens)
@@ -150,8 +152,9 @@ def test_run_tree_accumulates_gradients_when_asked():
 
 def test_module_breakdown_counts_device_time_once():
     """On CUDA (events built by hand as Kineto's parse gives them): a kernel's time is its launching op's own device
-    time; the GPU-side spans of the ``record_function`` ranges are not kernels; a forward op recomputed in a backward
-    node outside every range goes to ``other``'s recompute; kernels no op claims are ``unattributed``."""
+    time; the GPU-side spans of the ``record_function`` ranges are not kernels; a checkpointed layer's norm recomputed
+    in a backward node goes to ``layer_norms``' recompute; a backward op counts as its node's part's backward whatever
+    sequence number it carries (on the H200 they carried some); kernels no op claims are ``unattributed``."""
     from types import SimpleNamespace
 
     import torch
@@ -173,10 +176,12 @@ def test_module_breakdown_counts_device_time_once():
     mm = event("aten::mm", linear, seq=5, device_s=2.0)
     node = event("autograd::engine::evaluate_function: MmBackward0", seq=5)
     mm_backward = event("aten::mm", node, device_s=3.0)
-    norm = event("aten::mul", node, seq=9, device_s=0.5)  # a checkpointed layer's norm, recomputed
-    kernels = [event(f"kernel{i}", device=cuda, device_s=s) for i, s in enumerate((2.0, 3.0, 0.5, 1.0))]
+    numbered = event("aten::mul", event("aten::mul", node, seq=12), seq=12, device_s=0.25)  # a backward op, numbered
+    layer = event("harts::layer_norms", node)
+    norm = event("aten::mul", layer, seq=9, device_s=0.5)  # a checkpointed layer's norm, recomputed
+    kernels = [event(f"kernel{i}", device=cuda, device_s=s) for i, s in enumerate((2.0, 3.0, 0.25, 0.5, 1.0))]
     span = event("harts::mlp", device=cuda, device_s=10.0, annotation=True)
-    parts = attribute([mlp, linear, mm, node, mm_backward, norm, *kernels, span], on_cuda=True)
-    assert parts["mlp"] == {"forward": 2.0, "recompute": 0.0, "backward": 3.0}
-    assert parts["other"] == {"forward": 0.0, "recompute": 0.5, "backward": 0.0}
-    assert parts["total"] == 6.5 and parts["unattributed"]["forward"] == 1.0
+    parts = attribute([mlp, linear, mm, node, mm_backward, numbered, layer, norm, *kernels, span], on_cuda=True)
+    assert parts["mlp"] == {"forward": 2.0, "recompute": 0.0, "backward": 3.25}
+    assert parts["layer_norms"] == {"forward": 0.0, "recompute": 0.5, "backward": 0.0}
+    assert parts["total"] == 6.75 and parts["unattributed"]["forward"] == 1.0
