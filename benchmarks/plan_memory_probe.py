@@ -256,7 +256,7 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
     """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed into ONE
     forward each (every trajectory its own tree: same kernels, no padding, no sharing; ``tree_logprobs`` as the
     bench's ``packed``) of at most ``max_tokens`` path tokens, fwd+bwd, the second of two runs timed (the first
-    compiles / autotunes new shapes). Gradients accumulate over the calls, as over a trainer's microbatches (and
+    compiles / autotunes new shapes; its time is kept as ``first_seconds``). Gradients accumulate over the calls, as over a trainer's microbatches (and
     over the tree's pieces), so every call after the first peaks with them. Sum of the calls' seconds, the largest
     peak, and ``c + a tokens + b pairs`` fitted to the calls (least squares; pairs = sum L(L+1)/2) with the tree's
     price under it (:func:`packed_fit`)."""
@@ -268,12 +268,13 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
         forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        seconds = second_run(model, forest, device, attention, zero_grad=False)
+        first = timed_run(model, forest, device, attention, zero_grad=False)
+        seconds = timed_run(model, forest, device, attention, zero_grad=False)
         rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)),
-                         pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=seconds,
+                         pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=seconds, first_seconds=first,
                          peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))
-        print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {seconds:.3f} s, "
-              f"peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
+        print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {seconds:.3f} s (first run "
+              f"{first:.3f}), peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
     model.zero_grad(set_to_none=True)
     total = dict(calls=len(rows), max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
                  peak_gib=max(r["peak_gib"] for r in rows), groups=rows, **packed_fit(rows, sequences))
