@@ -10,7 +10,7 @@
    - gated delta rule: the tree node as the model runs it (``STATE_PASS="auto"``), with each state pass (fla's per
      round, the serial one, the serial one on heavy-path lanes), the per-round autograd version, and ONE varlen fla
      call over the same unique tokens (the tree's runs as independent sequences, no hand-over): the target is
-     tree <= 1.15x that call; ``--serial-shapes 16:4 32:8`` adds the serial pass at other value blocks / warps;
+     tree <= 1.15x that call; ``--serial-blocks 16 64`` adds the serial pass at other value blocks;
    - attention: the varlen tree path and cuDNN per run (exact shapes, and bucketed: ``CUDNN_KEY_BLOCK = 4096``,
      each with its first call, which builds cuDNN's plans) vs SDPA causal on one plain sequence and vs the
      trajectories' own flash varlen, in attended pairs per second (target >= 0.8x); ``swe:1.0 swe:1.0:1`` shows what
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-SERIAL_SHAPES: list[tuple[int, int]] = []  # (value block, warps) of the serial state pass to time (--serial-shapes)
+SERIAL_BLOCKS: list[int] = []  # value blocks of the serial state pass to time (--serial-blocks)
 
 
 def bench(function, repeats: int = 5) -> float:
@@ -305,7 +305,7 @@ def gdn_timing(row, packed, plan, U, backward, profile: bool = False) -> None:
     for state_pass in ("rounds", "serial", "lanes"):
         row[f"gdn_tree_{state_pass}_s"] = tree(state_pass=state_pass)
     row["gdn_lanes"] = lanes_shape(plan)
-    serial_shapes(row, tree)
+    serial_blocks(row, tree)
     row["gdn_tree_per_round_s"] = bench(lambda: backward(tree_gated_delta_rule_fla_autograd(
         *inputs, plan, scale=128 ** -0.5, use_qk_l2norm_in_kernel=True)))
     row["gdn_single_call_s"] = bench(single)
@@ -321,19 +321,19 @@ def gdn_timing(row, packed, plan, U, backward, profile: bool = False) -> None:
           f"{row['gdn_tree_fused_s'] * 1e3:.1f}; one varlen call {row['gdn_single_call_s'] * 1e3:.1f}", flush=True)
 
 
-def serial_shapes(row, tree) -> None:
-    """The serial state pass's node time at each (value block, warps) of :data:`SERIAL_SHAPES` (the defaults
-    restored after); ``row["gdn_tree_serial_bv{B}_w{W}_s"]``."""
+def serial_blocks(row, tree) -> None:
+    """The serial state pass's node time at each value block of :data:`SERIAL_BLOCKS` (the default restored
+    after); ``row["gdn_tree_serial_bv{B}_s"]``."""
     from harts_hf.kernels.tree_gated_delta_rule import serial_state_pass
 
-    defaults = serial_state_pass.VALUE_BLOCK, serial_state_pass.NUM_WARPS
+    default = serial_state_pass.VALUE_BLOCK
     try:
-        for block, warps in SERIAL_SHAPES:
-            serial_state_pass.VALUE_BLOCK, serial_state_pass.NUM_WARPS = block, warps
-            row[f"gdn_tree_serial_bv{block}_w{warps}_s"] = seconds = tree(state_pass="serial")
-            print(f"  gdn serial pass, value block {block}, {warps} warps: {seconds * 1e3:.1f} ms", flush=True)
+        for block in SERIAL_BLOCKS:
+            serial_state_pass.VALUE_BLOCK = block
+            row[f"gdn_tree_serial_bv{block}_s"] = seconds = tree(state_pass="serial")
+            print(f"  gdn serial pass, value block {block}: {seconds * 1e3:.1f} ms", flush=True)
     finally:
-        serial_state_pass.VALUE_BLOCK, serial_state_pass.NUM_WARPS = defaults
+        serial_state_pass.VALUE_BLOCK = default
 
 
 def lanes_shape(plan) -> dict:
@@ -467,11 +467,11 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="also list the kernels of the tree GDN node, of the one varlen fla call and of the tree "
                              "attention by device time (torch.profiler)")
-    parser.add_argument("--serial-shapes", nargs="*", default=[], metavar="BLOCK:WARPS",
-                        help="also time the GDN node's serial state pass with these value blocks and warps "
-                             "(serial_state_pass.VALUE_BLOCK / NUM_WARPS; default 32:4), e.g. 16:4 32:8 16:8")
+    parser.add_argument("--serial-blocks", nargs="*", type=int, default=[], metavar="BLOCK",
+                        help="also time the GDN node's serial state pass with these value blocks "
+                             "(serial_state_pass.VALUE_BLOCK, default 32), e.g. 16 64")
     args = parser.parse_args()
-    SERIAL_SHAPES[:] = [tuple(int(x) for x in shape.split(":")) for shape in args.serial_shapes]
+    SERIAL_BLOCKS[:] = args.serial_blocks
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -256,10 +256,10 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
     """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed into ONE
     forward each (every trajectory its own tree: same kernels, no padding, no sharing; ``tree_logprobs`` as the
     bench's ``packed``) of at most ``max_tokens`` path tokens, fwd+bwd, the second of two runs timed (the first
-    compiles / autotunes new shapes; its time is kept as ``first_seconds``). Gradients accumulate over the calls, as over a trainer's microbatches (and
-    over the tree's pieces), so every call after the first peaks with them. Sum of the calls' seconds, the largest
-    peak, and ``c + a tokens + b pairs`` fitted to the calls (least squares; pairs = sum L(L+1)/2) with the tree's
-    price under it (:func:`packed_fit`)."""
+    compiles / autotunes new shapes; its time is kept as ``first_seconds``). Gradients accumulate over the calls,
+    as over a trainer's microbatches (and over the tree's pieces), so every call after the first peaks with them.
+    Sum of the calls' seconds, the largest peak, and ``c + a tokens + b pairs`` fitted to the calls (least squares;
+    pairs = sum L(L+1)/2) with the tree's price under it (:func:`packed_fit`)."""
     from harts_hf.trees import PrefixForest
 
     rows = []

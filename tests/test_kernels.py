@@ -592,24 +592,19 @@ def test_lane_order_walks_heavy_paths_in_waves():
         lane_order([2, 0], [-1, 2], [1, 1])
 
 
-def test_serial_pass_value_block_and_warps(monkeypatch):
+def test_serial_pass_value_block(monkeypatch):
     """The serial state pass's launch shape: ``VALUE_BLOCK`` columns per program, capped at the value head size
-    rounded up (at least 16), ``NUM_WARPS`` warps; other values are refused by name (checked before any launch)."""
+    rounded up (at least 16); other values are refused by name (checked before any launch)."""
     from harts_hf.kernels.tree_gated_delta_rule import serial_state_pass
 
-    assert serial_state_pass.block_and_warps(128) == (32, 4)
+    assert serial_state_pass.value_block(128) == 32 and serial_state_pass.NUM_WARPS == 4
     monkeypatch.setattr(serial_state_pass, "VALUE_BLOCK", 64)
-    monkeypatch.setattr(serial_state_pass, "NUM_WARPS", 8)
-    assert serial_state_pass.block_and_warps(128) == (64, 8) and serial_state_pass.block_and_warps(24) == (32, 8)
+    assert serial_state_pass.value_block(128) == 64 and serial_state_pass.value_block(24) == 32
     monkeypatch.setattr(serial_state_pass, "VALUE_BLOCK", 16)
-    assert serial_state_pass.block_and_warps(8) == (16, 8)
+    assert serial_state_pass.value_block(8) == 16
     monkeypatch.setattr(serial_state_pass, "VALUE_BLOCK", 48)
     with pytest.raises(ValueError, match="VALUE_BLOCK must be 16, 32 or 64"):
-        serial_state_pass.block_and_warps(128)
-    monkeypatch.setattr(serial_state_pass, "VALUE_BLOCK", 32)
-    monkeypatch.setattr(serial_state_pass, "NUM_WARPS", 2)
-    with pytest.raises(ValueError, match="NUM_WARPS must be 4 or 8"):
-        serial_state_pass.block_and_warps(128)
+        serial_state_pass.value_block(128)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -151,22 +151,22 @@ fp32 state. Smaller blocks mean more programs (``HV * V / VALUE_BLOCK`` per lane
 SMs) and fewer registers for the state, at the cost of loading each chunk's ``k`` and ``w`` once per block. 16, 32
 or 64; the results are the same (columns of the state never mix)."""
 NUM_WARPS = 4
-"""Warps per program: 4 or 8 (more threads share the ``[BT, K]`` tiles of ``k`` and ``w``: fewer registers each)."""
+"""Warps per program; fixed. Measured on the H200 (full-size tau, one 2B layer's node fwd+bwd, 2026-11-30): value
+block 32 at 4 warps 46.2 ms, 16 at 4 49.4, 64 at 4 55.7, 16 at 8 warps 54.4, and 32 at 8 warps stopped with an
+illegal memory access (Triton 3.6; cause not found), so 8 warps are not offered."""
 
-# pipelining stages per (kernel, 16-byte alignment of its tensors, block, warps) that fit in shared memory (Triton
-# specialises on the alignment: a one-sequence forest's aligned variant pipelined deeper and asked for 246 KB of the
-# H200's 227 KB at the default stages)
+# pipelining stages per (kernel, device, 16-byte alignment of its tensors, value block) that fit in shared memory
+# (Triton specialises on the alignment: a one-sequence forest's aligned variant pipelined deeper and asked for 246 KB
+# of the H200's 227 KB at the default stages)
 _STAGES: dict[tuple, int] = {}
 
 
-def block_and_warps(V: int) -> tuple[int, int]:
-    """The value block (:data:`VALUE_BLOCK`, capped at ``V`` rounded up to a power of two, at least 16) and the
-    warps (:data:`NUM_WARPS`) of a launch over value heads of ``V`` columns."""
+def value_block(V: int) -> int:
+    """The value block of a launch over value heads of ``V`` columns: :data:`VALUE_BLOCK`, capped at ``V`` rounded
+    up to a power of two, at least 16."""
     if VALUE_BLOCK not in (16, 32, 64):
         raise ValueError(f"serial_state_pass.VALUE_BLOCK must be 16, 32 or 64, got {VALUE_BLOCK!r}")
-    if NUM_WARPS not in (4, 8):
-        raise ValueError(f"serial_state_pass.NUM_WARPS must be 4 or 8, got {NUM_WARPS!r}")
-    return min(VALUE_BLOCK, max(16, 1 << (V - 1).bit_length())), NUM_WARPS
+    return min(VALUE_BLOCK, max(16, 1 << (V - 1).bit_length()))
 
 
 def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_size: int, *scalars,
@@ -182,15 +182,15 @@ def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_s
     _, _, H, K = keys.shape
     HV, V = values.shape[2], values.shape[3]
     BK = max(16, triton.next_power_of_2(K))
-    BV, num_warps = block_and_warps(V)
-    key = (name, keys.device.index, tuple(t.data_ptr() % 16 == 0 for t in tensors), BV, num_warps)
+    BV = value_block(V)
+    key = (name, keys.device.index, tuple(t.data_ptr() % 16 == 0 for t in tensors), BV)
     for first, end in reversed(units.waves) if reverse else units.waves:
         while True:
             stages = {} if key not in _STAGES else {"num_stages": _STAGES[key]}
             try:
                 getattr(_serial_kernels, name)[(triton.cdiv(V, BV), HV, end - first)](
                     *tensors, units.bos, units.eos, units.chunk, units.initial_row, units.save_row, units.lane_start,
-                    first, *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=num_warps,
+                    first, *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=NUM_WARPS,
                     **stages)
                 break
             except OutOfResources:
