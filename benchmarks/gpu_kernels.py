@@ -467,7 +467,7 @@ def main():
     parser.add_argument("--profile", action="store_true",
                         help="also list the kernels of the tree GDN node, of the one varlen fla call and of the tree "
                              "attention by device time (torch.profiler)")
-    parser.add_argument("--serial-blocks", nargs="*", type=int, default=[], metavar="BLOCK",
+    parser.add_argument("--serial-blocks", nargs="*", type=int, default=[], choices=[16, 32, 64], metavar="BLOCK",
                         help="also time the GDN node's serial state pass with these value blocks "
                              "(serial_state_pass.VALUE_BLOCK, default 32), e.g. 16 64")
     args = parser.parse_args()

@@ -1,5 +1,6 @@
 """Where a forward+backward's time goes, by model part: GDN layers (and inside them the tree conv and the gated delta
-rule), attention layers (and inside them the attention kernel), MLPs, the LM head, the rest.
+rule), attention layers (and inside them the attention kernel), MLPs, the decoder layers' norms, the LM head, the
+rest.
 
     with labelled(model):
         with torch.profiler.profile(activities=[CPU, CUDA]) as prof:
@@ -20,7 +21,7 @@ CUDA, CPU time on CPU) to its innermost range:
   engine records each node a second time under its own name (``AddBackward0`` inside ``evaluate_function:
   AddBackward0``) with the node's number, and a rule that took a numbered op below a node for a recomputed forward
   booked nearly the whole backward as ``other``'s recompute (802 of 5,849 ops below nodes were numbered);
-- anything else: ``other`` (embedding, final norm, the loss).
+- anything else: ``other`` (embedding, the residual adds of the first forward, final norm, the loss).
 
 Device time no op claims (kernels whose launch the profiler did not link to an op) is reported as
 ``unattributed``, so a part never silently loses time. The GPU-side copies of the ranges (Kineto's

@@ -597,7 +597,7 @@ def test_serial_pass_value_block(monkeypatch):
     rounded up (at least 16); other values are refused by name (checked before any launch)."""
     from harts_hf.kernels.tree_gated_delta_rule import serial_state_pass
 
-    assert serial_state_pass.value_block(128) == 32 and serial_state_pass.NUM_WARPS == 4
+    assert serial_state_pass.value_block(128) == 32 and serial_state_pass._NUM_WARPS == 4
     monkeypatch.setattr(serial_state_pass, "VALUE_BLOCK", 64)
     assert serial_state_pass.value_block(128) == 64 and serial_state_pass.value_block(24) == 32
     monkeypatch.setattr(serial_state_pass, "VALUE_BLOCK", 16)

@@ -150,8 +150,8 @@ VALUE_BLOCK = 32
 fp32 state. Smaller blocks mean more programs (``HV * V / VALUE_BLOCK`` per lane: 128 at the 2B shapes, on 132
 SMs) and fewer registers for the state, at the cost of loading each chunk's ``k`` and ``w`` once per block. 16, 32
 or 64; the results are the same (columns of the state never mix)."""
-NUM_WARPS = 4
-"""Warps per program; fixed. Measured on the H200 (full-size tau, one 2B layer's node fwd+bwd, 2026-11-30): value
+_NUM_WARPS = 4
+"""Warps per program; fixed (not a knob). Measured on the H200 (full-size tau, one 2B layer's node fwd+bwd, 2026-11-30): value
 block 32 at 4 warps 46.2 ms, 16 at 4 49.4, 64 at 4 55.7, 16 at 8 warps 54.4, and 32 at 8 warps stopped with an
 illegal memory access (Triton 3.6; cause not found), so 8 warps are not offered."""
 
@@ -190,7 +190,7 @@ def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_s
             try:
                 getattr(_serial_kernels, name)[(triton.cdiv(V, BV), HV, end - first)](
                     *tensors, units.bos, units.eos, units.chunk, units.initial_row, units.save_row, units.lane_start,
-                    first, *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=NUM_WARPS,
+                    first, *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=_NUM_WARPS,
                     **stages)
                 break
             except OutOfResources:
