@@ -120,9 +120,12 @@ def check_plan(model, sequences, budget, *, reference: bool, dtype=torch.float32
               "entropies vs tree": max_relative(run.entropies, tree.entropies),
               "grads vs tree": compare_grads(executed, tree_grads, grad_tol, "plan vs tree")}
     assert errors["logprobs vs tree"] <= value_tol and errors["entropies vs tree"] <= value_tol, errors
-    expected_loss = sum((x * w).sum() for x, w in zip(tree.logprobs, weights)) + \
-        sum((x * w).sum() for x, w in zip(tree.entropies, entropy_weights))
-    torch.testing.assert_close(run.loss.double(), expected_loss.detach().double(), rtol=1e-5, atol=1e-5)
+    # the loss is the weighted sum of the run's own log-probs and entropies (checked against the tree's above),
+    # summed here in float64; the weights are zero-mean, so the sum cancels and its rounding is judged at the scale
+    # of the terms (against the tree's values it was 1.5e-5 relative to the small sum on an AMD EPYC CPU)
+    terms = [x.detach().double() * w.double() for x, w in zip(run.logprobs + run.entropies, weights + entropy_weights)]
+    torch.testing.assert_close(run.loss.double(), sum(t.sum() for t in terms), rtol=0,
+                               atol=1e-6 * sum(t.abs().sum() for t in terms).item())
     if reference:
         ref_logprobs, ref_entropies, _ = per_sequence_logprobs(model, sequences, compute_entropy=True)
         loss = sum((x * w).sum() for x, w in zip(ref_logprobs, weights))
