@@ -264,10 +264,9 @@ def op_families(events, on_cuda: bool) -> tuple[dict, float]:
     families, queue_full = {}, 0.0
     for event in events:
         seconds = (event.self_device_time_total if on_cuda else event.self_cpu_time_total) / 1e6
-        if on_cuda and event.device_type == torch.autograd.DeviceType.CUDA and event.key == "Command Buffer Full":
-            queue_full += seconds
-            continue
-        if on_cuda and not is_kernel(event):  # host ops, and the GPU spans of record_function ranges
+        if on_cuda and not is_kernel(event):  # host ops, the GPU spans of record_function ranges, a full queue
+            if event.device_type == torch.autograd.DeviceType.CUDA and event.key == "Command Buffer Full":
+                queue_full += seconds
             continue
         family = _op_family(event.key)
         families[family] = families.get(family, 0.0) + seconds

@@ -131,9 +131,9 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     count (the packed per-trajectory path at the tree's size). For each: kernel seconds by op family (gpu_suite's
     families) and by model part, forward / recomputed forward / backward (:mod:`module_breakdown`: GDN layers with
     the tree conv and the gated delta rule inside, attention layers with the attention kernel inside, MLPs, the
-    decoder layers' norms, the LM head, the rest), their sum, the wall time (the gap is host time the GPU waited for) and the tokens it ran
-    (unique for the tree, path tokens for the others), so they compare per token; the top kernels go to
-    ``profile_<name>.txt``, and a cProfile of one more warm tree run (host time by Python function) to
+    decoder layers' norms, the LM head, the rest), their sum, the wall time (the gap is host time the GPU waited
+    for) and the tokens it ran (unique for the tree, path tokens for the others), so they compare per token; the top
+    kernels go to ``profile_<name>.txt``, and a cProfile of one more warm tree run (host time by Python function) to
     ``profile_tree_host.txt``."""
     from gpu_suite import op_families
     from module_breakdown import attribute, labelled, table
@@ -205,10 +205,14 @@ def timed_run(model, forest, device, attention: str, zero_grad: bool = True) -> 
     return time.perf_counter() - start
 
 
+def two_runs(model, forest, device, attention: str, zero_grad: bool = True) -> tuple[float, float]:
+    """Seconds of two :func:`timed_run` calls in a row (the first compiles / autotunes new lengths)."""
+    return tuple(timed_run(model, forest, device, attention, zero_grad) for _ in range(2))
+
+
 def second_run(model, forest, device, attention: str, zero_grad: bool = True) -> float:
-    """Seconds of the second of two :func:`timed_run` calls (the first compiles / autotunes new lengths)."""
-    timed_run(model, forest, device, attention, zero_grad)
-    return timed_run(model, forest, device, attention, zero_grad)
+    """Seconds of the second of :func:`two_runs`."""
+    return two_runs(model, forest, device, attention, zero_grad)[1]
 
 
 def consecutive_groups(sequences, max_tokens: int) -> list[list]:
@@ -268,8 +272,7 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
         forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        first = timed_run(model, forest, device, attention, zero_grad=False)
-        seconds = timed_run(model, forest, device, attention, zero_grad=False)
+        first, seconds = two_runs(model, forest, device, attention, zero_grad=False)
         rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)),
                          pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=seconds, first_seconds=first,
                          peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))
@@ -315,8 +318,8 @@ def main(argv=None):
     parser.add_argument("--loop-only", action="store_true", help="only the per-trajectory sample (--loop-sample)")
     parser.add_argument("--no-history", action="store_true", help="skip the allocator history (faster)")
     parser.add_argument("--no-recompute", action="store_true",
-                        help="execute_plan(recompute=False): a hand-off source runs one forward with gradient and keeps "
-                             "its graph while its children run (no no-grad forward first; more memory)")
+                        help="execute_plan(recompute=False): a hand-off source runs one forward with gradient and "
+                             "keeps its graph while its children run (no no-grad forward first; more memory)")
     parser.add_argument("--loop-sample", type=int, default=0,
                         help="also time this many of the task's trajectories alone (-1: all), each its own forward "
                              "and backward through the same kernels (the tree path on a one-sequence forest: fla, "
@@ -329,8 +332,8 @@ def main(argv=None):
                         help="also run the whole forest once more, 8 (or --loop-sample) of its trajectories alone and "
                              "one packed call of its first trajectories up to its unique-token count, under "
                              "torch.profiler: kernel seconds per op family and per model part (forward / recomputed "
-                             "forward / backward of GDN layers, tree conv, gated delta rule, attention, MLP, head) "
-                             "and tokens of each, the top kernels in OUT/profile_<tree|loop|packed>.txt")
+                             "forward / backward of GDN layers, tree conv, gated delta rule, attention, MLP, norms, "
+                             "head) and tokens of each, the top kernels in OUT/profile_<tree|loop|packed>.txt")
     parser.add_argument("--packed-groups", type=int, default=None, metavar="TOKENS",
                         help="also time the packed per-trajectory path over ALL trajectories, in calls of at most "
                              "TOKENS path tokens (0: the forest's unique-token count, i.e. the tree's memory envelope)")

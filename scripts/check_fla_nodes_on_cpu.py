@@ -85,6 +85,7 @@ def check_value_blocks() -> float:
     leaves = [t.requires_grad_() for t in (torch.randn(U, 1, 16), torch.randn(U, 1, 16), torch.randn(U, 2, 32),
                                            -torch.rand(U, 2) * 0.2, torch.rand(U, 2))]
     outputs = {}
+    saved = serial_state_pass.VALUE_BLOCK, fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS
     serial_state_pass.VALUE_BLOCK = 16
     try:
         for name, state_pass in (("torch", "rounds"), ("fla_serial", "serial"), ("fla_lanes", "lanes")):
@@ -93,8 +94,7 @@ def check_value_blocks() -> float:
             out = tree_gated_delta_rule(*leaves, plans[backend], backend=backend, use_qk_l2norm_in_kernel=True)
             outputs[name] = (out.detach(), torch.autograd.grad(out.square().sum(), leaves))
     finally:
-        serial_state_pass.VALUE_BLOCK = 32
-        fla_backend.STATE_PASS = "auto"
+        serial_state_pass.VALUE_BLOCK, fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS = saved
     worst = 0.0
     for name in ("fla_serial", "fla_lanes"):
         errors = [rel(outputs[name][0], outputs["torch"][0]),

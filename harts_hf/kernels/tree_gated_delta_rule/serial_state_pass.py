@@ -151,9 +151,9 @@ fp32 state. Smaller blocks mean more programs (``HV * V / VALUE_BLOCK`` per lane
 SMs) and fewer registers for the state, at the cost of loading each chunk's ``k`` and ``w`` once per block. 16, 32
 or 64; the results are the same (columns of the state never mix)."""
 _NUM_WARPS = 4
-"""Warps per program; fixed (not a knob). Measured on the H200 (full-size tau, one 2B layer's node fwd+bwd, 2026-11-30): value
-block 32 at 4 warps 46.2 ms, 16 at 4 49.4, 64 at 4 55.7, 16 at 8 warps 54.4, and 32 at 8 warps stopped with an
-illegal memory access (Triton 3.6; cause not found), so 8 warps are not offered."""
+"""Warps per program; fixed (not a knob). Measured on the H200 (full-size tau, one 2B layer's node fwd+bwd,
+2026-11-30): value block 32 at 4 warps 46.2 ms, 16 at 4 49.4, 64 at 4 55.7, 16 at 8 warps 54.4, and 32 at 8 warps
+stopped with an illegal memory access (Triton 3.6; cause not found), so 8 warps are not offered."""
 
 # pipelining stages per (kernel, device, 16-byte alignment of its tensors, value block) that fit in shared memory
 # (Triton specialises on the alignment: a one-sequence forest's aligned variant pipelined deeper and asked for 246 KB
