@@ -260,6 +260,7 @@ def main(argv=None) -> None:
               f"final checkpoint (model + tokenizer) saved to {Path(args.output_dir).resolve()}", flush=True)
         if args.hub_model_id:
             print(f"pushed to the Hub repo {trainer.hub_model_id}", flush=True)
+    trainer.accelerator.end_training()  # every process destroys its process group before it exits (clean shutdown)
 
 
 if __name__ == "__main__":

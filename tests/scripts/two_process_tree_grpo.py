@@ -102,6 +102,7 @@ def main(out_dir: str, mode: str) -> None:
     logged = [entry for entry in trainer.state.log_history if "tree/R_tok" in entry]
     torch.save({"world_size": state.num_processes, "params": params, "logged": logged, "pieces": pieces,
                 "held": held, "gradients": gradients}, Path(out_dir) / f"rank{state.process_index}.pt")
+    trainer.accelerator.end_training()  # destroys the process group: gloo left to the interpreter's exit can abort
 
 
 class FirstGradient(TrainerCallback):
