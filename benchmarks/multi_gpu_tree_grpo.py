@@ -495,19 +495,18 @@ def main(argv=None) -> dict | None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(
         dict(rank=rank, world_size=world, device=device, config=run_config, steps=records, logged=logged), indent=1))
-    trainer.accelerator.wait_for_everyone()
-    summary = None
-    if rank == 0:
-        ranks = [json.loads((out / f"rank{k}.json").read_text()) for k in range(world)]
-        summary = summarize(ranks, args.warmup)
-        if args.compare:
-            summary["compare"] = compare(summary, json.loads(Path(args.compare).read_text()))
-        (out / "summary.json").write_text(json.dumps(summary, indent=1))
-        print_table(summary)
+    trainer.accelerator.wait_for_everyone()  # every rank's file is written; no collective follows
     # every rank destroys the process group before it exits: a gloo process left to the interpreter's teardown can
     # abort ("terminate called without an active exception", SIGABRT), which failed a CI run after training ended
-    trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
+    if rank != 0:
+        return None
+    ranks = [json.loads((out / f"rank{k}.json").read_text()) for k in range(world)]
+    summary = summarize(ranks, args.warmup)
+    if args.compare:
+        summary["compare"] = compare(summary, json.loads(Path(args.compare).read_text()))
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print_table(summary)
     return summary
 
 
