@@ -474,6 +474,9 @@ def main(argv=None) -> dict | None:
     from datasets import Dataset
 
     trainer_class = timed_trainer_class(tree=args.trainer == "tree")
+    from harts_hf.model_patches import cpu_safe
+
+    cpu_safe(model)  # TRL's trainer too: CPU forwards where transformers bound fla's Triton kernels
     trainer = trainer_class(model, reward_funcs=hash_reward, args=config, processing_class=id_tokenizer(spec["vocab_size"]),
                             train_dataset=Dataset.from_dict({"prompt": rollouts.prompts()}), rollout_func=rollouts)
     records: list[dict] = []

@@ -136,6 +136,7 @@ def train(trainer_name: str, seed: int, steps: int, out: Path, preset: str = "ti
     from trl import GRPOConfig, GRPOTrainer
 
     from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
+    from harts_hf.model_patches import cpu_safe
 
     class Progress(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kwargs):
@@ -154,6 +155,7 @@ def train(trainer_name: str, seed: int, steps: int, out: Path, preset: str = "ti
         trainer = TreeGRPOTrainer(model, reward_funcs=reward, args=TreeGRPOConfig(**common),
                                   train_dataset=dataset, processing_class=tokenizer, callbacks=[Progress()])
     else:
+        cpu_safe(model)  # transformers' CPU forwards where it bound fla's Triton kernels (triton installed)
         trainer = GRPOTrainer(model, reward_funcs=reward, args=GRPOConfig(**common), train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[Progress()])
     trainer.remove_callback(PrinterCallback)  # the Progress lines replace the raw log dicts

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
+from ._checks import check_int, check_number
 from .kernels import TreeMetadata
 from .model_patches.core import _PATCH_MARK, apply_tree_patches, model_type_of
 from .model_patches.entry import TREE_REQUEST_KWARG, TreeRequest, text_config
@@ -95,8 +96,8 @@ def tree_logprobs(model, sequences=None, *, compute_entropy: bool = False, tempe
     Returns:
         :class:`TreeLogprobs`; differentiable w.r.t. the model's parameters.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = check_number(temperature, "tree_logprobs: temperature")
+    head_chunk_size = check_int(head_chunk_size, "tree_logprobs: head_chunk_size")
     if forest is None:
         if sequences is None:
             raise ValueError("pass sequences or forest")

@@ -25,6 +25,7 @@ import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
+from harts_hf.model_patches import cpu_safe
 from tests.models import build
 from tests.test_tree_grpo import assert_same_loss_and_grads, prepared
 from tests.trl_helpers import char_tokenizer
@@ -147,6 +148,10 @@ def test_rollout_rows_form_trees_with_environment_tokens(model, tokenizer, branc
 def test_environment_and_reward():
     assert ex.calculate("7*8+5") == 61 and ex.calculate("2-3*4") == -10 and ex.calculate("7*") is None
     assert ex.observe("calc(7*8+5)") == "=61" and ex.observe("calc()") == "=error"
+    # a number or result over Python's 4300-digit int-to-str limit: an error reply, not an exception in rollout
+    for huge in ("9" * 5000, "9" * 90 + "*" + "9" * 90, "99999*" * 900 + "1", "99999**99999"):
+        assert ex.calculate(huge) is None and ex.observe(f"calc({huge})") == "=error"
+    assert ex.score_answer("9" * 5000, 61) == 0.0 and ex.score_answer("²", 61) == 0.0
     assert ex.score_answer("61", 61) == 1.0 and ex.score_answer("", 61) == 0.0
     assert 0.0 < ex.score_answer("60", 61) < 0.5 and ex.score_answer("999", 61) == 0.0
     text = "calc(7*8+5)\ntool\n=61\nassistant\n[so]answer(61)"
@@ -173,7 +178,7 @@ def test_tree_and_grpo_trainers_match_on_agentic_batch(tmp_path, tokenizer, monk
     args = dict(ARGS, output_dir=str(tmp_path), **{k: v for k, v in options.items() if k not in tree_only})
     trainers = []
     for trainer_class, config in ((GRPOTrainer, GRPOConfig(**args)), (TreeGRPOTrainer, TreeGRPOConfig(**args, **tree_only))):
-        model = build("qwen3_next")  # the same seeded weights in both
+        model = cpu_safe(build("qwen3_next")).model  # the same seeded weights in both
         model.config.router_aux_loss_coef = 0.0
         trainers.append(trainer_class(model, reward_funcs=ex.tree_reward, args=config, train_dataset=ex.puzzle_dataset(8),
                                       processing_class=tokenizer, rollout_func=ex.TreeRollout((2, 3), seed=0)))

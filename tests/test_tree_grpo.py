@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
+from harts_hf.model_patches import cpu_safe
 from tests.trl_helpers import (
     char_tokenizer,
     length_reward,
@@ -32,6 +33,7 @@ def make_trainers(path, tmp_path, **overrides):
     args = dict(BASE_ARGS, output_dir=str(tmp_path), **overrides)
     dataset = prompt_dataset(8)
     models = [patch_generate(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer) for _ in range(2)]
+    cpu_safe(models[0])  # the baseline's CPU forwards where triton is installed
     base = GRPOTrainer(models[0], reward_funcs=length_reward, args=GRPOConfig(**args), train_dataset=dataset,
                        processing_class=tokenizer)
     tree = TreeGRPOTrainer(models[1], reward_funcs=length_reward, train_dataset=dataset, processing_class=tokenizer,
@@ -151,13 +153,39 @@ def test_rollout_func_with_branching_and_empty_completions(saved_model, tmp_path
     trainers = []
     for trainer_class, config_class, extra in [(GRPOTrainer, GRPOConfig, {}),
                                                (TreeGRPOTrainer, TreeGRPOConfig, {"tree_keep_groups_together": False})]:
-        model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
+        model = cpu_safe(AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)).model
         trainers.append(trainer_class(model, reward_funcs=length_reward, args=config_class(**args, **extra),
                                       train_dataset=prompt_dataset(8), processing_class=tokenizer,
                                       rollout_func=branching_rollout))
     base, tree = trainers
     loss, _ = assert_same_loss_and_grads(base, tree)
     assert torch.isfinite(torch.tensor(loss))
+
+
+@pytest.mark.parametrize("keep_groups", [False, True])
+def test_several_steps_per_generation(saved_model, tmp_path, keep_groups, caplog):
+    """steps_per_generation=2 > gradient_accumulation_steps=1: each optimizer step takes half the generation batch.
+    With tree_keep_groups_together=False the rows and the loss of each step are GRPOTrainer's; with the default
+    each step gets one whole prompt group (GRPOTrainer draws rows at random), said once in the log."""
+    from transformers.utils import logging as hf_logging
+
+    base, tree = make_trainers(saved_model, tmp_path, per_device_train_batch_size=6, steps_per_generation=2,
+                               gradient_accumulation_steps=1)
+    tree.args.tree_keep_groups_together = keep_groups
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            if not keep_groups:
+                assert_same_loss_and_grads(base, tree)
+            else:
+                inputs = prepared(tree)
+                assert len({tuple(row.tolist()) for row in inputs["prompt_ids"]}) == 1  # one whole group
+                base_inputs = prepared(base)
+                assert len({tuple(row.tolist()) for row in base_inputs["prompt_ids"]}) == 2  # TRL mixes rows
+    finally:
+        hf_logging.disable_propagation()
+    said = "each optimizer step trains on whole prompt groups" in caplog.text
+    assert said == keep_groups
 
 
 def test_group_shuffle_keeps_groups_together():
@@ -188,7 +216,8 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     assert "qwen3_next" in str(info.value) and "use_tree=False" in str(info.value)
     trainer = TreeGRPOTrainer(model, reward_funcs=length_reward, args=TreeGRPOConfig(**args, use_tree=False),
                               train_dataset=prompt_dataset(4), processing_class=char_tokenizer())
-    assert trainer._tree_handles == []
+    assert all(handle.family is None for handle in trainer._tree_handles)  # CPU safety only, no tree patch
+    assert not hasattr(model, "_harts_tree_patch")
 
 
 @pytest.mark.parametrize("fields, words", [
@@ -246,7 +275,7 @@ def test_group_with_identical_completions(saved_model, tmp_path, monkeypatch):
     tokenizer = char_tokenizer()
     trainers = []
     for trainer_class, config_class in [(GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)]:
-        model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
+        model = cpu_safe(AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)).model
         trainers.append(trainer_class(model, reward_funcs=length_reward, train_dataset=prompt_dataset(8),
                                       processing_class=tokenizer, rollout_func=identical_rollout,
                                       args=config_class(**dict(BASE_ARGS, output_dir=str(tmp_path), beta=0.1))))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .._checks import check_int, check_number
+
 __all__ = ["chunked_logprobs"]
 
 
@@ -49,11 +51,13 @@ def chunked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.
     ``linear(hidden, head.weight, head.bias)`` instead of calling the module (ZeRO-3, see the module doc)."""
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"chunked_logprobs: {hidden.shape[0]} rows but {labels.shape[0]} labels")
+    temperature = check_number(temperature, "chunked_logprobs: temperature")
+    chunk_size = check_int(chunk_size, "chunked_logprobs: chunk_size")
     logprobs, entropies = [], []
     use_checkpoint = torch.is_grad_enabled() and hidden.shape[0] > chunk_size
     for start in range(0, max(hidden.shape[0], 1), chunk_size):
         rows = slice(start, start + chunk_size)
-        arguments = (head, hidden[rows], labels[rows], float(temperature), compute_entropy, float32_head, entropy_grad,
+        arguments = (head, hidden[rows], labels[rows], temperature, compute_entropy, float32_head, entropy_grad,
                      functional_head)
         if use_checkpoint:
             picked, entropy = checkpoint(_score_chunk, *arguments, use_reentrant=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from .._checks import check_int
 from ..trees import CHUNK_SIZE, PackedForest
 from ._backend import resolve_backend
 from .context import TreeContext, TreeExport
@@ -43,7 +44,7 @@ class TreeMetadata:
         self.device = device
         self.gdn_backend = gdn_backend
         self.attention_backend = attention_backend
-        self.chunk_size = chunk_size
+        self.chunk_size = check_int(chunk_size, "TreeMetadata: chunk_size")
         self.context = context
         self.exports: list[TreeExport] = list(exports)
         self._cache: dict = {}

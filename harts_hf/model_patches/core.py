@@ -10,7 +10,10 @@ model's ``forward`` also serves ``harts_tree_request`` calls (see ``entry.py``).
 from __future__ import annotations
 
 import copy
+import inspect
+import re
 import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -21,7 +24,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..kernels import TreeMetadata, tree_attention
 from ..kernels.tree_attention.ops import autocast_inputs
 
-__all__ = ["PatchHandle", "TreeFamily", "apply_tree_patches", "register_family", "supported_model_types",
+__all__ = ["PatchHandle", "PatchedForward", "TreeFamily", "apply_tree_patches", "cpu_safe", "register_family",
+           "supported_model_types",
            "TREE_ATTENTION_NAME", "TREE_KWARG"]
 
 TREE_ATTENTION_NAME = "harts_tree"
@@ -62,6 +66,41 @@ def _load_families() -> None:
         from . import full_attention, qwen3_5, qwen3_next  # noqa: F401  (each registers itself)
 
 
+class PatchedForward:
+    """An instance ``forward`` that hands every call to ``handler(module, original_forward, *args, **kwargs)``.
+
+    It shares nothing between modules: it reports the replaced forward's signature (``inspect.signature``), pickles
+    and deep-copies with its module (the copy's forward serves the copy), and holds the replaced forward as its
+    unbound function where that is the module's own method, so no bound method outlives the module."""
+
+    def __init__(self, module: torch.nn.Module, original: Callable, handler: Callable):
+        self.module, self.handler = module, handler
+        own = isinstance(original, types.MethodType) and original.__self__ is module
+        self.function, self.other = (original.__func__, None) if own else (None, original)
+
+    def original(self) -> Callable:
+        return self.other if self.function is None else types.MethodType(self.function, self.module)
+
+    def __call__(self, *args, **kwargs):
+        return self.handler(self.module, self.original(), *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.original())
+
+    def __reduce__(self):
+        return _rebuild_forward, (self.module, self.function, self.other, self.handler)
+
+    def __repr__(self) -> str:
+        return f"<harts_hf forward of {type(self.module).__name__} via {getattr(self.handler, '__name__', self.handler)}>"
+
+
+def _rebuild_forward(module, function, other, handler) -> PatchedForward:
+    forward = PatchedForward.__new__(PatchedForward)
+    forward.module, forward.handler, forward.function, forward.other = module, handler, function, other
+    return forward
+
+
 class PatchHandle:
     """Undo record of :func:`apply_tree_patches`; ``revert()`` restores every replaced attribute."""
 
@@ -92,6 +131,16 @@ class PatchHandle:
         if getattr(self.model, _PATCH_MARK, None) is self:
             delattr(self.model, _PATCH_MARK)
 
+    def __getstate__(self) -> dict:  # pickled with the model (torch.save): the family by its registry key
+        state = dict(vars(self))
+        state["family"] = None if self.family is None else self.family.model_types[0]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        _load_families()
+        state["family"] = None if state["family"] is None else _REGISTRY[state["family"]]
+        vars(self).update(state)
+
     def __enter__(self) -> PatchHandle:
         return self
 
@@ -114,8 +163,10 @@ def model_type_of(model) -> str:
 def apply_tree_patches(model) -> PatchHandle:
     """Patch ``model`` (a live transformers model) for tree execution; returns a :class:`PatchHandle`.
 
-    Calls without the ``harts_tree`` keyword argument behave exactly as before. Raises ``ValueError`` for a
-    model type with no tree support, listing the supported ones.
+    Calls without the ``harts_tree`` keyword argument behave exactly as before (CPU calls of mixers transformers
+    bound to Triton kernels run their PyTorch kernels, see :mod:`.cpu_kernels`). Raises ``ValueError`` for a model
+    type with no tree support, listing the supported ones, and for a decoder layer holding a module that is neither
+    one of the family's mixers nor a per-token module (norm, MLP, MoE), naming its path and class.
     """
     _load_families()
     model_type = model_type_of(model)
@@ -127,25 +178,91 @@ def apply_tree_patches(model) -> PatchHandle:
     existing = getattr(model, _PATCH_MARK, None)
     if existing is not None and existing.active:
         raise RuntimeError("this model is already patched for tree execution; call handle.revert() first")
+    if model.get_output_embeddings() is None:
+        raise ValueError(f"apply_tree_patches: {type(model).__name__} has no LM head (get_output_embeddings() is "
+                         "None) to score tokens with; load a causal LM (AutoModelForCausalLM), not a base model "
+                         "(AutoModel).")
+    check_decoder_layers(model, family)
     handle = PatchHandle(model, family)
+    try:
+        _patch_mixers(handle)
+    except BaseException:
+        handle.revert()
+        raise
+    return handle
+
+
+def _patch_mixers(handle: PatchHandle) -> None:
+    model, family = handle.model, handle.family
+    guard_cpu_kernels(handle)
     for module in model.modules():
         name = type(module).__name__
         if name in family.attention_classes:
             _patch_attention(handle, module)
         elif name in family.linear_classes:
-            for attribute, value in family.linear_classes[name](module, module.forward).items():
+            for attribute, value in family.linear_classes[name](module).items():
                 handle._set(module, attribute, value)
             handle.linear_modules.append(module)
     if not handle.attention_modules and not handle.linear_modules:
         raise ValueError(f"found no {family.attention_classes + tuple(family.linear_classes)} modules in "
-                         f"{type(model).__name__}; is this a {model_type} model?")
-    from .entry import wrap_root_forward
+                         f"{type(model).__name__}; is this a {model_type_of(model)} model?")
+    from .entry import serve_tree_requests
 
-    for attribute, value in wrap_root_forward(model, model.forward).items():
-        handle._set(model, attribute, value)
+    handle._set(model, "forward", PatchedForward(model, model.forward, serve_tree_requests))
     handle._set(model, _PATCH_MARK, handle)
     _register_zero3_external_parameters(model, handle)
+
+
+def cpu_safe(model) -> PatchHandle:
+    """Make the CPU forwards of an unpatched ``model`` safe where transformers bound Triton kernels into it (triton
+    installed): its mixers then run their PyTorch kernels on CPU inputs. Returns the handle whose ``revert()``
+    undoes it; :func:`apply_tree_patches` does this too."""
+    return guard_cpu_kernels(PatchHandle(model, None))
+
+
+def guard_cpu_kernels(handle: PatchHandle) -> PatchHandle:
+    """Give the mixers of ``handle.model`` that transformers bound to Triton kernels their CPU-safe forward
+    (:func:`.cpu_kernels.cpu_guard_attributes`), recorded in ``handle``."""
+    from .cpu_kernels import cpu_guard_attributes
+
+    for module, attributes in cpu_guard_attributes(handle.model):
+        for attribute, value in attributes.items():
+            handle._set(module, attribute, value)
     return handle
+
+
+# direct children of a decoder layer that act on each token alone (tree execution runs them once per unique token)
+_PER_TOKEN_CLASS = re.compile(r"(Norm|RMSNorm|LayerNorm|MLP|Mlp|MoeBlock|MoE|Moe|Experts|Dropout|Identity)$")
+
+
+def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
+    """``[(path, layer)]`` of the decoder's layers (``model.get_decoder().layers``), paths as in
+    ``model.named_modules()``."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no decoder layers at get_decoder().layers; harts_hf finds "
+                         "the token mixers it must patch there")
+    paths = {id(module): path for path, module in model.named_modules()}
+    return [(paths[id(layer)], layer) for layer in layers]
+
+
+def check_decoder_layers(model, family: TreeFamily) -> None:
+    """Every direct child of every decoder layer is one of ``family``'s mixer classes (by exact class name: a
+    subclass may compute something else), holds one, or is a per-token module; anything else would run on the
+    packed forest as if it were one sequence, so it raises naming the module's path and class."""
+    known = set(family.attention_classes) | set(family.linear_classes)
+    for path, layer in decoder_layers(model):
+        for name, child in layer.named_children():
+            if type(child).__name__ in known or _PER_TOKEN_CLASS.search(type(child).__name__):
+                continue
+            if any(type(inner).__name__ in known for inner in child.modules()):
+                continue
+            raise ValueError(
+                f"harts_hf cannot run {path}.{name} ({type(child).__module__}.{type(child).__qualname__}) on a "
+                f"prefix forest: the {family.model_types[0]} family knows the mixers {', '.join(sorted(known))} "
+                "(by exact class name) and per-token modules (norms, MLPs, MoE blocks). Use the family's own "
+                "class, register a TreeFamily for this module, or train without trees (TreeGRPOConfig(use_tree=False)).")
 
 
 def zero3_enabled() -> bool:
@@ -181,16 +298,29 @@ def _register_zero3_external_parameters(model, handle: PatchHandle) -> None:
 
 # ---------------------------------------------------------------------------- attention
 def _patch_attention(handle: PatchHandle, module: torch.nn.Module) -> None:
-    original_name = module.config._attn_implementation or "eager"
-    if original_name == TREE_ATTENTION_NAME:
+    if module.config._attn_implementation == TREE_ATTENTION_NAME:
         raise RuntimeError("attention module is already routed to harts_tree")
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    original_function = ALL_ATTENTION_FUNCTIONS.get_interface(original_name, eager)
     config = copy.copy(module.config)
     config._attn_implementation = TREE_ATTENTION_NAME
+    # calls without a tree use the implementation the model's own config names at call time, so that
+    # model.set_attn_implementation(...) takes effect while the model is patched
+    handle._set(module, "_harts_attention_source", (module.config, eager))
     handle._set(module, "config", config)
-    handle._set(module, "_harts_original_attention", original_function)
     handle.attention_modules.append(module)
+
+
+def _original_attention(module) -> Callable:
+    """The attention function the module's model config names now (``eager`` included)."""
+    source = getattr(module, "_harts_attention_source", None)
+    if source is None:
+        raise RuntimeError("harts_tree attention used on a module that apply_tree_patches did not patch")
+    config, eager = source
+    name = config._attn_implementation or "eager"
+    if name == TREE_ATTENTION_NAME:
+        raise RuntimeError(f"{type(module).__name__}: the model's config names {TREE_ATTENTION_NAME!r} attention, "
+                           "which apply_tree_patches sets by itself; set_attn_implementation('sdpa') or 'eager'")
+    return ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
 
 
 def tree_attention_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -201,10 +331,8 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
     """
     tree: TreeMetadata | None = kwargs.get(TREE_KWARG)
     if tree is None:
-        original = getattr(module, "_harts_original_attention", None)
-        if original is None:
-            raise RuntimeError("harts_tree attention used on a module that apply_tree_patches did not patch")
-        return original(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return _original_attention(module)(module, query, key, value, attention_mask, scaling=scaling,
+                                           dropout=dropout, **kwargs)
     if dropout and module.training:
         raise ValueError(f"tree execution does not support attention dropout (got {dropout}); set "
                          "config.attention_dropout = 0.0 or call model.eval() for the tree forward.")

@@ -7,9 +7,7 @@ keyword go to the original ``forward`` untouched.
 
 from __future__ import annotations
 
-import functools
 import sys
-import types
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +17,7 @@ from ..kernels import TreeMetadata
 from ..kernels.chunked_logprobs import chunked_logprobs
 from .core import TREE_KWARG, zero3_enabled
 
-__all__ = ["TREE_REQUEST_KWARG", "TreeForwardOutput", "TreeRequest", "wrap_root_forward"]
+__all__ = ["TREE_REQUEST_KWARG", "TreeForwardOutput", "TreeRequest", "serve_tree_requests"]
 
 TREE_REQUEST_KWARG = "harts_tree_request"
 # A 4-D attention mask is passed through transformers' mask builders untouched; tree mixers ignore it.
@@ -58,20 +56,15 @@ class TreeForwardOutput(ModelOutput):
     router_logits: tuple | None = None
 
 
-def _root_forward(self, *args, **kwargs):
+def serve_tree_requests(model, original_forward, *args, **kwargs):
+    """The patched root model's forward (a :class:`~.core.PatchedForward` handler): a ``harts_tree_request``
+    call runs :func:`run_tree_request`; every other call goes to ``original_forward``."""
     request = kwargs.pop(TREE_REQUEST_KWARG, None)
     if request is None:
-        return self._harts_original_forward(*args, **kwargs)
+        return original_forward(*args, **kwargs)
     if args or kwargs:
         raise ValueError(f"a tree request takes no other inputs; got {len(args)} positional and {sorted(kwargs)}")
-    return run_tree_request(self, request)
-
-
-def wrap_root_forward(model, original_forward) -> dict:
-    """Attributes that make the root model serve tree requests (a method bound to ``model``, so deep copies of
-    the model serve their own requests) and keep ``original_forward`` for every other call."""
-    bound = types.MethodType(functools.wraps(original_forward)(_root_forward), model)
-    return {"_harts_original_forward": original_forward, "forward": bound}
+    return run_tree_request(model, request)
 
 
 def text_config(model):

@@ -8,7 +8,6 @@ Families differ only in how the input projections are laid out; each passes a ``
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable
 
 import torch
@@ -18,7 +17,7 @@ from ..kernels import TreeMetadata, tree_causal_conv1d, tree_gated_delta_rule
 from ..kernels._backend import in_row_blocks
 from ..kernels.context import GDN_REPLAY_NAMES
 from ..kernels.tree_conv1d import ops as conv_ops
-from .core import TREE_KWARG, layer_key, zero3_enabled
+from .core import TREE_KWARG, PatchedForward, layer_key, zero3_enabled
 
 __all__ = ["make_tree_gdn_forward"]
 
@@ -26,28 +25,28 @@ _CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
 
 
 def make_tree_gdn_forward(project: Callable) -> Callable:
-    """Build a forward factory ``(module, original_forward) -> forward``.
+    """Build a forward factory ``module -> {"forward": ...}`` for one family's Gated DeltaNet mixers.
 
-    ``project(module, x [1, U, hidden]) -> (mixed_qkv [U, conv_dim], z [U, HV, V], b [U, HV], a [U, HV])``.
-    The forward is a method bound to the module and finds the original on the module too, so a deep copy
-    of a patched model (``copy.deepcopy``) patches the copy, not the original.
+    ``project(module, x [1, U, hidden]) -> (mixed_qkv [U, conv_dim], z [U, HV, V], b [U, HV], a [U, HV])`` (a
+    module-level function: the forward pickles with its module). The forward is a
+    :class:`~.core.PatchedForward` of the module, so a deep copy of a patched model patches the copy.
     """
 
-    def forward(self, *args, **kwargs):
-        tree = kwargs.pop(TREE_KWARG, None)
-        if tree is None:
-            return self._harts_original_forward(*args, **kwargs)
-        hidden_states = args[0] if args else kwargs["hidden_states"]
-        if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
-            raise ValueError("tree execution computes a whole forest in one pass and cannot use a cache; "
-                             "call the model with use_cache=False")
-        return tree_gdn_forward(self, hidden_states, tree, project)
-
-    def factory(module: torch.nn.Module, original_forward: Callable) -> dict:
-        bound = types.MethodType(functools.wraps(original_forward)(forward), module)
-        return {"_harts_original_forward": original_forward, "forward": bound}
+    def factory(module: torch.nn.Module) -> dict:
+        return {"forward": PatchedForward(module, module.forward, functools.partial(_gdn_call, project))}
 
     return factory
+
+
+def _gdn_call(project: Callable, module, original_forward, *args, **kwargs):
+    tree = kwargs.pop(TREE_KWARG, None)
+    if tree is None:
+        return original_forward(*args, **kwargs)
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
+        raise ValueError("tree execution computes a whole forest in one pass and cannot use a cache; "
+                         "call the model with use_cache=False")
+    return tree_gdn_forward(module, hidden_states, tree, project)
 
 
 def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, project: Callable) -> torch.Tensor:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .._checks import check_number
+
 __all__ = ["FEATURES", "CostModel", "nnls"]
 
 FEATURES = ("unique_tokens", "attention_pairs", "replay_tokens", "rounds", "leaves", "microbatches")
@@ -30,6 +32,10 @@ class CostModel:
     rounds: float = 0.0
     leaves: float = 0.0
     microbatches: float = 0.377  # fixed cost of one forward+backward call (host work, launches)
+
+    def __post_init__(self):
+        for name in FEATURES:
+            check_number(getattr(self, name), f"CostModel: {name}", allow_zero=True)
 
     def cost(self, features: dict) -> float:
         return sum(getattr(self, name) * float(features.get(name, 0.0)) for name in FEATURES)
@@ -49,7 +55,11 @@ class CostModel:
 
     @classmethod
     def load(cls, path) -> CostModel:
-        return cls(**json.loads(Path(path).read_text()))
+        coefficients = json.loads(Path(path).read_text())
+        if not isinstance(coefficients, dict) or set(coefficients) - set(FEATURES):
+            raise ValueError(f"CostModel.load: {path} must hold a JSON object with keys among {FEATURES}, got "
+                             f"{sorted(coefficients) if isinstance(coefficients, dict) else coefficients!r:.200}")
+        return cls(**coefficients)
 
 
 def nnls(matrix: np.ndarray, target: np.ndarray, max_iterations: int = 500) -> np.ndarray:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .._checks import check_int, check_number
 from ..kernels import TreeContext, TreeExport, TreeMetadata
 from ..kernels.context import compact
 from ..logprobs import _ensure_patched, check_tree_inputs, unwrap_model
@@ -145,8 +146,9 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
         raise ValueError("pass logprob_weights (with optional entropy_weights) or loss_fn, not both")
     if entropy_weights is not None and logprob_weights is None:
         raise ValueError("entropy_weights needs logprob_weights too (pass zeros for a pure entropy loss)")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    temperature = check_number(temperature, "execute_plan: temperature")
+    head_chunk_size = check_int(head_chunk_size, "execute_plan: head_chunk_size")
+    replica = check_int(replica, "execute_plan: replica", minimum=0, allow_none=True)
     if not isinstance(plan, Plan):
         raise TypeError(f"plan is a {type(plan).__name__}; pass the Plan returned by harts_hf.planner.plan(...)")
     if schedule not in ("depth_first", "phased"):
@@ -284,7 +286,7 @@ class _PlanRunner:
         pieces = self.plan.pieces
         if replica is None:
             return [p for p in pieces if p.handoff is None]
-        if not isinstance(replica, int) or not 0 <= replica < len(self.plan.replicas):
+        if not 0 <= replica < len(self.plan.replicas):
             raise ValueError(f"replica={replica!r}; the plan has replicas 0..{len(self.plan.replicas) - 1}")
         owner = self.plan.replica_of_piece()
         crossing = [p.index for p in pieces if p.handoff is not None

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .._checks import check_bool, check_int
 from ..trees import CHUNK_SIZE, PackedForest, PrefixForest
 from .cost import CostModel
 
@@ -133,10 +134,13 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
         A :class:`Plan`; deterministic for the same input. Raises ``ValueError`` when a run of tokens without a
         branch point (part of one trajectory) is longer than ``token_budget``.
     """
-    if not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
-    if not isinstance(token_budget, int) or token_budget < 1:
-        raise ValueError(f"token_budget must be a positive number of tokens, got {token_budget!r}")
+    num_replicas = check_int(num_replicas, "plan: num_replicas")
+    token_budget = check_int(token_budget, "plan: token_budget")
+    chunk_size = check_int(chunk_size, "plan: chunk_size")
+    pieces_per_replica = check_int(pieces_per_replica, "plan: pieces_per_replica", minimum=0)
+    cross_replica = check_bool(cross_replica, "plan: cross_replica")
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise TypeError(f"plan: cost_model must be a CostModel or None, got {type(cost_model).__name__}")
     cost_model = cost_model or CostModel()
     packed = _as_packed(forest_or_sequences)
     cu = packed.cu_seqlens.cpu().numpy().astype(np.int64)
@@ -157,8 +161,6 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
             f"(depths {int(depth0[s])}..{int(depth0[s] + lengths[s]) - 1} of a trajectory of at least "
             f"{int(depth0[s] + lengths[s])} tokens); raise token_budget to at least {int(lengths[s])}.")
 
-    if pieces_per_replica < 0:
-        raise ValueError(f"pieces_per_replica must be >= 0, got {pieces_per_replica}")
     cut_size = token_budget
     if cross_replica and num_replicas > 1 and pieces_per_replica > 0:
         target = -(-int(lengths.sum()) // (num_replicas * pieces_per_replica))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from .._checks import check_int
 from ..trees import PrefixForest
 from .cost import CostModel
 from .plan import plan
@@ -49,8 +50,7 @@ def assign_groups(sizes: list[int], costs: list[float], num_replicas: int,
         was found (longest-processing-time first by cost, then by size, then ``initial``; with groups of one size
         that divides the capacity one always is).
     """
-    if not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
+    num_replicas = check_int(num_replicas, "assign_groups: num_replicas")
     if len(sizes) != len(costs):
         raise ValueError(f"sizes has {len(sizes)} groups but costs has {len(costs)}; give one cost per group")
     if any(not isinstance(size, int) or size < 1 for size in sizes):

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
+
+from .._checks import check_bool, check_int
 
 __all__ = ["TreeGRPOConfig"]
 
 _GDN_BACKENDS = ("auto", "torch", "fla")
 _ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
+_BOOL_FIELDS = ("use_tree", "tree_share_across_groups", "tree_keep_groups_together", "tree_balance_replicas",
+                "tree_cross_replica_handoffs")
 
 
 @dataclass
@@ -44,7 +49,12 @@ class TreeGRPOConfig(GRPOConfig):
     tree_keep_groups_together: bool = field(
         default=True,
         metadata={"help": "Shuffle the generation batch by prompt group instead of by row, so each microbatch "
-                          "holds whole groups and siblings share their prefix. False keeps TRL's row shuffle."},
+                          "holds whole groups and siblings share their prefix. With several optimizer steps per "
+                          "generation batch (steps_per_generation > gradient_accumulation_steps) each step then "
+                          "trains on whole groups where GRPOTrainer trains on randomly drawn rows: the same "
+                          "rows over the generation batch, other rows per step, so the per-step losses differ "
+                          "from GRPOTrainer's (logged once). False keeps TRL's row shuffle and GRPOTrainer's "
+                          "steps exactly, with less sharing per microbatch."},
     )
     tree_balance_replicas: bool = field(
         default=True,
@@ -96,10 +106,8 @@ class TreeGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._check_tree_field_types()
         super().__post_init__()
-        if self.tree_token_budget is not None and self.tree_token_budget < 1:
-            raise ValueError(f"tree_token_budget must be a positive number of tokens or None, got "
-                             f"{self.tree_token_budget}.")
         if self.tree_gdn_backend not in _GDN_BACKENDS:
             raise ValueError(f"tree_gdn_backend must be one of {_GDN_BACKENDS}, got {self.tree_gdn_backend!r}.")
         if self.tree_attention_backend not in _ATTENTION_BACKENDS:
@@ -129,11 +137,19 @@ class TreeGRPOConfig(GRPOConfig):
         if self.tree_cross_replica_handoffs and self.tree_token_budget is None:
             raise ValueError("tree_cross_replica_handoffs=True plans microbatches into pieces: set tree_token_budget "
                              "(the most unique tokens of one piece), or tree_cross_replica_handoffs=False.")
-        if self.tree_head_chunk_size < 1:
-            raise ValueError(f"tree_head_chunk_size must be >= 1, got {self.tree_head_chunk_size}.")
         if self.use_tree and self.use_liger_kernel:
             raise ValueError("use_tree=True and use_liger_kernel=True both replace how log-probs are computed; set "
                              "use_liger_kernel=False to train on trees, or use_tree=False to keep Liger.")
-        if self.use_tree and getattr(self, "padding_free", False):
-            raise ValueError("padding_free=True packs rows TRL's way; tree execution already computes each token "
-                             "once without padding. Set padding_free=False (or use_tree=False).")
+
+    def _check_tree_field_types(self) -> None:
+        """Each tree field has its type (numpy integers become ints, path-likes strings; the backends are checked
+        against their choices below); an error names the field."""
+        for name in _BOOL_FIELDS:
+            check_bool(getattr(self, name), name)
+        self.tree_token_budget = check_int(self.tree_token_budget, "tree_token_budget", allow_none=True)
+        self.tree_head_chunk_size = check_int(self.tree_head_chunk_size, "tree_head_chunk_size")
+        if isinstance(self.tree_cost_model, os.PathLike):
+            self.tree_cost_model = os.fspath(self.tree_cost_model)
+        if self.tree_cost_model is not None and not isinstance(self.tree_cost_model, str):
+            raise TypeError(f"tree_cost_model must be a path to a JSON cost model or None, got "
+                            f"{self.tree_cost_model!r} of type {type(self.tree_cost_model).__name__}")

@@ -21,7 +21,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from ..logprobs import run_tree_forward, unwrap_model
-from ..model_patches import apply_tree_patches
+from ..model_patches import apply_tree_patches, cpu_safe
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
 from ..planner import CostModel, Plan, imbalance, plan
@@ -54,14 +54,21 @@ class TreeGRPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "harts_hf", "tree-grpo"]
 
-    def __init__(self, model, reward_funcs, args: TreeGRPOConfig | None = None, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: TreeGRPOConfig | None = None, train_dataset=None,
+                 eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
+                 optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
+                 environment_factory=None):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
             args = TreeGRPOConfig(f"{name.split('/')[-1]}-TreeGRPO")
         elif not isinstance(args, TreeGRPOConfig):
             raise TypeError(f"args is a {type(args).__name__}; TreeGRPOTrainer needs a TreeGRPOConfig "
                             "(it has every GRPOConfig field plus the tree switches).")
-        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         reward_processing_classes=reward_processing_classes, callbacks=callbacks,
+                         optimizers=optimizers, quantization_config=quantization_config, peft_config=peft_config,
+                         tools=tools, rollout_func=rollout_func, environment_factory=environment_factory)
         self._tree_handles = []
         self._tree_metrics = defaultdict(list)
         self._balance_metrics = defaultdict(list)  # per generation batch; the same on every process
@@ -74,13 +81,14 @@ class TreeGRPOTrainer(GRPOTrainer):
             self._check_planner_supported()
         if args.use_tree and args.tree_cross_replica_handoffs:
             self._check_cross_replica_supported()
-        if args.use_tree:
-            for target in (self.model, self.ref_model):
-                if target is None:
-                    continue
-                base = unwrap_model(target)
-                if getattr(base, _PATCH_MARK, None) is None:
-                    self._tree_handles.append(apply_tree_patches(base))
+        for target in (self.model, self.ref_model):
+            if target is None:
+                continue
+            base = unwrap_model(target)
+            if not args.use_tree:  # TRL's path; still no CPU tensor reaches a Triton kernel
+                self._tree_handles.append(cpu_safe(base))
+            elif getattr(base, _PATCH_MARK, None) is None:
+                self._tree_handles.append(apply_tree_patches(base))
 
     # ------------------------------------------------------------------ log-probs
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -427,6 +435,13 @@ class TreeGRPOTrainer(GRPOTrainer):
         if not (self.args.use_tree and self.args.tree_keep_groups_together) or not self.model.training:
             return super()._prepare_inputs(generation_batch)
         generate_every = self.args.steps_per_generation * self.num_iterations
+        if self.args.steps_per_generation > self.args.gradient_accumulation_steps:
+            logger.warning_once(
+                f"harts_hf: steps_per_generation={self.args.steps_per_generation} > gradient_accumulation_steps="
+                f"{self.args.gradient_accumulation_steps}: each optimizer step trains on whole prompt groups "
+                "(tree_keep_groups_together=True), where GRPOTrainer draws rows at random, so the rows of each step "
+                "and its loss differ from GRPOTrainer's (the generation batch as a whole is the same). Set "
+                "tree_keep_groups_together=False for GRPOTrainer's steps exactly, with less prefix sharing.")
         if self._step % generate_every == 0 or self._buffered_inputs is None:
             generation_batch = self._generate_and_score_completions(generation_batch)
             if self.args.tree_balance_replicas and self.accelerator.num_processes > 1:

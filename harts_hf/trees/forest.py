@@ -14,6 +14,8 @@ import torch
 
 __all__ = ["PrefixForest"]
 
+_MAX_TOKEN_ID = int(np.iinfo(np.int64).max)
+
 
 class _Segment:
     """One edge of the radix trie: tokens ``arrays[source][start:end]`` at depths ``depth..``."""
@@ -42,14 +44,14 @@ def _as_token_array(sequence, index: int) -> np.ndarray:
             )
         if sequence.dtype.is_floating_point or sequence.dtype.is_complex or sequence.dtype == torch.bool:
             raise TypeError(f"sequences[{index}] has dtype {sequence.dtype}; expected an integer dtype (torch.long).")
-        array = sequence.detach().cpu().numpy().astype(np.int64, copy=False)
+        array = sequence.detach().cpu().numpy()
     elif isinstance(sequence, np.ndarray):
         if sequence.ndim != 1 or not np.issubdtype(sequence.dtype, np.integer):
             raise TypeError(
                 f"sequences[{index}] is a numpy array of shape {sequence.shape} and dtype {sequence.dtype}; "
                 "expected a 1-D integer array."
             )
-        array = sequence.astype(np.int64, copy=False)
+        array = sequence
     elif isinstance(sequence, (list, tuple)):
         array = np.asarray(sequence) if len(sequence) else np.zeros(0, dtype=np.int64)
         if array.ndim != 1 or array.dtype.kind not in "iu":
@@ -59,13 +61,20 @@ def _as_token_array(sequence, index: int) -> np.ndarray:
                         f"sequences[{index}][{position}] is {token!r} of type {type(token).__name__}; "
                         "expected an int token id."
                     )
-        array = array.astype(np.int64, copy=False)
+            array = np.array([int(token) for token in sequence], dtype=object)  # exact, however large
     else:
         raise TypeError(
             f"sequences[{index}] is a {type(sequence).__name__}; expected a list of token ids or a 1-D integer tensor."
         )
     if array.size == 0:
         raise ValueError(f"sequences[{index}] is empty; every sequence needs at least one token.")
+    if array.dtype == object or (array.dtype == np.uint64 and int(array.max()) > _MAX_TOKEN_ID):
+        for position, token in enumerate(array.tolist()):  # exact python ints, before the cast wraps or overflows
+            if not 0 <= token <= _MAX_TOKEN_ID:
+                problem = "negative" if token < 0 else "too large"
+                raise ValueError(f"sequences[{index}][{position}] = {token} is {problem}; token ids must be >= 0 and "
+                                 "< 2**63 (remove padding such as -100 before building the forest).")
+    array = array.astype(np.int64, copy=False)
     if array.min() < 0:
         position = int(np.argmax(array < 0))
         raise ValueError(
@@ -133,8 +142,16 @@ class PrefixForest:
                 )
             masks = [_as_loss_mask(mask, index, len(array)) for index, (mask, array) in enumerate(zip(loss_masks, arrays))]
 
+        if isinstance(groups, (torch.Tensor, np.ndarray)):
+            groups = groups.tolist()  # labels by value (a 0-d tensor hashes by identity: every row its own group)
         if groups is not None and len(groups) != len(arrays):
             raise ValueError(f"groups has {len(groups)} entries but sequences has {len(arrays)}; give one label per sequence.")
+        for index, group in enumerate(() if groups is None else groups):
+            try:
+                hash(group)
+            except TypeError:
+                raise TypeError(f"from_sequences: groups[{index}] is {group!r:.80} of type {type(group).__name__}; "
+                                "expected a hashable label (an int or a str) per sequence.") from None
         roots: dict = {}  # group label -> {first token -> root segment}
         for index, array in enumerate(arrays):
             group = None if groups is None else groups[index]

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
+from .._checks import check_int
+
 __all__ = ["PackedForest", "pack_forest", "CHUNK_SIZE"]
 
 CHUNK_SIZE = 64  # chunk length of chunkwise linear attention; branch points are counted against it
@@ -231,6 +233,7 @@ class PackedForest:
         ``depth_segments`` = most segments on one root-to-end path; ``branch_points`` = tokens with two or more
         children; ``unaligned_branch_points`` = those whose children do not start on a ``chunk_size`` boundary.
         """
+        chunk_size = check_int(chunk_size, "PackedForest.stats: chunk_size")
         if self.device.type != "cpu":
             return self.to("cpu").stats(chunk_size)
         lengths = self.sequence_lengths.double()

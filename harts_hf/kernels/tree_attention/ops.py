@@ -131,10 +131,16 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     if mask.shape != (U, k.shape[0]):
         raise ValueError(f"tree_attention: mask must be [U={U}, U + context = {k.shape[0]}], got {tuple(mask.shape)}; "
                          "build it with tree_attention_mask(subtree_end, context_tokens)")
+    # a masked-out key still meets its query in SDPA's products (probability 0 x value): a NaN/Inf key or value
+    # would spread to every query. Zero non-finite key/value rows and give NaN to the queries that see one.
+    bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [U + C, HKV]
+    k, v = k.masked_fill(bad.unsqueeze(-1), 0), v.masked_fill(bad.unsqueeze(-1), 0)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
         attn_mask=mask, scale=scaling, enable_gqa=HQ != k.shape[1])
-    return out[0].transpose(0, 1)
+    sees_bad = (mask.to(q.dtype) @ bad.to(q.dtype)) > 0  # [U, HKV]
+    return out[0].transpose(0, 1).masked_fill(sees_bad.repeat_interleave(HQ // bad.shape[1], 1).unsqueeze(-1),
+                                              float("nan"))
 
 
 def _attention_by_runs(q, k, v, layout, scaling):

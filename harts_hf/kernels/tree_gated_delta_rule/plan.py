@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..._checks import check_int
 from ...trees import CHUNK_SIZE, PackedForest
 
 __all__ = ["CONTEXT_STATE", "GatedDeltaPlan", "GatedDeltaRound", "build_gated_delta_plan"]
@@ -100,8 +101,7 @@ def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE
     ``state_requests``: packed tokens ``b``; for each, the state a run starting right below ``b`` would restart
     from (at ``C * ((depth[b] + 1) // C)`` on ``b``'s path) is kept; its key is in ``plan.requested_states``.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    chunk_size = check_int(chunk_size, "build_gated_delta_plan: chunk_size")
     parent = packed.parent.cpu().numpy()
     depth = packed.position_ids.cpu().numpy()
     num_tokens = parent.shape[0]
