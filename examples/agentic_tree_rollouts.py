@@ -57,6 +57,7 @@ ANSWER_MAX = 3  # most digits inside answer(...)
 THINK_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 +-*="
 OPERATORS = "+-*"
 ACTION = re.compile(r"(calc|answer)\(([^()]*)\)")
+MAX_DIGITS = 100  # the calculator refuses numbers and results of more digits (str() of a huge int raises)
 
 
 # ---------------------------------------------------------------------------------------------- environment
@@ -83,9 +84,11 @@ def puzzle_dataset(n: int = 64, seed: int = 0):
 
 
 def calculate(expression: str) -> int | None:
-    """The calculator tool: integers with ``+ - *`` (usual precedence); None for anything else."""
-    if not re.fullmatch(r"\d+([+*-]\d+)*", expression):
+    """The calculator tool: integers with ``+ - *`` (usual precedence); None for anything else, and for a number
+    or an intermediate result of more than ``MAX_DIGITS`` digits (each checked before it is used)."""
+    if not re.fullmatch(r"[0-9]{1,%d}([+*-][0-9]{1,%d})*" % (MAX_DIGITS, MAX_DIGITS), expression):
         return None
+    limit = 10**MAX_DIGITS
     parts = re.split(r"([+-])", expression)
     total, sign = 0, 1
     for part in parts:
@@ -95,7 +98,11 @@ def calculate(expression: str) -> int | None:
         product = 1
         for factor in part.split("*"):
             product *= int(factor)
+            if product >= limit:
+                return None
         total += sign * product
+        if abs(total) >= limit:
+            return None
     return total
 
 
@@ -108,7 +115,7 @@ def observe(action: str) -> str:
 
 def score_answer(answer: str, target: int) -> float:
     """1 for the exact value; otherwise up to 0.5 for being close (relative error), 0 if not a number."""
-    if not answer.isdigit():
+    if not re.fullmatch(r"[0-9]{1,%d}" % MAX_DIGITS, answer):  # isdigit() lets "²" through to int()
         return 0.0
     value = int(answer)
     if value == target:

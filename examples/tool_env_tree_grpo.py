@@ -40,6 +40,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.chat_template_utils import add_response_schema, qwen3_chat_template
 
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
+from harts_hf.model_patches import cpu_safe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_tree_grpo import qwen3_tokenizer_dir, tiny_qwen3_next  # noqa: E402  (the example next to this file)
@@ -48,6 +49,8 @@ TOOL_OPEN = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "'
 TOOL_CLOSE = '"}}\n</tool_call>'
 ANSWER_OPEN = "The answer is "
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+MAX_DIGITS = 100  # calculator numbers and results have at most this many digits (TRL str()s results unguarded)
+MAX_EXPRESSION_CHARS = 400  # longer calculator input is refused before ast.parse (slow, deep recursion)
 
 
 # ---------------------------------------------------------------------------------------------- task and tool
@@ -65,15 +68,23 @@ def puzzle_dataset(n: int, seed: int = 0) -> Dataset:
 
 
 def evaluate(expression: str) -> int:
-    """Integer arithmetic with ``+ - *`` only (no names, calls or powers); raises ValueError otherwise."""
+    """Integer arithmetic with ``+ - *`` only (no names, calls or powers) on numbers of at most ``MAX_DIGITS``
+    digits; raises ValueError otherwise. Every operand is checked before it is used, so no step can be slow."""
+    def bounded(value: int) -> int:
+        if abs(value) >= 10**MAX_DIGITS:
+            raise ValueError(f"a number in {expression!r} has more than {MAX_DIGITS} digits")
+        return value
+
     def walk(node):
         if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
+            return bounded(node.value)
         if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
-            return OPERATORS[type(node.op)](walk(node.left), walk(node.right))
+            return bounded(OPERATORS[type(node.op)](walk(node.left), walk(node.right)))
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -walk(node.operand)
         raise ValueError(f"not an integer expression with + - *: {expression!r}")
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ValueError(f"expression of {len(expression)} characters, more than {MAX_EXPRESSION_CHARS}")
     try:
         tree = ast.parse(expression, mode="eval")
     except SyntaxError as error:
@@ -98,7 +109,7 @@ class CalculatorEnvironment:
         Args:
             expression: The expression, for example "7*8+5".
         """
-        result = evaluate(expression)  # a ValueError reaches the model as {"error": ...}
+        result = evaluate(expression)  # a ValueError (a too large number too) reaches the model as {"error": ...}
         self.results.append(result)
         return result
 
@@ -114,7 +125,7 @@ def answer_reward(completions, value, **kwargs) -> list[float]:
     number, 0 when the rollout ends without an answer."""
     rewards = []
     for messages, expected in zip(completions, value):
-        found = re.fullmatch(r"\s*The answer is (\d+)\s*", messages[-1].get("content") or "")
+        found = re.fullmatch(r"\s*The answer is (\d{1,%d})\s*" % MAX_DIGITS, messages[-1].get("content") or "")
         if messages[-1]["role"] != "assistant" or found is None:
             rewards.append(0.0)
             continue
@@ -238,6 +249,7 @@ def main(argv=None) -> list[dict]:
         torch.set_num_threads(1)  # the tiny model's ops are too small to split across threads
     tokenizer = qwen3_tool_tokenizer()
     model = constrain_generate(tiny_qwen3_next(tokenizer, seed=args.seed), tokenizer)
+    cpu_safe(model)  # GRPOTrainer too: CPU forwards where transformers bound fla's Triton kernels (triton installed)
     common = dict(output_dir=args.out, max_steps=args.steps, learning_rate=args.learning_rate,
                   per_device_train_batch_size=args.num_generations * args.prompts_per_step,
                   num_generations=args.num_generations, max_completion_length=128,

@@ -5,7 +5,8 @@ With no arguments this runs on a CPU in about a minute: it builds a tiny, random
 Qwen3's 151k-token vocabulary) around Qwen3's real tokenizer, trains it for 10 steps with
 ``harts_hf.TreeGRPOTrainer`` on arithmetic prompts with a verifiable reward, prints one table row per step
 (reward, completion length, tree compression R_tok = path tokens / unique tokens) and saves the final
-checkpoint (model + tokenizer), which loads with plain ``transformers`` (no harts_hf needed).
+checkpoint (model + tokenizer), which loads with plain ``transformers`` (no harts_hf needed), with
+``trainer_state.json`` beside it, which ``python -m harts_hf.report OUTPUT_DIR`` turns into plots.
 
 All prompts share one system prompt, so each microbatch is one prefix forest: the system prompt is computed
 once for all its rows, each user turn once per group of ``--num-generations`` completions.
@@ -255,9 +256,11 @@ def main(argv=None) -> None:
         trainer.push_to_hub()  # saves model + tokenizer to output_dir (as below), then uploads that folder
     else:
         trainer.save_model(args.output_dir)  # model + tokenizer; written by the main process only
+    trainer.save_state()  # trainer_state.json (the log history) for python -m harts_hf.report; main process only
     if trainer.is_world_process_zero():
         print(f"trained {args.steps} steps in {time.perf_counter() - started:.1f} s; "
-              f"final checkpoint (model + tokenizer) saved to {Path(args.output_dir).resolve()}", flush=True)
+              f"final checkpoint (model + tokenizer, trainer_state.json) saved to {Path(args.output_dir).resolve()}",
+              flush=True)
         if args.hub_model_id:
             print(f"pushed to the Hub repo {trainer.hub_model_id}", flush=True)
     trainer.accelerator.end_training()  # every process destroys its process group before it exits (clean shutdown)

@@ -30,8 +30,25 @@ def _state_file(run_dir: Path) -> Path:
 
 def load_history(run_dir) -> list[dict]:
     """The per-step training log entries (those with a reward) of ``run_dir``."""
-    state = json.loads(_state_file(Path(run_dir)).read_text())
-    return [entry for entry in state.get("log_history", []) if "reward" in entry]
+    path = _state_file(Path(run_dir))
+    try:
+        state = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:  # e.g. cut short by a run killed while saving
+        raise ValueError(f"{path} is not valid JSON ({error}); point the report at another checkpoint, or "
+                         "write the file again with trainer.save_state()") from error
+    if not isinstance(state, dict) or not isinstance(state.get("log_history", []), list):
+        raise ValueError(f"{path} is not a Trainer state: expected an object with a 'log_history' list")
+    return [entry for entry in state.get("log_history", []) if isinstance(entry, dict) and "reward" in entry]
+
+
+def _points(steps: list, values: list) -> tuple[list, list]:
+    """``(steps, values)`` without the steps whose value is missing (a null in the log)."""
+    kept = [(step, value) for step, value in zip(steps, values) if value is not None]
+    return [step for step, _ in kept], [value for _, value in kept]
+
+
+def _format(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def make_report(run_dir, out=None) -> Path:
@@ -58,16 +75,17 @@ def make_report(run_dir, out=None) -> Path:
                               if entry.get("step_time") else None for entry in history],
     }
     figure, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
-    axes[0].plot(steps, series["reward"], label="reward")
-    if all(v is not None for v in series["reward_std"]):
-        low = [r - s for r, s in zip(series["reward"], series["reward_std"])]
-        high = [r + s for r, s in zip(series["reward"], series["reward_std"])]
-        axes[0].fill_between(steps, low, high, alpha=0.2, label="± std")
+    axes[0].plot(*_points(steps, series["reward"]), label="reward")
+    with_std = [(step, reward, std) for step, reward, std in zip(steps, series["reward"], series["reward_std"])
+                if reward is not None and std is not None]
+    if with_std:
+        axes[0].fill_between([step for step, _, _ in with_std], [r - s for _, r, s in with_std],
+                             [r + s for _, r, s in with_std], alpha=0.2, label="± std")
     axes[0].set_ylabel("reward")
     axes[0].legend()
-    axes[1].plot(steps, [v if v is not None else float("nan") for v in series["tree/R_tok"]], color="tab:green")
+    axes[1].plot(*_points(steps, series["tree/R_tok"]), color="tab:green")
     axes[1].set_ylabel("R_tok (path / unique tokens)")
-    axes[2].plot(steps, [v if v is not None else float("nan") for v in series["tokens_per_second"]], color="tab:red")
+    axes[2].plot(*_points(steps, series["tokens_per_second"]), color="tab:red")
     axes[2].set_ylabel("trajectory tokens / s")
     axes[2].set_xlabel("step")
     figure.suptitle(f"harts_hf run: {Path(run_dir).name}")
@@ -87,8 +105,8 @@ def main(argv=None) -> None:
     path = make_report(args.run_dir, args.out)
     history = load_history(args.run_dir)
     last = history[-1]
-    print(f"{len(history)} steps; last reward {last.get('reward'):.4f}, R_tok {last.get('tree/R_tok') or float('nan'):.2f}; "
-          f"plot: {path}")
+    print(f"{len(history)} steps; last reward {_format(last.get('reward'), '.4f')}, "
+          f"R_tok {_format(last.get('tree/R_tok'), '.2f')}; plot: {path}")
 
 
 if __name__ == "__main__":

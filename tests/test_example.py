@@ -7,6 +7,7 @@ serves every test below:
 - the folder it saved loads with plain ``transformers`` in a fresh interpreter that never imports harts_hf, and
   gives finite logits (and generates), i.e. the checkpoint carries nothing of the tree patches;
 - its config.json names no harts_hf attention implementation;
+- ``python -m harts_hf.report`` plots the run from the ``trainer_state.json`` it saved beside the checkpoint;
 - ``--hub-model-id`` pushes the checkpoint to the Hub with ``trainer.push_to_hub``.
 
 Push to Hub, offline: the run talks HTTP to a small stand-in for the Hub served by this module on 127.0.0.1
@@ -33,6 +34,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+
+from harts_hf import report
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_tree_grpo.py"
@@ -159,6 +162,8 @@ def test_example_trains_and_prints_the_step_table(example_run):
 
 PLAIN_LOAD = textwrap.dedent("""
     import json, sys
+    sys.modules["triton"] = None  # plain transformers binds fla's Triton kernels wherever triton imports, and those
+                                  # cannot run on a CPU: this check loads the checkpoint as a triton-less CPU would
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -209,6 +214,15 @@ def test_saved_config_has_no_harts_attention(example_run):
     assert config["model_type"] == "qwen3_next" and config["architectures"] == ["Qwen3NextForCausalLM"]
     assert "auto_map" not in config  # plain transformers classes, no remote code
     assert config["layer_types"].count("linear_attention") == 3 and config["layer_types"].count("full_attention") == 1
+
+
+def test_report_plots_the_run(example_run, tmp_path, capsys):
+    _check_exit(example_run)
+    report.main([str(example_run["output_dir"]), "--out", str(tmp_path)])  # what python -m harts_hf.report runs
+    assert f"{STEPS} steps; last reward" in capsys.readouterr().out
+    assert (tmp_path / "report.png").stat().st_size > 10_000
+    series = json.loads((tmp_path / "report.json").read_text())
+    assert series["step"] == list(range(1, STEPS + 1)) and None not in series["reward"]
 
 
 def test_push_to_hub_uploads_the_checkpoint(example_run, fake_hub):

@@ -1,5 +1,8 @@
-"""Resuming from a mid-run checkpoint gives the same later losses; the run's report and model card."""
+"""Resuming from a mid-run checkpoint gives the same later losses; the run's report (also from odd logs) and model
+card."""
 
+import json
+import re
 import subprocess
 import sys
 
@@ -7,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
+from harts_hf import TreeGRPOConfig, TreeGRPOTrainer, report
 from tests.trl_helpers import char_tokenizer, length_reward, patch_generate, prompt_dataset, save_tiny_model
 
 ARGS = dict(per_device_train_batch_size=6, num_generations=6, max_completion_length=32, learning_rate=1e-2,
@@ -59,3 +62,32 @@ def test_resume_gives_the_same_losses_and_report(saved_model, tmp_path):
     full.create_model_card()
     card = (tmp_path / "full" / "README.md").read_text()
     assert "harts_hf" in card
+
+
+def _write_state(run_dir, log_history):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "trainer_state.json").write_text(json.dumps({"log_history": log_history}))
+
+
+def test_report_skips_missing_values(tmp_path, capsys):
+    """A step logged with ``"reward": null`` (here the last one, which the summary line prints) is left out of the
+    plots instead of failing the command after the plot is written."""
+    step = {"reward_std": 0.1, "tree/R_tok": 2.0, "tree/unique_tokens": 50, "tree/path_tokens": 100, "step_time": 0.5}
+    _write_state(tmp_path / "run", [{"step": 1, "reward": 0.25, **step}, {"step": 2, "loss": 0.1},
+                                    {"step": 2, "reward": 0.5, **step, "tree/R_tok": None},
+                                    {"step": 3, "reward": None, **step}])
+    report.main([str(tmp_path / "run")])
+    assert "3 steps; last reward n/a, R_tok 2.00" in capsys.readouterr().out
+    assert (tmp_path / "run" / "report.png").stat().st_size > 10_000
+    series = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert series["step"] == [1, 2, 3] and series["reward"] == [0.25, 0.5, None]
+
+
+@pytest.mark.parametrize("text", ['{"log_history": [{"step": 1, "rew', "", "[1, 2]", "\udcff"],
+                         ids=["truncated", "empty", "not-a-state", "not-utf8"])
+def test_report_names_a_malformed_state_file(tmp_path, text):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "trainer_state.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(ValueError, match=re.escape(str(run_dir / "trainer_state.json"))):
+        report.main([str(run_dir)])

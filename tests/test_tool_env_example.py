@@ -2,7 +2,8 @@
 environment whose method is the tool), Qwen3's real tokenizer and a tiny Qwen3-Next.
 
 - the script's ``main`` runs 2 steps, calls the tool, and logs tree/R_tok > 1.5 every step;
-- the environment and rewards: the calculator evaluates ``+ - *`` only, ``get_reward`` and ``answer_reward``
+- the environment and rewards: the calculator evaluates ``+ - *`` only (an error, quickly, for huge numbers),
+  ``get_reward`` and ``answer_reward``
   score as documented;
 - the grammar only lets whole turns through, both of which TRL's Qwen3 response parser reads back as a tool call
   or as the answer.
@@ -14,6 +15,7 @@ import importlib.util
 import json
 import random
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -83,6 +85,33 @@ def test_calculator_environment_and_rewards():
     rewards = ex.answer_reward([final("The answer is 61"), final("The answer is 60"), final("61"),
                                 final("61", role="tool")], value=[61, 61, 61, 61])
     assert rewards[0] == 1.0 and 0.49 < rewards[1] < 0.5 and rewards[2:] == [0.0, 0.0]
+    assert ex.answer_reward([final("The answer is " + "9" * 5000)], value=[61]) == [0.0]  # int() would raise
+
+
+@pytest.mark.parametrize("expression", [
+    "9" * 4000 + "*" + "9" * 4000,  # two literals under Python's 4300-digit int-to-str limit, the product over it
+    "99999*" * 900 + "1",  # the same with many small factors
+    "9" * 5000,  # a literal over the limit
+    "9**9**9", "99999**99999",  # powers: refused before anything is computed
+    "9" * 99 + "*" + "9" * 99,  # short input, result over MAX_DIGITS
+    "1+" * 5000 + "1",  # deep enough to exhaust the recursion limit
+], ids=["product-over-limit", "many-factors", "literal-over-limit", "tower", "power", "over-max-digits", "deep"])
+def test_calculator_refuses_huge_numbers_quickly(expression):
+    """TRL turns a tool's exception into ``{"error": ...}`` but calls ``str()`` on the returned value outside its
+    ``try``: a result over Python's int-to-str limit would end training. The tool must raise ValueError instead,
+    and fast."""
+    environment = ex.CalculatorEnvironment()
+    environment.reset(prompt=[], expression="7*8+5", value=61)
+    start = time.perf_counter()
+    try:  # what TRL's GRPOTrainer._tool_call_loop does with one sync tool call
+        result = environment.calculate(expression=expression)
+    except Exception as error:
+        assert isinstance(error, ValueError), repr(error)
+        result = {"error": str(error)}
+    content = str(result)
+    assert time.perf_counter() - start < 1.0
+    assert content.startswith("{'error':") and len(content) < 1000, content[:200]
+    assert environment.results == []
 
 
 # ---------------------------------------------------------------------------------------------- the grammar

@@ -117,3 +117,15 @@ def test_replica_balance_contract():
     assert 'self.loss_type in ["grpo", "sapo"]' in loss_source and 'self.loss_type in ["cispo", "dapo", "vespo"]' in \
         loss_source and 'self.loss_type == "luspo"' in loss_source and "(per_token_loss * mask).sum(-1).mean()" in \
         loss_source
+
+
+def test_tree_trainer_takes_grpo_trainers_arguments():
+    """TreeGRPOTrainer(...) is called exactly as GRPOTrainer(...): the same parameters in the same order, kinds and
+    defaults (reward_funcs=None: an environment that owns the reward passes none)."""
+    from harts_hf import TreeGRPOTrainer
+
+    def parameters(cls):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(cls.__init__).parameters.values()]
+
+    assert parameters(TreeGRPOTrainer) == parameters(GRPOTrainer)
+    assert inspect.signature(TreeGRPOTrainer.__init__).parameters["reward_funcs"].default is None
