@@ -12,7 +12,8 @@ Per workload, in one process (warm-up first; the first fla call compiles for ~10
 Per-call overhead ``c``, per-token cost ``a`` and per-pair cost ``b`` are fitted from single-trajectory timings of
 several lengths (``t = c + a L + b L^2 / 2``), giving the physical limit of computing every unique token once,
 ``S_phys = (a sum L + b sum L^2/2) / (a U + b sum depth)`` (replayed tokens and per-call overheads count as
-overhead of the tree path, not as physical work); next to it the stricter fraction with the per-call cost counted as
+overhead of the tree path, not as physical work; null, with the reason in ``S_phys_undefined``, when the fit gives
+a = b = 0, as noisy timings on a loaded CPU can); next to it the stricter fraction with the per-call cost counted as
 the strongest baseline pays it (``S_phys_with_calls``: c once for packed, per trajectory for the loop, per
 micro-batch for padded; the tree pays it once). The speed-up is measured against the fastest of the measured
 per-trajectory paths (packed, loop, padded).
@@ -158,17 +159,30 @@ def bench_workload(model, device, name, scale, c, a, b, repeats, micro_batch, sk
         seconds, peak = timed(device, lambda s=sequences: run_padded(model, s, device, micro_batch), repeats)
         row["padded"] = {"seconds": seconds, "peak_gib": peak}
         print(f"  {name}@{scale}: padded {seconds:.3f} s, {peak:.1f} GiB", flush=True)
-    lengths = np.array([len(s) for s in sequences], dtype=float)
-    per_trajectory = a * lengths.sum() + b * (lengths ** 2 / 2).sum()
-    tree_work = a * stats["unique_tokens"] + b * stats["tree_attention_pairs"]
     row["stats"] = stats
-    row["loop_model_seconds"] = float(c * len(lengths) + per_trajectory)  # the fitted cost of the plain loop
-    row["S_phys"] = per_trajectory / tree_work
-    row["tree_physical_seconds"] = float(tree_work)  # the unique work at the plain model's fitted a and b
-    # what each baseline pays in per-call cost c besides the work (the tree pays it once): S_phys counting it
-    calls = {"packed": 1, "loop": len(lengths), "padded": -(-len(lengths) // micro_batch)}
-    row["S_phys_with_calls"] = {key: float((c * n + per_trajectory) / (c + tree_work)) for key, n in calls.items()}
+    row.update(physical_limits([len(s) for s in sequences], stats, c, a, b, micro_batch))
     return score(row)
+
+
+def physical_limits(lengths, stats: dict, c: float, a: float, b: float, micro_batch: int) -> dict:
+    """S_phys of a forest (``stats``: its ``unique_tokens`` and ``tree_attention_pairs``) over trajectories of
+    ``lengths`` at the fitted costs c (s/call), a (s/token), b (s/pair): ``loop_model_seconds`` (the fitted cost of
+    the plain loop), ``tree_physical_seconds`` (the unique work at a and b), ``S_phys`` and ``S_phys_with_calls``
+    (the per-call cost c counted as each baseline pays it; the tree pays it once). A fit with a = b = 0 (the
+    single-trajectory times did not grow with length: too few lengths, or too noisy, as on a loaded CPU) prices no
+    work: ``S_phys`` is then None and ``S_phys_undefined`` says why; a limit whose price is 0 is None too."""
+    lengths = np.asarray(lengths, dtype=float)
+    per_trajectory = float(a * lengths.sum() + b * (lengths ** 2 / 2).sum())
+    tree_work = float(a * stats["unique_tokens"] + b * stats["tree_attention_pairs"])
+    limits = {"loop_model_seconds": float(c * len(lengths) + per_trajectory), "tree_physical_seconds": tree_work,
+              "S_phys": per_trajectory / tree_work if tree_work > 0 else None}
+    if limits["S_phys"] is None:
+        limits["S_phys_undefined"] = (f"the cost fit prices no per-token or per-pair work (a = {a:.3g}, b = {b:.3g}):"
+                                      " the single-trajectory times did not grow with length")
+    calls = {"packed": 1, "loop": len(lengths), "padded": -(-len(lengths) // micro_batch)}
+    limits["S_phys_with_calls"] = {key: (c * n + per_trajectory) / (c + tree_work) if c + tree_work > 0 else None
+                                   for key, n in calls.items()}
+    return limits
 
 
 BASELINES = ("packed", "loop", "padded")  # the per-trajectory paths; the speed-up is against the fastest measured
@@ -177,17 +191,19 @@ BASELINES = ("packed", "loop", "padded")  # the per-trajectory paths; the speed-
 def score(row: dict) -> dict:
     """Speed-up of the tree against the fastest measured per-trajectory path (its name in ``baseline``), that
     speed-up as a fraction of S_phys, and the tree's rate against the plain model's fitted per-token and per-pair
-    costs. Called again when a later stage adds a baseline (padded)."""
+    costs; the last three are None where the fit leaves the limit undefined (:func:`physical_limits`). Called
+    again when a later stage adds a baseline (padded)."""
     measured = {key: row[key]["seconds"] for key in BASELINES if key in row}
     row["baseline"] = min(measured, key=measured.get) if measured else "tree"
     seconds = measured[row["baseline"]] if measured else row["tree"]["seconds"]
     row["speedup_vs_strongest"] = seconds / row["tree"]["seconds"]
-    row["fraction_of_S_phys"] = row["speedup_vs_strongest"] / row["S_phys"]
+    row["fraction_of_S_phys"] = row["speedup_vs_strongest"] / row["S_phys"] if row["S_phys"] else None
     # the stricter fraction: the limit with the per-call cost c that the strongest baseline pays (once for packed)
     with_calls = row.get("S_phys_with_calls", {}).get(row["baseline"])
-    row["fraction_of_S_phys_with_calls"] = row["speedup_vs_strongest"] / with_calls if with_calls else float("nan")
+    row["fraction_of_S_phys_with_calls"] = row["speedup_vs_strongest"] / with_calls if with_calls else None
     # the tree's rate against the plain model's: 1.0 = every unique token at the unpatched model's per-token cost
-    row["tree_rate_vs_plain"] = row["tree_physical_seconds"] / row["tree"]["seconds"]
+    work = row["tree_physical_seconds"]
+    row["tree_rate_vs_plain"] = work / row["tree"]["seconds"] if work > 0 else None
     return row
 
 
@@ -235,12 +251,17 @@ def print_table(results: dict) -> None:
     for name, row in results["workloads"].items():
         s = row["stats"]
         get = lambda key, field="seconds", row=row: row.get(key, {}).get(field, float("nan"))  # noqa: E731
-        print(f"| {name} | {s['R_tok']:.2f} | {s['R_att']:.2f} | {row['S_phys']:.2f} | {get('tree'):.3f} | "
+        print(f"| {name} | {s['R_tok']:.2f} | {s['R_att']:.2f} | {_ratio(row['S_phys'])} | {get('tree'):.3f} | "
               f"{get('packed'):.3f} | {get('loop'):.3f} ({row['loop_model_seconds']:.1f}) | {get('padded'):.3f} | "
-              f"{row['speedup_vs_strongest']:.2f} ({row.get('baseline', '?')}) | {row['fraction_of_S_phys']:.2f} "
-              f"({row.get('fraction_of_S_phys_with_calls', float('nan')):.2f}) | "
-              f"{row['tree_rate_vs_plain']:.2f} | {get('tree', 'peak_gib'):.1f} | {get('packed', 'peak_gib'):.1f} | {get('padded', 'peak_gib'):.1f} | "
+              f"{row['speedup_vs_strongest']:.2f} ({row.get('baseline', '?')}) | {_ratio(row['fraction_of_S_phys'])} "
+              f"({_ratio(row.get('fraction_of_S_phys_with_calls'))}) | "
+              f"{_ratio(row['tree_rate_vs_plain'])} | {get('tree', 'peak_gib'):.1f} | {get('packed', 'peak_gib'):.1f} | {get('padded', 'peak_gib'):.1f} | "
               f"{s['gdn_rounds']} | {s['gdn_replay_tokens']} |")
+
+
+def _ratio(value) -> str:
+    """A ratio for the table, or "n/a" where the cost fit leaves it undefined (None)."""
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

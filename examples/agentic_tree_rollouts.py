@@ -86,7 +86,7 @@ def puzzle_dataset(n: int = 64, seed: int = 0):
 def calculate(expression: str) -> int | None:
     """The calculator tool: integers with ``+ - *`` (usual precedence); None for anything else, and for a number
     or an intermediate result of more than ``MAX_DIGITS`` digits (each checked before it is used)."""
-    if not re.fullmatch(r"[0-9]{1,%d}([+*-][0-9]{1,%d})*" % (MAX_DIGITS, MAX_DIGITS), expression):
+    if not re.fullmatch(rf"[0-9]{{1,{MAX_DIGITS}}}([+*-][0-9]{{1,{MAX_DIGITS}}})*", expression):
         return None
     limit = 10**MAX_DIGITS
     parts = re.split(r"([+-])", expression)
@@ -115,7 +115,7 @@ def observe(action: str) -> str:
 
 def score_answer(answer: str, target: int) -> float:
     """1 for the exact value; otherwise up to 0.5 for being close (relative error), 0 if not a number."""
-    if not re.fullmatch(r"[0-9]{1,%d}" % MAX_DIGITS, answer):  # isdigit() lets "²" through to int()
+    if not re.fullmatch(rf"[0-9]{{1,{MAX_DIGITS}}}", answer):  # isdigit() lets "²" through to int()
         return 0.0
     value = int(answer)
     if value == target:

@@ -125,7 +125,7 @@ def answer_reward(completions, value, **kwargs) -> list[float]:
     number, 0 when the rollout ends without an answer."""
     rewards = []
     for messages, expected in zip(completions, value):
-        found = re.fullmatch(r"\s*The answer is (\d{1,%d})\s*" % MAX_DIGITS, messages[-1].get("content") or "")
+        found = re.fullmatch(rf"\s*The answer is (\d{{1,{MAX_DIGITS}}})\s*", messages[-1].get("content") or "")
         if messages[-1]["role"] != "assistant" or found is None:
             rewards.append(0.0)
             continue

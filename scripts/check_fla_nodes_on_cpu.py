@@ -7,11 +7,9 @@ context rows, requested states); then a tiny patched Qwen3-Next with the fla bac
 (log-probs and every parameter gradient); and the tree conv with fla's ``causal_conv1d`` for its bulk. fp32
 throughout; a few minutes on 2 cores.
 
-Triton must be importable, which breaks transformers' CPU path in the same environment, so use a throwaway
-virtual environment that sees the project's packages:
-
-    python -m venv /tmp/tvenv --system-site-packages && /tmp/tvenv/bin/pip install triton==3.6.0
-    /tmp/tvenv/bin/python scripts/check_fla_nodes_on_cpu.py
+Triton must be importable, at the version the interpreter bridges below were written for (3.6.0, the GPU
+machine's): ``bash scripts/run.sh test`` runs this in a helper venv (``.harts-env/triton``) that sees the active
+environment's packages with triton 3.6.0 on top.
 
 Two interpreter gaps are bridged here, not in the library: fla's kernels call ``.to(tl.int64)`` on loop counters
 (Python ints under the interpreter), so a copy of fla with those casts spelled ``tl.cast`` is imported from a

@@ -28,7 +28,7 @@ from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
 from harts_hf.model_patches import cpu_safe
 from tests.models import build
 from tests.test_tree_grpo import assert_same_loss_and_grads, prepared
-from tests.trl_helpers import char_tokenizer
+from tests.trl_helpers import char_tokenizer, cpu_safe_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "agentic_tree_rollouts.py"
@@ -72,7 +72,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model():
-    return build("qwen3_next")
+    return cpu_safe(build("qwen3_next")).model  # generates on the CPU
 
 
 def _conversation_text(tokenizer, prompt, history_text):
@@ -182,7 +182,7 @@ def test_tree_and_grpo_trainers_match_on_agentic_batch(tmp_path, tokenizer, monk
         model.config.router_aux_loss_coef = 0.0
         trainers.append(trainer_class(model, reward_funcs=ex.tree_reward, args=config, train_dataset=ex.puzzle_dataset(8),
                                       processing_class=tokenizer, rollout_func=ex.TreeRollout((2, 3), seed=0)))
-    base, tree = trainers
+    base, tree = map(cpu_safe_trainer, trainers)
     # the batch TRL builds from the rollout: environment tokens masked out through tool_mask, in both trainers
     batches = [prepared(base), prepared(tree)]
     for inputs in batches:

@@ -1,7 +1,8 @@
 """Real DeepSpeed (ZeRO-2 and ZeRO-3) on CPU: 2 processes over gloo, DeepSpeed's CPU accelerator.
 
-DeepSpeed is not a dependency of harts_hf; `.ci/run` installs it in a venv of its own (/tmp/harts-ds, on top of
-the test environment) and runs this file there. Elsewhere the tests are reported as skipped with the reason.
+DeepSpeed is not a dependency of harts_hf; ``bash scripts/run.sh test`` installs it in a helper venv of its own
+(.harts-env/deepspeed, seeing the test environment's packages) and runs this file there, failing if it is missing.
+Elsewhere the tests are reported as skipped with the reason.
 """
 
 import json
@@ -12,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is not installed here: `.ci/run` runs this file in its own venv "
-                                        "with deepspeed (pip install deepspeed to run it)")
+pytest.importorskip("deepspeed", reason="DeepSpeed is not installed here: `bash scripts/run.sh test` runs this file "
+                                        "in a helper venv with deepspeed (or pip install deepspeed)")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "multi_gpu_tree_grpo.py"

@@ -1,6 +1,9 @@
-"""CPU smoke run of benchmarks/multi_gpu_tree_grpo.py: 2 processes over gloo and the 1-process reference."""
+"""CPU smoke run of benchmarks/multi_gpu_tree_grpo.py: 2 processes over gloo and the 1-process reference.
+Times and the rates and imbalances made of them are checked for shape only (CI's machine is loaded); losses,
+gradient norms, token counts and the planner's estimated-cost imbalances are checked for their values."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -9,6 +12,11 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "multi_gpu_tree_grpo.py"
 ENV = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
 ARGS = ["--preset", "tiny", "--scale", "0.002", "--steps", "2", "--tasks-per-step", "4"]
+
+
+def is_finite_nonnegative(value) -> bool:
+    """A measured time, or a rate or imbalance made of them: a finite float >= 0, whatever its size."""
+    return isinstance(value, float) and math.isfinite(value) and value >= 0
 
 
 def run(command: list[str]) -> None:
@@ -33,10 +41,12 @@ def test_two_processes_on_swe_trees_match_one_process(tmp_path):
     assert all(step["path_tokens"] > step["unique_tokens"] > 0 for r in ranks for step in r["steps"])
     reference, summary = (json.loads((path / "summary.json").read_text()) for path in (one, two))
     assert reference["world_size"] == 1 and summary["world_size"] == 2 and summary["same_steps_on_every_rank"]
-    for key in ("step_imbalance", "forward_imbalance", "path_tokens_per_s_per_gpu", "unique_tokens_per_s_per_gpu"):
-        assert summary[key] > 0, key
+    for key in ("mean_step_s", "step_imbalance", "forward_imbalance", "path_tokens_per_s_per_gpu",
+                "unique_tokens_per_s_per_gpu"):
+        assert is_finite_nonnegative(summary[key]), (key, summary[key])
     for row, single in zip(summary["steps"], reference["steps"]):
         assert len(row["step_s"]) == 2 and len(row["forward_s"]) == 2
+        assert all(map(is_finite_nonnegative, row["step_s"] + row["forward_s"])), row
         assert sum(row["path_tokens"]) == sum(single["path_tokens"])  # the same global batch
         assert row["tree"]["tree/replica_imbalance_before"] >= row["tree"]["tree/replica_imbalance"] >= 1
     compared = summary["compare"]["steps"]

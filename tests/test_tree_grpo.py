@@ -10,6 +10,7 @@ from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
 from harts_hf.model_patches import cpu_safe
 from tests.trl_helpers import (
     char_tokenizer,
+    cpu_safe_trainer,
     length_reward,
     patch_generate,
     prompt_dataset,
@@ -33,9 +34,8 @@ def make_trainers(path, tmp_path, **overrides):
     args = dict(BASE_ARGS, output_dir=str(tmp_path), **overrides)
     dataset = prompt_dataset(8)
     models = [patch_generate(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer) for _ in range(2)]
-    cpu_safe(models[0])  # the baseline's CPU forwards where triton is installed
-    base = GRPOTrainer(models[0], reward_funcs=length_reward, args=GRPOConfig(**args), train_dataset=dataset,
-                       processing_class=tokenizer)
+    base = cpu_safe_trainer(GRPOTrainer(models[0], reward_funcs=length_reward, args=GRPOConfig(**args),
+                                        train_dataset=dataset, processing_class=tokenizer))
     tree = TreeGRPOTrainer(models[1], reward_funcs=length_reward, train_dataset=dataset, processing_class=tokenizer,
                            args=TreeGRPOConfig(**args, tree_keep_groups_together=False))
     return base, tree
@@ -157,7 +157,7 @@ def test_rollout_func_with_branching_and_empty_completions(saved_model, tmp_path
         trainers.append(trainer_class(model, reward_funcs=length_reward, args=config_class(**args, **extra),
                                       train_dataset=prompt_dataset(8), processing_class=tokenizer,
                                       rollout_func=branching_rollout))
-    base, tree = trainers
+    base, tree = map(cpu_safe_trainer, trainers)
     loss, _ = assert_same_loss_and_grads(base, tree)
     assert torch.isfinite(torch.tensor(loss))
 
@@ -279,7 +279,7 @@ def test_group_with_identical_completions(saved_model, tmp_path, monkeypatch):
         trainers.append(trainer_class(model, reward_funcs=length_reward, train_dataset=prompt_dataset(8),
                                       processing_class=tokenizer, rollout_func=identical_rollout,
                                       args=config_class(**dict(BASE_ARGS, output_dir=str(tmp_path), beta=0.1))))
-    loss, _ = assert_same_loss_and_grads(*trainers)
+    loss, _ = assert_same_loss_and_grads(*map(cpu_safe_trainer, trainers))
     assert torch.isfinite(torch.tensor(loss))
     for parameter in trainers[1].model.parameters():
         assert parameter.grad is None or torch.isfinite(parameter.grad).all()

@@ -25,6 +25,7 @@ from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
 from harts_hf.model_patches import cpu_safe
 from tests.models import COMMON, HYBRID_LAYERS, LINEAR, MOE, _mild_decay
 from tests.test_tree_grpo import prepared
+from tests.trl_helpers import cpu_safe_trainer
 
 NUM_GENERATIONS = 4
 BASE_ARGS = dict(per_device_train_batch_size=2 * NUM_GENERATIONS, num_generations=NUM_GENERATIONS,
@@ -193,7 +194,7 @@ def make_trainers(path, tmp_path, tokenizer, environment=False, **overrides):
         model = cpu_safe(patch_tool_generate(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer)).model
         trainers.append(trainer_cls(model, reward_funcs=answer_reward, args=config, train_dataset=dataset,
                                     processing_class=tokenizer, **rollouts))
-    return trainers
+    return [cpu_safe_trainer(trainer) for trainer in trainers]
 
 
 # ---------------------------------------------------------------------------------------------- checks

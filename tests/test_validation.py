@@ -14,7 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from harts_hf import TreeGRPOConfig, tree_logprobs
 from harts_hf.kernels import TreeMetadata, build_gated_delta_plan
 from harts_hf.kernels.chunked_logprobs import chunked_logprobs
-from harts_hf.model_patches import apply_tree_patches
+from harts_hf.model_patches import apply_tree_patches, cpu_safe
 from harts_hf.planner import CostModel, execute_plan, plan
 from harts_hf.trees import PrefixForest
 from tests.models import COMMON, build
@@ -217,7 +217,7 @@ AttentionInterface.register("harts_test_spy", _spy_attention)
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_5_vl"])
 def test_set_attn_implementation_takes_effect_while_patched(family):
-    model = build(family)
+    model = cpu_safe(build(family)).model  # CPU forwards on PyTorch kernels also where triton is installed
     ids = torch.tensor([[1, 2, 3, 4, 5]])
     expected_logits = model(input_ids=ids).logits
     handle = apply_tree_patches(model)

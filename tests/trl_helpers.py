@@ -98,3 +98,15 @@ def save_tiny_model(path, family: str, router_aux_loss_coef: float) -> str:
     model.save_pretrained(path)
     char_tokenizer().save_pretrained(path)
     return str(path)
+
+
+def cpu_safe_trainer(trainer):
+    """A GRPOTrainer whose policy and reference models run their CPU forwards on transformers' PyTorch kernels
+    where transformers bound fla's Triton kernels (triton installed); TreeGRPOTrainer does this itself."""
+    from harts_hf.model_patches import cpu_safe
+
+    for model in (trainer.model, trainer.ref_model):
+        if model is not None:
+            cpu_safe(model)
+    return trainer
+

