@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_tree_vs_trajectory import MODELS, build_model, run_tree  # noqa: E402
+from model_flops import flop_rates, throughput  # noqa: E402
 from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
 
 OURS = ("harts_hf", "transformers", "/fla/")
@@ -376,9 +377,41 @@ def main(argv=None):
     if args.loop_sample:
         rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit,
                                                  args.attention)))
+    add_throughput(rows, model, sequences)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "probe.json").write_text(json.dumps(rows, indent=1))
+
+
+def add_throughput(rows: list[dict], model, sequences) -> None:
+    """Each tree row and the packed path's total get ``throughput``: model FLOPs of their work, MFU / HFU, unique
+    and path tokens/s and the FLOP ratio (:mod:`model_flops`), and the tree rows the fraction of the FLOP ratio
+    their speed-up over the packed path reaches; printed as a table."""
+    from harts_hf.trees import PrefixForest
+
+    stats = PrefixForest.from_sequences(sequences).pack().stats()
+    rates, recompute = flop_rates(model), bool(getattr(model, "is_gradient_checkpointing", False))
+    unique = (stats["unique_tokens"], stats["tree_attention_pairs"])
+    path = (stats["path_tokens"], stats["path_attention_pairs"])
+    packed = next((r["packed_groups"] for r in rows if "packed_groups" in r), None)
+    if packed is not None:
+        packed["throughput"] = throughput(rates, packed["seconds"], *path, recompute=recompute)
+    for row in (r for r in rows if r.get("pieces") is not None):
+        row["throughput"] = throughput(rates, row["seconds"], *unique, *path, recompute=recompute)
+        if packed is not None:
+            row["speedup_vs_packed"] = packed["seconds"] / row["seconds"]
+            row["fraction_of_flop_ratio"] = row["speedup_vs_packed"] / row["throughput"]["flop_ratio"]
+    print(f"{'path':22s} {'seconds':>8s} {'speed-up':>8s} {'FLOP ratio':>10s} {'fraction':>8s} {'MFU':>6s} "
+          f"{'HFU':>6s} {'unique tok/s':>12s} {'path tok/s':>12s} {'peak GiB':>8s}")
+    for name, row in [("packed per-trajectory", packed)] + [(f"tree, budget {r['budget']}", r) for r in rows
+                                                            if r.get("pieces") is not None]:
+        if row is None:
+            continue
+        t = row["throughput"]
+        speedup, fraction = row.get("speedup_vs_packed", 1.0), row.get("fraction_of_flop_ratio")
+        print(f"{name:22s} {row['seconds']:8.2f} {speedup:8.2f} {t['flop_ratio']:10.2f} "
+              f"{'' if fraction is None else f'{fraction:.3f}':>8s} {t['mfu']:6.3f} {t['hfu']:6.3f} "
+              f"{t['unique_tokens_per_s']:12.0f} {t['path_tokens_per_s']:12.0f} {row['peak_gib']:8.1f}", flush=True)
 
 
 if __name__ == "__main__":

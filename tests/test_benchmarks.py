@@ -276,3 +276,38 @@ def test_module_breakdown_counts_device_time_once():
     assert parts["mlp"] == {"forward": 2.0, "recompute": 0.0, "backward": 3.25}
     assert parts["layer_norms"] == {"forward": 0.0, "recompute": 0.5, "backward": 0.0}
     assert parts["total"] == 6.75 and parts["unattributed"]["forward"] == 1.0
+
+
+def test_model_flops_and_mfu_rows():
+    """model_flops counts 6 x matmul parameters per token (decoder Linears + head; routed experts at top_k /
+    num_experts; no embeddings) and 12 H D per pair per attention layer; plan_memory_probe's rows get MFU, HFU,
+    tokens/s, the FLOP ratio and its fraction reached (given seconds: nothing here depends on a timing)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from model_flops import PEAK_BF16_FLOPS, flop_rates, throughput
+    from plan_memory_probe import add_throughput
+
+    from harts_hf.trees import PrefixForest
+    from tests.models import build
+
+    model = build("llama")  # 2 layers, hidden 32, 4 heads of 16, MLP 48, vocab 97, untied head
+    config = model.config
+    per_layer = 32 * 16 * (4 + 2 + 2) + 4 * 16 * 32 + 3 * 32 * 48
+    rates = flop_rates(model)
+    assert rates["layer_parameters"] == 2 * per_layer and rates["matmul_parameters"] == 2 * per_layer + 97 * 32
+    assert rates["per_token"] == 6 * (2 * per_layer + 97 * 32) and rates["attention_layers"] == 2
+    assert rates["per_pair"] == 12 * config.num_attention_heads * 16 * 2
+    moe = flop_rates(build("qwen3_moe"))
+    assert moe["layer_parameters"] < sum(p.numel() for n, p in build("qwen3_moe").named_parameters()
+                                         if p.dim() > 1 and "embed" not in n and "lm_head" not in n)
+    sequences = [[1, 2, 3, 4, 5], [1, 2, 3, 6], [1, 2, 7]]
+    stats = PrefixForest.from_sequences(sequences).pack().stats()
+    row = throughput(rates, 2.0, stats["unique_tokens"], stats["tree_attention_pairs"], stats["path_tokens"],
+                     stats["path_attention_pairs"], recompute=True)
+    assert row["mfu"] == row["model_flops"] / (2.0 * PEAK_BF16_FLOPS) and row["hfu"] > row["mfu"]
+    assert row["flop_ratio"] > 1 and row["unique_tokens_per_s"] == stats["unique_tokens"] / 2.0
+    rows = [dict(pieces=1, budget=None, seconds=1.0, peak_gib=1.0),
+            dict(packed_groups=dict(seconds=3.0, peak_gib=1.0))]
+    add_throughput(rows, model, sequences)
+    assert rows[0]["speedup_vs_packed"] == 3.0
+    assert rows[0]["fraction_of_flop_ratio"] == 3.0 / rows[0]["throughput"]["flop_ratio"]
+    assert rows[1]["packed_groups"]["throughput"]["flop_ratio"] == 1.0

@@ -1,0 +1,76 @@
+"""Model FLOPs of a training pass and the MFU every benchmark row states.
+
+A fwd+bwd pass over work of ``tokens`` token positions and ``pairs`` attended (query, key) pairs costs
+
+    F = 6 * P * tokens + 12 * H * D * L_att * pairs
+
+with ``P`` the matmul parameters one token goes through (every ``nn.Linear`` of the decoder and the LM head; routed
+experts at ``top_k / num_experts`` of their weights; embeddings are lookups and count 0), ``H`` query heads of
+dimension ``D`` in each of the ``L_att`` softmax-attention layers (QK^T and PV: 4 H D per pair forward, twice that
+backward). The Gated DeltaNet recurrence (about 4 dk dv per token and value head) and every elementwise op are left
+out, so MFU is a slight under-count of the useful work. The tree's work is its unique tokens and tree pairs
+(``PackedForest.stats()``: ``unique_tokens``, ``tree_attention_pairs``), a per-trajectory path's the path tokens
+and sum L (L + 1) / 2; their ratio is the FLOP (sharing) ratio.
+
+``MFU = F / (seconds * 989e12)`` (one H200's dense bf16 peak). ``HFU`` adds the recomputed forward of activation
+checkpointing (``2 P_layers tokens + 4 H D L_att pairs``: decoder layers only, the LM head is not recomputed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PEAK_BF16_FLOPS", "flop_rates", "throughput"]
+
+PEAK_BF16_FLOPS = 989e12  # one H200, dense bf16 tensor-core peak
+
+
+def _active_fraction(module, config) -> float:
+    """Routed experts run top_k of num_experts per token; everything else runs for every token."""
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    name = type(module).__name__
+    if experts and top_k and ("Experts" in name or name.endswith("Expert")):
+        return top_k / experts
+    return 1.0
+
+
+def flop_rates(model) -> dict:
+    """FLOPs per token and per attended pair of one fwd+bwd pass of ``model`` (see the module docstring), and of the
+    forward recomputed under gradient checkpointing."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head = model.get_output_embeddings()
+    layers_params = head_params = 0.0
+    for module in model.modules():
+        fraction = _active_fraction(module, config)
+        for parameter in module.parameters(recurse=False):
+            if parameter.dim() < 2 or isinstance(module, torch.nn.Embedding):
+                continue
+            if module is head:
+                head_params += parameter.numel()
+            else:
+                layers_params += parameter.numel() * fraction
+    attention_layers = sum(1 for kind in getattr(config, "layer_types", None) or ["full_attention"] *
+                           config.num_hidden_layers if kind == "full_attention")
+    heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads)
+    pair = 4 * heads * head_dim * attention_layers  # forward FLOPs per attended pair, all attention layers
+    return dict(matmul_parameters=layers_params + head_params, layer_parameters=layers_params,
+                attention_layers=attention_layers, per_token=6 * (layers_params + head_params), per_pair=3 * pair,
+                recompute_per_token=2 * layers_params, recompute_per_pair=pair)
+
+
+def throughput(rates: dict, seconds: float, tokens: float, pairs: float, path_tokens: float | None = None,
+               path_pairs: float | None = None, recompute: bool = True) -> dict:
+    """MFU, HFU and tokens/s of a pass over ``tokens`` / ``pairs`` of work taking ``seconds``; with the per-trajectory
+    work (``path_tokens`` / ``path_pairs``; default: the same, no sharing) also the FLOP ratio and path tokens/s."""
+    path_tokens = tokens if path_tokens is None else path_tokens
+    path_pairs = pairs if path_pairs is None else path_pairs
+    model_flops = rates["per_token"] * tokens + rates["per_pair"] * pairs
+    path_flops = rates["per_token"] * path_tokens + rates["per_pair"] * path_pairs
+    hardware_flops = model_flops + recompute * (rates["recompute_per_token"] * tokens + rates["recompute_per_pair"] * pairs)
+    peak = seconds * PEAK_BF16_FLOPS
+    return dict(model_flops=model_flops, path_flops=path_flops, flop_ratio=path_flops / model_flops,
+                mfu=model_flops / peak if peak > 0 else None, hfu=hardware_flops / peak if peak > 0 else None,
+                unique_tokens_per_s=tokens / seconds if seconds > 0 else None,
+                path_tokens_per_s=path_tokens / seconds if seconds > 0 else None)
