@@ -112,6 +112,9 @@ def main():
             sequences = bench.workload_sequences(name, float(scale), model.config.vocab_size)
             seconds, peak = bench.timed(device, lambda s=sequences: bench.run_padded(model, s, device, 4), 1)
             row["padded"] = {"seconds": seconds, "peak_gib": peak}
+            from harts_hf.trees import PrefixForest
+
+            bench.add_throughput(row, model, PrefixForest.from_sequences(sequences).pack().stats())
             bench.score(row)
             print(f"  {key}: padded {seconds:.3f} s, {peak:.1f} GiB", flush=True)
             save()

@@ -41,6 +41,10 @@ def test_gpu_suite_model_stages_on_cpu(tmp_path):
     row = results["workloads"]["swe@0.002"]
     for path in ("tree", "packed", "loop", "padded"):
         assert is_finite_nonnegative(row[path]["seconds"]), (path, row[path])
+        throughput = row[path]["throughput"]  # model FLOPs of the path's work, exact; MFU from its seconds
+        assert throughput["model_flops"] > 0 and all(map(is_finite_nonnegative_or_none, (throughput["mfu"],
+                                                                                         throughput["hfu"])))
+    assert row["flop_ratio"] > 1 and row["packed"]["throughput"]["model_flops"] == row["tree"]["throughput"]["path_flops"]
     # the forest's statistics are token counts: exact, whatever the timings
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_tree_vs_trajectory import workload_sequences
