@@ -423,7 +423,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> dict | None:
+def main(argv=None):
+    """Train, write this rank's record (and rank 0 the summary); returns the trainer, so that nothing of it is freed
+    before the caller exits (see the end of this file)."""
     args = parse_args(argv)
     from harts_hf import TreeGRPOConfig
 
@@ -503,21 +505,22 @@ def main(argv=None) -> dict | None:
     # abort ("terminate called without an active exception", SIGABRT), which failed a CI run after training ended
     trainer.accelerator.end_training()
     if rank != 0:
-        return None
+        return trainer
     ranks = [json.loads((out / f"rank{k}.json").read_text()) for k in range(world)]
     summary = summarize(ranks, args.warmup)
     if args.compare:
         summary["compare"] = compare(summary, json.loads(Path(args.compare).read_text()))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_table(summary)
-    return summary
+    return trainer
 
 
 if __name__ == "__main__":
-    main()
-    # skip the interpreter's teardown: freeing the DDP / DeepSpeed reducer there destroys its gloo process group with
-    # the GIL held while a gloo worker thread waits for the GIL to free a finished all-gather's tensors (a deadlock,
-    # seen in CI under load), or aborts (pytorch/pytorch#190489); every file is written and the group destroyed
+    trainer = main()
+    # exit without freeing anything: freeing the DDP / DeepSpeed reducer (when main's frame or the interpreter lets go
+    # of the trainer) destroys its gloo process group with the GIL held while a gloo worker thread waits for the GIL
+    # to free a finished all-gather's tensors (a deadlock, seen in CI under load), or aborts at teardown
+    # (pytorch/pytorch#190489); every file is written and the group destroyed by now
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -34,7 +34,7 @@ from tests.trl_helpers import (  # noqa: E402
 )
 
 
-def main(out_dir: str, mode: str) -> None:
+def main(out_dir: str, mode: str):
     state = PartialState()
     tokenizer = char_tokenizer()
     model = build("qwen3_next_moe", seed=0)
@@ -103,6 +103,7 @@ def main(out_dir: str, mode: str) -> None:
     torch.save({"world_size": state.num_processes, "params": params, "logged": logged, "pieces": pieces,
                 "held": held, "gradients": gradients}, Path(out_dir) / f"rank{state.process_index}.pt")
     trainer.accelerator.end_training()  # destroys the process group: gloo left to the interpreter's exit can abort
+    return trainer  # kept alive until os._exit (see the end of this file)
 
 
 class FirstGradient(TrainerCallback):
@@ -119,10 +120,11 @@ class FirstGradient(TrainerCallback):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
-    # skip the interpreter's teardown: freeing the DDP / DeepSpeed reducer there destroys its gloo process group with
-    # the GIL held while a gloo worker thread waits for the GIL to free a finished all-gather's tensors (a deadlock,
-    # seen in CI under load), or aborts (pytorch/pytorch#190489); every file is written and the group destroyed
+    trainer = main(sys.argv[1], sys.argv[2])
+    # exit without freeing anything: freeing the DDP reducer (when main's frame or the interpreter lets go of the
+    # trainer) destroys its gloo process group with the GIL held while a gloo worker thread waits for the GIL to free
+    # a finished all-gather's tensors (a deadlock, seen in CI under load), or aborts at teardown
+    # (pytorch/pytorch#190489); every file is written and the group destroyed by now
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
