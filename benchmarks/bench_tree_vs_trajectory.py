@@ -168,15 +168,11 @@ def bench_workload(model, device, name, scale, c, a, b, repeats, micro_batch, sk
 def add_throughput(row: dict, model, forest_stats: dict) -> None:
     """Every measured path of ``row`` gets ``throughput`` (:func:`model_flops.throughput`: MFU, HFU, unique and path
     tokens/s): the tree over the unique work, the per-trajectory paths over the path work; and ``flop_ratio``."""
-    from model_flops import flop_rates, throughput
+    from model_flops import forest_throughput
 
-    rates, recompute = flop_rates(model), bool(getattr(model, "is_gradient_checkpointing", False))
-    unique = (forest_stats["unique_tokens"], forest_stats["tree_attention_pairs"])
-    path = (forest_stats["path_tokens"], forest_stats["path_attention_pairs"])
     for key in ("tree", *BASELINES):
         if key in row:
-            work = unique + path if key == "tree" else path
-            row[key]["throughput"] = throughput(rates, row[key]["seconds"], *work, recompute=recompute)
+            row[key]["throughput"] = forest_throughput(model, row[key]["seconds"], forest_stats, tree=key == "tree")
     row["flop_ratio"] = row["tree"]["throughput"]["flop_ratio"]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PEAK_BF16_FLOPS", "flop_rates", "throughput"]
+__all__ = ["PEAK_BF16_FLOPS", "flop_rates", "forest_throughput", "throughput"]
 
 PEAK_BF16_FLOPS = 989e12  # one H200, dense bf16 tensor-core peak
 
@@ -74,3 +74,13 @@ def throughput(rates: dict, seconds: float, tokens: float, pairs: float, path_to
                 mfu=model_flops / peak if peak > 0 else None, hfu=hardware_flops / peak if peak > 0 else None,
                 unique_tokens_per_s=tokens / seconds if seconds > 0 else None,
                 path_tokens_per_s=path_tokens / seconds if seconds > 0 else None)
+
+
+def forest_throughput(model, seconds: float, forest_stats: dict, tree: bool) -> dict:
+    """:func:`throughput` of a pass over a forest (``PackedForest.stats()``) taking ``seconds``: the tree's unique
+    work (``tree=True``) or the per-trajectory paths' work, recompute counted when checkpointing is on."""
+    unique = (forest_stats["unique_tokens"], forest_stats["tree_attention_pairs"])
+    path = (forest_stats["path_tokens"], forest_stats["path_attention_pairs"])
+    return throughput(flop_rates(model), seconds, *(unique + path if tree else path),
+                      recompute=bool(getattr(model, "is_gradient_checkpointing", False)))
+

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_tree_vs_trajectory import MODELS, build_model, run_tree  # noqa: E402
-from model_flops import flop_rates, throughput  # noqa: E402
+from model_flops import forest_throughput  # noqa: E402
 from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
 
 OURS = ("harts_hf", "transformers", "/fla/")
@@ -390,14 +390,11 @@ def add_throughput(rows: list[dict], model, sequences) -> None:
     from harts_hf.trees import PrefixForest
 
     stats = PrefixForest.from_sequences(sequences).pack().stats()
-    rates, recompute = flop_rates(model), bool(getattr(model, "is_gradient_checkpointing", False))
-    unique = (stats["unique_tokens"], stats["tree_attention_pairs"])
-    path = (stats["path_tokens"], stats["path_attention_pairs"])
     packed = next((r["packed_groups"] for r in rows if "packed_groups" in r), None)
     if packed is not None:
-        packed["throughput"] = throughput(rates, packed["seconds"], *path, recompute=recompute)
+        packed["throughput"] = forest_throughput(model, packed["seconds"], stats, tree=False)
     for row in (r for r in rows if r.get("pieces") is not None):
-        row["throughput"] = throughput(rates, row["seconds"], *unique, *path, recompute=recompute)
+        row["throughput"] = forest_throughput(model, row["seconds"], stats, tree=True)
         if packed is not None:
             row["speedup_vs_packed"] = packed["seconds"] / row["seconds"]
             row["fraction_of_flop_ratio"] = row["speedup_vs_packed"] / row["throughput"]["flop_ratio"]

@@ -18,8 +18,6 @@ _KERNEL_MODULES = (
     "transformers.models.qwen3_5.modeling_qwen3_5",
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
 )
-_KERNEL_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
-                     "causal_conv1d_update")
 
 
 def _chunk_gated_delta_rule_in_input_dtype(query, key, value, g, beta, chunk_size=64, initial_state=None,
@@ -43,6 +41,8 @@ def torch_reference_kernels(float64_recurrence: bool = False):
     ``float64_recurrence``: the chunked gated delta rule keeps the input dtype instead of transformers' fp32
     (for fp64 reference runs whose only rounding is then transformers' own fp32 norms).
     """
+    from .model_patches.cpu_kernels import kernel_fallbacks
+
     saved = []
     try:
         for name in _KERNEL_MODULES:
@@ -50,12 +50,9 @@ def torch_reference_kernels(float64_recurrence: bool = False):
                 module = importlib.import_module(name)
             except ImportError:
                 continue
-            for function in _KERNEL_FUNCTIONS:
-                current = getattr(module, function, None)
-                original = getattr(current, "__wrapped__", None)
-                if original is not None:
-                    saved.append((module, function, current))
-                    setattr(module, function, original)
+            for function, original in kernel_fallbacks(module).items():
+                saved.append((module, function, getattr(module, function)))
+                setattr(module, function, original)
             if float64_recurrence and hasattr(module, "torch_chunk_gated_delta_rule"):
                 saved.append((module, "torch_chunk_gated_delta_rule", module.torch_chunk_gated_delta_rule))
                 module.torch_chunk_gated_delta_rule = _chunk_gated_delta_rule_in_input_dtype

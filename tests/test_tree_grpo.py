@@ -7,7 +7,6 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
-from harts_hf.model_patches import cpu_safe
 from tests.trl_helpers import (
     char_tokenizer,
     cpu_safe_trainer,
@@ -153,7 +152,7 @@ def test_rollout_func_with_branching_and_empty_completions(saved_model, tmp_path
     trainers = []
     for trainer_class, config_class, extra in [(GRPOTrainer, GRPOConfig, {}),
                                                (TreeGRPOTrainer, TreeGRPOConfig, {"tree_keep_groups_together": False})]:
-        model = cpu_safe(AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)).model
+        model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
         trainers.append(trainer_class(model, reward_funcs=length_reward, args=config_class(**args, **extra),
                                       train_dataset=prompt_dataset(8), processing_class=tokenizer,
                                       rollout_func=branching_rollout))
@@ -275,7 +274,7 @@ def test_group_with_identical_completions(saved_model, tmp_path, monkeypatch):
     tokenizer = char_tokenizer()
     trainers = []
     for trainer_class, config_class in [(GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)]:
-        model = cpu_safe(AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)).model
+        model = AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32)
         trainers.append(trainer_class(model, reward_funcs=length_reward, train_dataset=prompt_dataset(8),
                                       processing_class=tokenizer, rollout_func=identical_rollout,
                                       args=config_class(**dict(BASE_ARGS, output_dir=str(tmp_path), beta=0.1))))

@@ -22,7 +22,6 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.chat_template_utils import add_response_schema, qwen3_chat_template
 
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
-from harts_hf.model_patches import cpu_safe
 from tests.models import COMMON, HYBRID_LAYERS, LINEAR, MOE, _mild_decay
 from tests.test_tree_grpo import prepared
 from tests.trl_helpers import cpu_safe_trainer
@@ -191,7 +190,7 @@ def make_trainers(path, tmp_path, tokenizer, environment=False, **overrides):
     trainers = []
     for trainer_cls, config in ((GRPOTrainer, GRPOConfig(**args)), (TreeGRPOTrainer, TreeGRPOConfig(**args, **tree_only))):
         # one tokenizer for both (a deepcopy of the Qwen3 tokenizer costs seconds); TRL only reads it here
-        model = cpu_safe(patch_tool_generate(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer)).model
+        model = patch_tool_generate(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer)
         trainers.append(trainer_cls(model, reward_funcs=answer_reward, args=config, train_dataset=dataset,
                                     processing_class=tokenizer, **rollouts))
     return [cpu_safe_trainer(trainer) for trainer in trainers]
