@@ -456,13 +456,98 @@ def conv_timing(row, U, ancestors, backward) -> None:
           f"{row['conv_plain_s'] * 1e3:.2f} ms", flush=True)
 
 
+def token_ops_step(results: dict, rows: int = 97_199) -> None:
+    """The fused per-token kernels against their references at the 2B preset's shapes on ``rows`` tokens (full-size
+    `tau`'s unique count): fwd+bwd time of each, and the bf16 error of each against fp64 (relative Frobenius, output
+    and every input gradient) next to the reference's own error, as the model calls them (decoder norm on the fp32
+    residual stream, q/k norm and gated norm on bf16, SwiGLU on bf16, log-prob / entropy through the chunked LM
+    head under bf16 autocast with fp32 weights, on 8,192 rows: two chunks)."""
+    from harts_hf.kernels import token_ops
+    from harts_hf.kernels.chunked_logprobs import chunked_logprobs
+    from harts_hf.kernels.logprob_stats import ops as logprob_ops
+    from harts_hf.kernels.token_ops import ops as token_ops_module
+
+    torch.manual_seed(0)
+    cuda = functools.partial(torch.randn, device="cuda")
+    head_rows = 8_192  # two LM-head chunks (the fp64 truth holds [rows, vocab] four times over)
+
+    def rms(x, w, offset=True):  # fp64 truths
+        x_hat = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + 1e-6)
+        return x_hat * (1 + w) if offset else x_hat * w
+
+    def head_truth(h, w):
+        log_probs = (h @ w.t()).log_softmax(-1)
+        labels = torch.arange(h.shape[0], device=h.device) * 7919 % w.shape[0]
+        return torch.cat([log_probs.gather(-1, labels[:, None])[:, 0], -(log_probs.exp() * log_probs).sum(-1)])
+
+    cases = {  # name: (the op as the model calls it, its fp64 truth, inputs)
+        "decoder_norm": (lambda x, w: token_ops.rms_norm(x, w, 1e-6, offset=True), rms,
+                         [cuda(rows, 2048), cuda(2048) * 0.1]),
+        "qk_norm": (lambda x, w: token_ops.rms_norm(x, w, 1e-6, offset=True), rms,
+                    [cuda(rows, 16, 256, dtype=torch.bfloat16), cuda(256) * 0.1]),
+        "gated_norm": (lambda x, z, w: token_ops.gated_rms_norm(x, z, w, 1e-6),
+                       lambda x, z, w: rms(x, w, offset=False) * torch.nn.functional.silu(z),
+                       [cuda(rows * 32, 128, dtype=torch.bfloat16), cuda(rows * 32, 128, dtype=torch.bfloat16),
+                        1 + cuda(128) * 0.1]),
+        "swiglu": (token_ops.swiglu, lambda g, u: torch.nn.functional.silu(g) * u,
+                   [cuda(rows, 6144, dtype=torch.bfloat16), cuda(rows, 6144, dtype=torch.bfloat16)]),
+        "lm_head": (lambda h, w: torch.cat(_head_logprobs(chunked_logprobs, w, h)), head_truth,
+                    [cuda(head_rows, 2048), cuda(151_936, 2048) * 2048 ** -0.5]),
+    }
+    token = results.setdefault("token_ops", {"rows": rows})
+    for name, (function, truth, inputs) in cases.items():
+        leaves = [x.requires_grad_() for x in inputs]
+        row = token.setdefault(name, {})
+        outputs = {}
+        for kernels in ("reference", "fused", "fp64"):
+            token_ops_module.BACKEND, logprob_ops.BACKEND = ("fla", "triton") if kernels == "fused" else ("torch",
+                                                                                                        "torch")
+            args = [x.detach().double().requires_grad_() for x in leaves] if kernels == "fp64" else leaves
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name == "lm_head" and kernels != "fp64"):
+                out = (truth if kernels == "fp64" else function)(*args)
+                grads = torch.autograd.grad(out.float().square().sum(), args, allow_unused=True)
+            outputs[kernels] = [out.detach()] + [g for g in grads]
+            if kernels != "fp64":
+                def step(args=args, function=function, autocast=name == "lm_head"):
+                    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                        y = function(*args)
+                        torch.autograd.grad(y.float().square().sum(), args, allow_unused=True)
+                row[f"{kernels}_s"] = bench(step, repeats=3)
+        token_ops_module.BACKEND, logprob_ops.BACKEND = "auto", "auto"
+        for kernels in ("reference", "fused"):
+            row[f"{kernels}_error_vs_fp64"] = [None if b is None or a is None else rel(a, b)
+                                               for a, b in zip(outputs[kernels], outputs["fp64"])]
+        row["speedup"] = row["reference_s"] / row["fused_s"]
+        print(f"  {name}: reference {row['reference_s'] * 1e3:.2f} ms, fused {row['fused_s'] * 1e3:.2f} ms "
+              f"({row['speedup']:.2f}x); error vs fp64 (out, grads) reference "
+              f"{[f'{e:.1e}' for e in row['reference_error_vs_fp64'] if e is not None]}, fused "
+              f"{[f'{e:.1e}' for e in row['fused_error_vs_fp64'] if e is not None]}", flush=True)
+        del leaves, outputs
+        torch.cuda.empty_cache()
+
+
+def _head_logprobs(chunked_logprobs, weight, hidden):
+    """Log-probs and entropies of ``hidden [N, H]`` through an LM head of ``weight [vocab, H]`` (fixed labels)."""
+    labels = torch.arange(hidden.shape[0], device=hidden.device) * 7919 % weight.shape[0]
+    return chunked_logprobs(_FunctionalHead(weight), hidden, labels, compute_entropy=True, functional_head=True)
+
+
+class _FunctionalHead:
+    """What ``chunked_logprobs(functional_head=True)`` reads of a head: its weight and bias."""
+
+    def __init__(self, weight):
+        self.weight, self.bias = weight, None
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results")
-    parser.add_argument("--workloads", nargs="+", default=["swe:0.1", "tau:0.1", "grpo:0.1"],
+    parser.add_argument("--workloads", nargs="*", default=["swe:0.1", "tau:0.1", "grpo:0.1"],
                         help="name:scale[:seed] (a second seed shows what a new forest of the same preset costs)")
-    parser.add_argument("--ops", nargs="+", default=["gdn", "attention", "conv"], choices=["gdn", "attention", "conv"],
-                        help="which ops to time on each workload")
+    parser.add_argument("--ops", nargs="+", default=["gdn", "attention", "conv"],
+                        choices=["gdn", "attention", "conv", "token"],
+                        help="which ops to time on each workload; token: the fused per-token kernels against their "
+                             "references, once at full-size tau's unique-token count")
     parser.add_argument("--skip-parity", action="store_true", help="timing only")
     parser.add_argument("--profile", action="store_true",
                         help="also list the kernels of the tree GDN node, of the one varlen fla call and of the tree "
@@ -481,6 +566,8 @@ def main():
 
     steps = [] if args.skip_parity else [("parity", parity), ("handoff_parity", handoff_parity),
                                          ("final_state_parity", final_state_parity)]
+    if "token" in args.ops:
+        steps.append(("token_ops", token_ops_step))
     steps += [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1]), args.ops,
                                               args.profile, int(s.split(":")[2]) if s.count(":") > 1 else 0))
               for spec in args.workloads]

@@ -338,6 +338,13 @@ def main(argv=None):
     parser.add_argument("--packed-groups", type=int, default=None, metavar="TOKENS",
                         help="also time the packed per-trajectory path over ALL trajectories, in calls of at most "
                              "TOKENS path tokens (0: the forest's unique-token count, i.e. the tree's memory envelope)")
+    parser.add_argument("--kernels", nargs="+", default=["fused"], choices=sorted(KERNEL_SETS),
+                        help="per-token kernel sets to time the tree with, each after its own warm-up: fused (fla's "
+                             "RMSNorm / gated RMSNorm / SwiGLU, harts_hf's log-prob kernels; the default) or "
+                             "reference (transformers' PyTorch code, the chunked fp32 log-softmax); the packed, "
+                             "profile and loop runs use the first")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="timed runs of the tree per budget and kernel set (seconds: their mean; all kept)")
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -346,15 +353,21 @@ def main(argv=None):
     model = build_model(args.model, "qwen3_next", device, torch.float32)
     sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"], workload=args.workload)
     rows = []
-    if not args.loop_only:
+    for kernels in [] if args.loop_only else reversed(args.kernels):  # the first set last: it stays in force
+        use_kernels(kernels)
         run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
             attention=args.attention)                                      # cuDNN plans)
-    for budget in [] if args.loop_only else [b or None for b in args.budget]:
-        rows.append(run(model, sequences, budget, device, history=not args.no_history, attention=args.attention,
-                        recompute=not args.no_recompute))
-        r = rows[-1]
-        print(f"budget {budget}: {r['pieces']} pieces, {r['seconds']:.2f} s, peak {r['peak_gib']:.1f} GiB "
-              f"(weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}", flush=True)
+        for budget in [b or None for b in args.budget]:
+            repeats = [run(model, sequences, budget, device, history=not args.no_history and not repeat,
+                           attention=args.attention, recompute=not args.no_recompute)
+                       for repeat in range(max(args.repeats, 1))]
+            rows.append(dict(repeats[0], kernels=kernels, seconds_all=[r["seconds"] for r in repeats],
+                             seconds=float(np.mean([r["seconds"] for r in repeats])),
+                             peak_gib=max(r["peak_gib"] for r in repeats)))
+            r = rows[-1]
+            print(f"{kernels} kernels, budget {budget}: {r['pieces']} pieces, {r['seconds']:.2f} s (runs "
+                  f"{', '.join(f'{x:.2f}' for x in r['seconds_all'])}), peak {r['peak_gib']:.1f} GiB "
+                  f"(weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}", flush=True)
         for p, phase, a, m in r["memory"]:
             print(f"   piece {p:3d} {phase:9s} allocated {a:7.2f} peak {m:7.2f}")
         for key in ("peak_by_our_line", "peak_by_line"):
@@ -383,6 +396,17 @@ def main(argv=None):
     (out / "probe.json").write_text(json.dumps(rows, indent=1))
 
 
+KERNEL_SETS = {"fused": ("auto", "auto"), "reference": ("torch", "torch")}
+"""``--kernels``: (``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``)."""
+
+
+def use_kernels(name: str) -> None:
+    from harts_hf.kernels.logprob_stats import ops as logprob_ops
+    from harts_hf.kernels.token_ops import ops as token_ops
+
+    token_ops.BACKEND, logprob_ops.BACKEND = KERNEL_SETS[name]
+
+
 def add_throughput(rows: list[dict], model, sequences) -> None:
     """Each tree row and the packed path's total get ``throughput``: model FLOPs of their work, MFU / HFU, unique
     and path tokens/s and the FLOP ratio (:mod:`model_flops`), and the tree rows the fraction of the FLOP ratio
@@ -400,8 +424,8 @@ def add_throughput(rows: list[dict], model, sequences) -> None:
             row["fraction_of_flop_ratio"] = row["speedup_vs_packed"] / row["throughput"]["flop_ratio"]
     print(f"{'path':22s} {'seconds':>8s} {'speed-up':>8s} {'FLOP ratio':>10s} {'fraction':>8s} {'MFU':>6s} "
           f"{'HFU':>6s} {'unique tok/s':>12s} {'path tok/s':>12s} {'peak GiB':>8s}")
-    for name, row in [("packed per-trajectory", packed)] + [(f"tree, budget {r['budget']}", r) for r in rows
-                                                            if r.get("pieces") is not None]:
+    for name, row in [("packed per-trajectory", packed)] + [(f"tree {r['kernels']} {r['budget'] or 'all'}", r)
+                                                            for r in rows if r.get("pieces") is not None]:
         if row is None:
             continue
         t = row["throughput"]

@@ -204,6 +204,7 @@ def main() -> None:
                                   run_all(run, leaves)))
     worst = max(worst, check_conv())
     worst = max(worst, check_model())
+    worst = max(worst, check_token_ops())
     assert worst < 1e-5, f"fla nodes differ from the fp32 torch backend by {worst:.1e}"
     print(f"OK: worst relative error against the torch backend {worst:.1e}; round-batched == fused bit for bit; "
           "the serial state pass and its lanes within the same tolerance")
@@ -335,6 +336,47 @@ def check_model() -> float:
         assert values < 1e-5 and grads[worst] < 1e-4, (name, values, worst, grads[worst])
         worst_values = max(worst_values, values)
     return worst_values
+
+
+def check_token_ops() -> float:
+    """The fused per-token kernels (fla's RMSNorm, gated RMSNorm and SwiGLU; harts_hf's log-prob / entropy kernels)
+    inside a tiny patched Qwen3-Next and a Llama against the references: log-probs, entropies and every parameter
+    gradient, the Gated DeltaNet node on the torch backend in both runs."""
+    import torch
+
+    from harts_hf import tree_logprobs
+    from harts_hf.kernels.logprob_stats import ops as logprob_stats
+    from harts_hf.kernels.token_ops import ops as token_ops
+    from tests.forests import chunk_edge_sequences
+    from tests.models import VOCAB, build
+
+    worst_all = 0.0
+    for family in ("qwen3_next", "llama"):
+        model = build(family)
+        sequences = chunk_edge_sequences(vocab=VOCAB)
+        names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+        results = {}
+        for fused in (False, True):
+            token_ops.BACKEND, logprob_stats.BACKEND = ("fla", "triton") if fused else ("torch", "torch")
+            try:
+                out = tree_logprobs(model, sequences, gdn_backend="torch", attention_backend="sdpa",
+                                    compute_entropy=True)
+            finally:
+                token_ops.BACKEND, logprob_stats.BACKEND = "auto", "auto"
+            weights = [torch.randn(lp.shape, generator=torch.Generator().manual_seed(i))
+                       for i, lp in enumerate(out.logprobs)]
+            loss = sum((lp * w).sum() + 0.1 * (h * w).sum() for lp, h, w in zip(out.logprobs, out.entropies, weights))
+            results[fused] = (torch.cat(out.logprobs).detach(), torch.cat(out.entropies).detach(),
+                              torch.autograd.grad(loss, params, allow_unused=True))
+        values, entropies = rel(results[True][0], results[False][0]), rel(results[True][1], results[False][1])
+        grads = {n: rel(a, b) for n, a, b in zip(names, results[True][2], results[False][2])
+                 if b is not None and b.norm() > 0}
+        worst = max(grads, key=grads.get)
+        print(f"fused token ops ({family}, {len(sequences)} sequences) vs references: log-probs {values:.1e}, "
+              f"entropies {entropies:.1e}, worst parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
+        assert values < 1e-5 and entropies < 1e-5 and grads[worst] < 1e-4, (family, values, entropies, worst)
+        worst_all = max(worst_all, values, entropies)
+    return worst_all
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ under DeepSpeed ZeRO-3 (``functional_head``): there every module call all-gather
 that each process must issue equally often, but the chunk count follows each process's own token count (two
 processes with 11 and 10 chunks wait on each other forever); so the weight is read directly, an external
 parameter of the model that ZeRO-3 gathers once for the whole forward and backward (``apply_tree_patches``).
-Math in fp32: ``z = head(h) / T``, ``logp = z[y] - logsumexp(z)``, ``H = -sum(p log p)``.
+Math in fp32: ``z = head(h) / T``, ``logp = z[y] - logsumexp(z)``, ``H = -sum(p log p)``; on CUDA through the
+fused kernels of :mod:`.logprob_stats` (the head's output read in its own dtype, no fp32 ``[rows, vocab]`` copy).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .._checks import check_int, check_number
+from .logprob_stats import logprob_entropy, logprob_stats_backend
 
 __all__ = ["chunked_logprobs"]
 
@@ -30,6 +32,11 @@ def _score_chunk(head, hidden, labels, temperature: float, compute_entropy: bool
         logits = torch.nn.functional.linear(hidden, head.weight, bias)
     else:
         logits = head(hidden)
+    if logprob_stats_backend(logits) == "triton":
+        picked, entropy = logprob_entropy(logits, labels, temperature, backend="triton")
+        if not compute_entropy:
+            return picked, picked.new_zeros(0)
+        return picked, entropy if entropy_grad else entropy.detach()
     log_probs = (logits.float() / temperature).log_softmax(-1)
     picked = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     if not compute_entropy:

@@ -4,7 +4,9 @@ Only the token mixers change. Attention modules dispatch to the registered ``"ha
 function (through a per-module copy of the config, so the model's own config, masks and generation stay
 as they were); Gated DeltaNet modules get an instance-level ``forward`` that runs the tree kernels. Both
 fall through to the original code whenever the call carries no ``harts_tree`` keyword argument. The root
-model's ``forward`` also serves ``harts_tree_request`` calls (see ``entry.py``).
+model's ``forward`` also serves ``harts_tree_request`` calls (see ``entry.py``). Per-token modules (RMSNorms, the
+gated norm, SwiGLU MLPs) get forwards that run fused kernels on CUDA inputs and their own code otherwise
+(``token_modules.py``).
 """
 
 from __future__ import annotations
@@ -195,6 +197,11 @@ def apply_tree_patches(model) -> PatchHandle:
 def _patch_mixers(handle: PatchHandle) -> None:
     model, family = handle.model, handle.family
     guard_cpu_kernels(handle)
+    from .token_modules import token_module_forwards
+
+    for module, attributes in list(token_module_forwards(model)):
+        for attribute, value in attributes.items():
+            handle._set(module, attribute, value)
     for module in model.modules():
         name = type(module).__name__
         if name in family.attention_classes:

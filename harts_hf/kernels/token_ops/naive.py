@@ -1,0 +1,28 @@
+"""References: RMSNorm in its two transformers spellings, the gated RMSNorm, and SwiGLU."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in fp32. ``offset=True``: ``x_hat * (1 + weight)`` returned in ``x``'s
+    dtype (Qwen3-Next, Qwen3.5, Gemma); ``offset=False``: ``weight * x_hat.to(x.dtype)`` (Llama, Qwen2/3: the
+    result in the promoted dtype of ``weight`` and ``x``)."""
+    x_hat = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (x_hat * (1.0 + weight.float())).to(x.dtype)
+    return weight * x_hat.to(x.dtype)
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(weight * x_hat.to(x.dtype)) * silu(gate)`` in fp32, returned in ``x``'s dtype (the gated norm after
+    Gated DeltaNet in Qwen3-Next / Qwen3.5)."""
+    x_hat = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return ((weight * x_hat.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in the inputs' dtype."""
+    return F.silu(gate) * up

@@ -1,0 +1,89 @@
+"""RMSNorm, the gated RMSNorm and SwiGLU on fla's fused kernels for CUDA tensors; the references elsewhere.
+
+fla's ``rms_norm`` normalises in fp32 and rounds once to the input's dtype (one read and one write each way; the
+reference spends ~6 passes forward); an offset weight (``1 + w``) is passed to it as that sum. fla's ``swiglu``
+reads gate and up once and writes the product (the reference writes ``silu(gate)`` first). Both differ from the
+references only by rounding (fp32 math, one rounding at the end).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .._backend import fla_available, in_row_blocks
+from .naive import gated_rms_norm_reference, rms_norm_reference, swiglu_reference
+
+__all__ = ["BACKEND", "gated_rms_norm", "rms_norm", "swiglu", "token_ops_backend"]
+
+BACKEND = "auto"
+"""``"auto"``: fla's kernels for CUDA tensors where fla imports, the references otherwise; ``"torch"``: always the
+references (benchmarks' A/B); ``"fla"``: always fla (CUDA, or CPU under Triton's interpreter)."""
+
+_ROW_KERNEL_MIN_DIM = 513
+"""fla's norm kernels for a last dim <= 512 compile and autotune once per ``ceil(rows / 2048)``: such calls run in
+blocks of :data:`~.._backend.FLA_ROW_BUCKET` rows (at most 32 variants); wider rows take fla's row kernel, whose
+compilation does not depend on the row count."""
+
+
+def token_ops_backend(x: torch.Tensor, choice: str | None = None) -> str:
+    """``"fla"`` or ``"torch"`` for ``x`` under ``choice`` (default :data:`BACKEND`)."""
+    choice = BACKEND if choice is None else choice
+    if choice not in ("auto", "torch", "fla"):
+        raise ValueError(f"token ops: backend must be 'auto', 'torch' or 'fla', got {choice!r}")
+    if choice == "auto":
+        return "fla" if x.is_cuda and fla_available() else "torch"
+    return choice
+
+
+@functools.cache
+def _fla():
+    from fla.modules.activations import swiglu as fla_swiglu
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated as fla_rms_norm_gated
+    from fla.modules.norm.layernorm import rms_norm as fla_rms_norm
+
+    return fla_rms_norm, fla_swiglu, fla_rms_norm_gated
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool,
+             backend: str | None = None) -> torch.Tensor:
+    """RMSNorm of ``x [..., D]`` with ``weight [D]`` as :func:`~.naive.rms_norm_reference` computes it (``offset``:
+    ``1 + weight``), on fla's kernel when ``backend`` resolves to ``"fla"``."""
+    if token_ops_backend(x, backend) == "torch":
+        return rms_norm_reference(x, weight, eps, offset=offset)
+    fla_rms_norm = _fla()[0]
+    out_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
+    scale = 1.0 + weight.float() if offset else weight
+    rows = x.reshape(-1, x.shape[-1])
+    norm = functools.partial(_fla_rms_norm_rows, fla_rms_norm, scale, eps)
+    y = norm(rows) if x.shape[-1] >= _ROW_KERNEL_MIN_DIM else in_row_blocks(norm, rows)
+    return y.reshape(x.shape).to(out_dtype)
+
+
+def _fla_rms_norm_rows(fla_rms_norm, weight, eps, rows):
+    return fla_rms_norm(rows, weight, None, eps=eps)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` (same shapes), on fla's kernel when ``backend`` resolves to ``"fla"``."""
+    if token_ops_backend(gate, backend) == "torch":
+        return swiglu_reference(gate, up)
+    return _fla()[1](gate, up)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                   backend: str | None = None) -> torch.Tensor:
+    """The gated RMSNorm of :func:`~.naive.gated_rms_norm_reference` (``x``, ``gate`` ``[..., D]``), on fla's
+    fused kernel when ``backend`` resolves to ``"fla"``."""
+    if token_ops_backend(x, backend) == "torch":
+        return gated_rms_norm_reference(x, gate, weight, eps)
+    fla_rms_norm_gated = _fla()[2]
+    rows, gates = x.reshape(-1, x.shape[-1]), gate.reshape(-1, x.shape[-1])
+    norm = functools.partial(_fla_gated_rows, fla_rms_norm_gated, weight, eps)
+    y = norm(rows, gates) if x.shape[-1] >= _ROW_KERNEL_MIN_DIM else in_row_blocks(norm, rows, gates)
+    return y.reshape(x.shape).to(x.dtype)
+
+
+def _fla_gated_rows(fla_rms_norm_gated, weight, eps, rows, gates):
+    return fla_rms_norm_gated(rows, gates, weight, None, activation="swish", eps=eps)

@@ -1,0 +1,141 @@
+"""Per-token modules of a patched model on fused CUDA kernels (:mod:`harts_hf.kernels.token_ops`).
+
+RMSNorms, gated RMSNorms and SwiGLU MLPs are recognised by what they compute, not by their class alone: at patch
+time each candidate (class name ending in ``RMSNorm`` / ``RMSNormGated``; a module with ``gate_proj``,
+``up_proj``, ``down_proj`` and an ``act_fn`` that computes SiLU) runs its own forward once on a small random input, and it is
+fused only if a reference formula reproduces that output and its dtype. Anything else keeps transformers' code,
+which is exact on trees too (it acts on each token alone). CPU inputs, and CUDA inputs with
+``token_ops.BACKEND = "torch"``, always run the original forward. Under DeepSpeed ZeRO-3 the weights are
+partitioned at patch time, so nothing is fused there.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import token_ops
+from ..kernels.token_ops import gated_rms_norm_reference, rms_norm_reference
+from .core import PatchedForward
+
+__all__ = ["token_module_forwards"]
+
+logger = logging.getLogger("harts_hf")
+
+
+def token_module_forwards(model: torch.nn.Module):
+    """Yield ``(module, {"forward": PatchedForward})`` for every per-token module of ``model`` with a fused
+    equivalent (see the module doc)."""
+    from .core import zero3_enabled
+
+    if zero3_enabled():
+        return
+    for name, module in model.named_modules():
+        handler = _handler_for(module)
+        if handler is not None:
+            logger.debug("harts_hf: %s (%s) runs on fused kernels on CUDA", name, type(module).__name__)
+            yield module, {"forward": PatchedForward(module, module.forward, handler)}
+
+
+def _handler_for(module: torch.nn.Module):
+    class_name = type(module).__name__
+    try:
+        if class_name.endswith("RMSNorm"):
+            offset = _norm_variant(module)
+            return None if offset is None else functools.partial(_norm_call, offset)
+        if class_name.endswith("RMSNormGated"):
+            return _gated_norm_call if _is_gated_norm(module) else None
+        if _is_swiglu_mlp(module):
+            return _mlp_call
+    except Exception as error:  # noqa: BLE001 - a module the probe cannot run (sharded, meta) stays as it is
+        logger.debug("harts_hf: %s not fused (%s)", class_name, error)
+    return None
+
+
+def _eps(module) -> float | None:
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return eps if isinstance(eps, float) else None
+
+
+def _norm_weight(module) -> torch.Tensor | None:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or weight.numel() == 0 or weight.is_meta:
+        return None
+    if getattr(module, "bias", None) is not None or _eps(module) is None or list(module.children()):
+        return None
+    return weight
+
+
+def _probe_input(weight: torch.Tensor, rows: int = 3, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, weight.shape[-1], generator=generator).to(weight.device)
+
+
+def _matches(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    return got.dtype == expected.dtype and got.shape == expected.shape and torch.allclose(
+        got.float(), expected.float(), rtol=1e-5, atol=1e-6)
+
+
+def _norm_variant(module) -> bool | None:
+    """``True`` (offset weight), ``False`` (plain weight) or ``None`` (not a fusable RMSNorm)."""
+    weight = _norm_weight(module)
+    if weight is None:
+        return None
+    eps = _eps(module)
+    variants = set()
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+        for x in (_probe_input(weight), _probe_input(weight).to(torch.bfloat16)):
+            got = module.forward(x)
+            variants.add(next((o for o in (True, False)
+                               if _matches(got, rms_norm_reference(x, weight, eps, offset=o))), None))
+    return variants.pop() if len(variants) == 1 else None
+
+
+def _is_gated_norm(module) -> bool:
+    weight = _norm_weight(module)
+    if weight is None:
+        return False
+    eps = _eps(module)
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+        x, gate = _probe_input(weight), _probe_input(weight, seed=1)
+        return _matches(module.forward(x, gate), gated_rms_norm_reference(x, gate, weight, eps))
+
+
+def _is_swiglu_mlp(module) -> bool:
+    parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    act_fn = getattr(module, "act_fn", None)
+    if not all(isinstance(part, torch.nn.Module) for part in parts) or not callable(act_fn):
+        return False
+    weight = getattr(parts[0], "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0 or weight.is_meta:
+        return False
+    gate, up, down = parts
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+        x = _probe_input(weight).to(weight.dtype)
+        return _matches(act_fn(x), F.silu(x)) and _matches(module.forward(x), down(F.silu(gate(x)) * up(x)))
+
+
+def _one_tensor(args, kwargs) -> bool:
+    return len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+
+
+def _norm_call(offset: bool, module, original, *args, **kwargs):
+    if not _one_tensor(args, kwargs) or token_ops.token_ops_backend(args[0]) == "torch":
+        return original(*args, **kwargs)
+    return token_ops.rms_norm(args[0], module.weight, _eps(module), offset=offset, backend="fla")
+
+
+def _gated_norm_call(module, original, *args, **kwargs):
+    if len(args) != 2 or kwargs or token_ops.token_ops_backend(args[0]) == "torch":
+        return original(*args, **kwargs)
+    return token_ops.gated_rms_norm(args[0], args[1], module.weight, _eps(module), backend="fla")
+
+
+def _mlp_call(module, original, *args, **kwargs):
+    if not _one_tensor(args, kwargs) or token_ops.token_ops_backend(args[0]) == "torch":
+        return original(*args, **kwargs)
+    x = args[0]
+    return module.down_proj(token_ops.swiglu(module.gate_proj(x), module.up_proj(x), backend="fla"))

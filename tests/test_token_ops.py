@@ -1,0 +1,121 @@
+"""Fused per-token modules: which modules the patch recognises (by what they compute), that everything else keeps
+transformers' code, that CPU calls run the original forward bit for bit, and the references of the fused ops
+against transformers' own modules. The fused kernels themselves run under Triton's interpreter in
+scripts/check_fla_nodes_on_cpu.py (check_token_ops) and on the GPU in benchmarks/gpu_kernels.py --ops token."""
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from harts_hf.model_patches import apply_tree_patches
+from harts_hf.kernels.logprob_stats import logprob_entropy, logprob_entropy_reference, logprob_stats_backend
+from harts_hf.kernels.token_ops import gated_rms_norm_reference, rms_norm_reference, token_ops_backend
+from harts_hf.model_patches.token_modules import token_module_forwards
+from tests.models import build
+
+EXPECTED = {
+    "qwen3_next": {"Qwen3NextRMSNorm": (13, True), "Qwen3NextMLP": (4, None), "Qwen3NextRMSNormGated": (2, None)},
+    "qwen3_5": {"Qwen3_5RMSNorm": (13, True), "Qwen3_5MLP": (4, None), "Qwen3_5RMSNormGated": (2, None)},
+    "llama": {"LlamaRMSNorm": (5, False), "LlamaMLP": (2, None)},
+    "qwen3": {"Qwen3RMSNorm": (9, False), "Qwen3MLP": (2, None)},
+}
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_recognised_modules(family):
+    """Every RMSNorm (offset weight for Qwen3-Next / Qwen3.5, plain for Llama / Qwen3), gated norm and SwiGLU MLP
+    is found, each with the variant its own forward computes."""
+    model = build(family)
+    found = list(token_module_forwards(model))
+    assert Counter(type(m).__name__ for m, _ in found) == {name: n for name, (n, _) in EXPECTED[family].items()}
+    for module, attributes in found:
+        offset = EXPECTED[family][type(module).__name__][1]
+        if offset is not None:
+            assert attributes["forward"].handler.args == (offset,)
+
+
+class CenteredRMSNorm(torch.nn.Module):  # named like an RMSNorm, computes a LayerNorm
+    def __init__(self, dim):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(dim))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        return self.weight * F.layer_norm(x, x.shape[-1:], eps=self.variance_epsilon)
+
+
+class GeluMLP(torch.nn.Module):  # the SwiGLU layout with another activation
+    def __init__(self, dim):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(dim, 8), torch.nn.Linear(dim, 8)
+        self.down_proj, self.act_fn = torch.nn.Linear(8, dim), torch.nn.GELU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ScaledMLP(GeluMLP):  # SiLU, but the forward computes something else
+    def __init__(self, dim):
+        super().__init__(dim)
+        self.act_fn = torch.nn.SiLU()
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_modules_computing_something_else_keep_their_code():
+    model = torch.nn.Sequential(CenteredRMSNorm(16), GeluMLP(16), ScaledMLP(16))
+    assert list(token_module_forwards(model)) == []
+
+
+def test_cpu_calls_run_the_original_forward_and_revert_restores_it():
+    model = build("qwen3_next")
+    x = torch.randn(1, 5, 32)
+    norm, mlp = model.model.layers[0].input_layernorm, model.model.layers[0].mlp
+    expected = norm(x), mlp(x)
+    handle = apply_tree_patches(model)
+    assert "forward" in vars(norm) and "forward" in vars(mlp)
+    assert torch.equal(norm(x), expected[0]) and torch.equal(mlp(x), expected[1])
+    handle.revert()
+    assert "forward" not in vars(norm) and "forward" not in vars(mlp)
+
+
+@pytest.mark.parametrize("family,norm_path,offset", [("qwen3_next", "input_layernorm", True),
+                                                      ("llama", "input_layernorm", False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_references_are_transformers_formulas(family, norm_path, offset, dtype):
+    """The references the probe matches reproduce transformers' modules bit for bit, dtype included."""
+    norm = getattr(build(family).model.layers[0], norm_path)
+    with torch.no_grad():
+        norm.weight.normal_()
+        x = torch.randn(7, 32).to(dtype)
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+        got, expected = rms_norm_reference(x, norm.weight, eps, offset=offset), norm(x)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_gated_norm_reference_is_transformers_formula():
+    gdn = build("qwen3_next").model.layers[0].linear_attn
+    with torch.no_grad():
+        gdn.norm.weight.normal_()
+        x, gate = torch.randn(7, 8), torch.randn(7, 8)
+        assert torch.equal(gated_rms_norm_reference(x, gate, gdn.norm.weight, gdn.norm.variance_epsilon),
+                           gdn.norm(x, gate))
+
+
+def test_logprob_entropy_reference_and_backends():
+    logits, labels = torch.randn(6, 50), torch.randint(0, 50, (6,))
+    picked, entropy = logprob_entropy(logits, labels, 0.7)
+    log_probs = torch.log_softmax(logits / 0.7, -1)
+    assert torch.allclose(picked, log_probs[torch.arange(6), labels])
+    assert torch.allclose(entropy, -(log_probs.exp() * log_probs).sum(-1))
+    assert logprob_stats_backend(logits) == "torch" and token_ops_backend(logits) == "torch"
+    assert torch.equal(logprob_entropy_reference(logits, labels, 0.7)[0], picked)
+    with pytest.raises(ValueError, match="backend must be 'auto', 'torch' or 'triton', got 'cuda'"):
+        logprob_entropy(logits, labels, backend="cuda")
+    with pytest.raises(ValueError, match="backend must be 'auto', 'torch' or 'fla', got 'x'"):
+        token_ops_backend(logits, "x")
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\] and labels \[N\]"):
+        logprob_entropy(logits, labels[:3])
