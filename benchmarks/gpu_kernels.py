@@ -272,6 +272,53 @@ def timing(results: dict, workload: str, scale: float, ops=("gdn", "attention", 
         attention_timing(row, packed, layout, stats, sequences, backward, profile)
     if "conv" in ops:
         conv_timing(row, U, ancestors, backward)
+    if "varlen_kernels" in ops:
+        varlen_kernel_timing(row, packed, layout, stats, backward)
+
+
+def varlen_kernel_timing(row, packed, layout, stats, backward) -> None:
+    """The tree's varlen attention (16 / 2 heads of 256) on each varlen kernel (``varlen.KERNEL``: torch's flash,
+    FlashAttention-4): first call (compilation) and warm fwd+bwd, pairs per second, and the bf16 error of each
+    against the fp32 per-run SDPA path (forests of <= 20k tokens) or against torch's kernel."""
+    from harts_hf.kernels import tree_attention
+    from harts_hf.kernels.tree_attention import varlen
+
+    U = packed.num_tokens
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(U, h, 256, device="cuda", dtype=torch.bfloat16) for h in (16, 2, 2))
+    weight = torch.randn(U, 16, 256, device="cuda")
+    subtree_end = packed.subtree_end.cuda()
+    outputs = {}
+
+    def run(backend, dtype):
+        inputs = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
+        out = tree_attention(*inputs, subtree_end, backend=backend, layout=layout)
+        return [out.detach()] + list(torch.autograd.grad((out.float() * weight).sum(), inputs))
+
+    for kernel in ("torch", "fa4"):
+        varlen.KERNEL = kernel
+        try:
+            start = time.perf_counter()
+            outputs[kernel] = run("varlen", torch.bfloat16)
+            torch.cuda.synchronize()
+            row[f"varlen_{kernel}_first_s"] = time.perf_counter() - start
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            row[f"varlen_{kernel}_s"] = bench(lambda leaves=leaves: backward(tree_attention(
+                *leaves, subtree_end, backend="varlen", layout=layout)))
+            row[f"varlen_{kernel}_pairs_per_s"] = stats["tree_attention_pairs"] / row[f"varlen_{kernel}_s"]
+        except Exception as error:  # noqa: BLE001 - report and keep the other kernel's numbers
+            row[f"varlen_{kernel}_error"] = repr(error)
+        finally:
+            varlen.KERNEL = "auto"
+    reference = run("runs", torch.float32) if U <= 20_000 else outputs.get("torch")
+    names = ("out", "dq", "dk", "dv")
+    for kernel, result in outputs.items():
+        if reference is not None:
+            row[f"varlen_{kernel}_error"] = {n: rel(a, b) for n, a, b in zip(names, result, reference)}
+    print(f"  varlen kernels ({'vs fp32' if U <= 20_000 else 'vs torch'}): " + ", ".join(
+        f"{kernel} {row.get(f'varlen_{kernel}_s', float('nan')) * 1e3:.1f} ms (first "
+        f"{row.get(f'varlen_{kernel}_first_s', float('nan')):.1f} s) {row.get(f'varlen_{kernel}_error')}"
+        for kernel in ("torch", "fa4")), flush=True)
 
 
 def gdn_timing(row, packed, plan, U, backward, profile: bool = False) -> None:
@@ -545,7 +592,7 @@ def main():
     parser.add_argument("--workloads", nargs="*", default=["swe:0.1", "tau:0.1", "grpo:0.1"],
                         help="name:scale[:seed] (a second seed shows what a new forest of the same preset costs)")
     parser.add_argument("--ops", nargs="+", default=["gdn", "attention", "conv"],
-                        choices=["gdn", "attention", "conv", "token"],
+                        choices=["gdn", "attention", "conv", "token", "varlen_kernels"],
                         help="which ops to time on each workload; token: the fused per-token kernels against their "
                              "references, once at full-size tau's unique-token count")
     parser.add_argument("--skip-parity", action="store_true", help="timing only")

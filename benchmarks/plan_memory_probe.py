@@ -257,7 +257,7 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
                 whole_loop_priced_seconds=total_priced)
 
 
-def packed_groups(model, sequences, max_tokens: int, device, attention: str = "auto") -> dict:
+def packed_groups(model, sequences, max_tokens: int, device, attention: str = "auto", progress=None) -> dict:
     """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed into ONE
     forward each (every trajectory its own tree: same kernels, no padding, no sharing; ``tree_logprobs`` as the
     bench's ``packed``) of at most ``max_tokens`` path tokens, fwd+bwd, the second of two runs timed (the first
@@ -279,6 +279,8 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
                          peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))
         print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {seconds:.3f} s (first run "
               f"{first:.3f}), peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
+        if progress is not None:
+            progress(rows)
     model.zero_grad(set_to_none=True)
     total = dict(calls=len(rows), max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
                  peak_gib=max(r["peak_gib"] for r in rows), groups=rows, **packed_fit(rows, sequences))
@@ -339,10 +341,10 @@ def main(argv=None):
                         help="also time the packed per-trajectory path over ALL trajectories, in calls of at most "
                              "TOKENS path tokens (0: the forest's unique-token count, i.e. the tree's memory envelope)")
     parser.add_argument("--kernels", nargs="+", default=["fused"], choices=sorted(KERNEL_SETS),
-                        help="per-token kernel sets to time the tree with, each after its own warm-up: fused (fla's "
-                             "RMSNorm / gated RMSNorm / SwiGLU, harts_hf's log-prob kernels; the default) or "
-                             "reference (transformers' PyTorch code, the chunked fp32 log-softmax); the packed, "
-                             "profile and loop runs use the first")
+                        help="kernel sets to time the tree with, each after its own warm-up: fused (fla's RMSNorm / "
+                             "gated RMSNorm / SwiGLU, harts_hf's log-prob kernels, torch's flash varlen; the default), "
+                             "reference (transformers' PyTorch code, the chunked fp32 log-softmax) or fused_fa4 "
+                             "(fused, attention on FlashAttention-4); the packed, profile and loop runs use the first")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs of the tree per budget and kernel set (seconds: their mean; all kept)")
     parser.add_argument("--out", default="results/memory")
@@ -353,6 +355,12 @@ def main(argv=None):
     model = build_model(args.model, "qwen3_next", device, torch.float32)
     sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"], workload=args.workload)
     rows = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save():  # after every stage: a run stopped by a time limit keeps what it measured
+        (out / "probe.json").write_text(json.dumps(rows, indent=1))
+
     for kernels in [] if args.loop_only else reversed(args.kernels):  # the first set last: it stays in force
         use_kernels(kernels)
         run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
@@ -365,6 +373,7 @@ def main(argv=None):
                              seconds=float(np.mean([r["seconds"] for r in repeats])),
                              peak_gib=max(r["peak_gib"] for r in repeats)))
             r = rows[-1]
+            save()
             print(f"{kernels} kernels, budget {budget}: {r['pieces']} pieces, {r['seconds']:.2f} s (runs "
                   f"{', '.join(f'{x:.2f}' for x in r['seconds_all'])}), peak {r['peak_gib']:.1f} GiB "
                   f"(weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}", flush=True)
@@ -381,7 +390,9 @@ def main(argv=None):
         from harts_hf.trees import PrefixForest
 
         cap = args.packed_groups or PrefixForest.from_sequences(sequences).pack().num_tokens
-        rows.append(dict(packed_groups=packed_groups(model, sequences, cap, device, args.attention)))
+        rows.append(dict(packed_groups=packed_groups(
+            model, sequences, cap, device, args.attention,
+            progress=lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1)))))
         packed = rows[-1]["packed_groups"]
         for tree in (r for r in rows if r.get("pieces") is not None):
             speedup = packed["seconds"] / tree["seconds"]
@@ -391,20 +402,20 @@ def main(argv=None):
         rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit,
                                                  args.attention)))
     add_throughput(rows, model, sequences)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "probe.json").write_text(json.dumps(rows, indent=1))
+    save()
 
 
-KERNEL_SETS = {"fused": ("auto", "auto"), "reference": ("torch", "torch")}
-"""``--kernels``: (``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``)."""
+KERNEL_SETS = {"fused": ("auto", "auto", "torch"), "reference": ("torch", "torch", "torch"),
+               "fused_fa4": ("auto", "auto", "fa4")}
+"""``--kernels``: (``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``, ``tree_attention.varlen.KERNEL``)."""
 
 
 def use_kernels(name: str) -> None:
     from harts_hf.kernels.logprob_stats import ops as logprob_ops
     from harts_hf.kernels.token_ops import ops as token_ops
+    from harts_hf.kernels.tree_attention import varlen
 
-    token_ops.BACKEND, logprob_ops.BACKEND = KERNEL_SETS[name]
+    token_ops.BACKEND, logprob_ops.BACKEND, varlen.KERNEL = KERNEL_SETS[name]
 
 
 def add_throughput(rows: list[dict], model, sequences) -> None:
@@ -424,8 +435,8 @@ def add_throughput(rows: list[dict], model, sequences) -> None:
             row["fraction_of_flop_ratio"] = row["speedup_vs_packed"] / row["throughput"]["flop_ratio"]
     print(f"{'path':22s} {'seconds':>8s} {'speed-up':>8s} {'FLOP ratio':>10s} {'fraction':>8s} {'MFU':>6s} "
           f"{'HFU':>6s} {'unique tok/s':>12s} {'path tok/s':>12s} {'peak GiB':>8s}")
-    for name, row in [("packed per-trajectory", packed)] + [(f"tree {r['kernels']} {r['budget'] or 'all'}", r)
-                                                            for r in rows if r.get("pieces") is not None]:
+    trees = [(f"tree {r.get('kernels', '')} {r['budget'] or 'all'}", r) for r in rows if r.get("pieces") is not None]
+    for name, row in [("packed per-trajectory", packed)] + trees:
         if row is None:
             continue
         t = row["throughput"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harts_hf.model_patches import apply_tree_patches
 from harts_hf.kernels.logprob_stats import logprob_entropy, logprob_entropy_reference, logprob_stats_backend
 from harts_hf.kernels.token_ops import gated_rms_norm_reference, rms_norm_reference, token_ops_backend
+from harts_hf.model_patches import apply_tree_patches
 from harts_hf.model_patches.token_modules import token_module_forwards
 from tests.models import build
 
@@ -119,3 +119,30 @@ def test_logprob_entropy_reference_and_backends():
         token_ops_backend(logits, "x")
     with pytest.raises(ValueError, match=r"logits must be \[N, V\] and labels \[N\]"):
         logprob_entropy(logits, labels[:3])
+
+
+def test_varlen_kernel_choice():
+    from harts_hf.kernels.tree_attention import varlen
+
+    with pytest.raises(ValueError, match="varlen KERNEL must be 'auto', 'torch' or 'fa4', got 'fa3'"):
+        varlen.varlen_kernel(torch.device("cpu"), "fa3")
+    assert varlen.varlen_kernel(torch.device("cpu"), "torch") == "torch"
+
+
+@pytest.mark.parametrize("rows,padded", [(1, 2048), (2048, 2048), (2049, 4096), (5000, 8192), (65536, 65536)])
+def test_narrow_norm_rows_are_padded_to_power_of_two_tiles(rows, padded):
+    """fla's narrow-row RMSNorm compiles per ceil(rows / 2048): the rows reach it padded to 2048 x 2**j, and the
+    padding changes neither the result nor the gradient."""
+    from harts_hf.kernels.token_ops.ops import _bucketed
+
+    seen = []
+
+    def row_wise(x):
+        seen.append(x.shape[0])
+        return x * torch.arange(x.shape[1], dtype=x.dtype)
+
+    x = torch.randn(rows, 3, requires_grad=True)
+    y = _bucketed(row_wise, x)
+    (y.square().sum()).backward()
+    assert seen == [padded] and torch.equal(y, x * torch.arange(3.0))
+    assert torch.equal(x.grad, 2 * x.detach() * torch.arange(3.0) ** 2)

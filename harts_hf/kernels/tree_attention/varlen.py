@@ -8,6 +8,8 @@ gives exactly ancestor-or-self visibility. Key rows gathered = sum over runs of 
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import inspect
 from dataclasses import dataclass
 
@@ -16,8 +18,8 @@ import torch
 
 from ...trees import PackedForest
 
-__all__ = ["VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention_varlen", "varlen_available",
-           "varlen_call_groups"]
+__all__ = ["KERNEL", "VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention_varlen",
+           "varlen_available", "varlen_call_groups", "varlen_kernel"]
 
 MAX_CALL_ELEMENTS = (1 << 31) - 1
 """Most elements of the query or key tensor in one ``varlen_attn`` call, counting the 128 padding rows per sequence
@@ -25,6 +27,15 @@ of flash's backward (its fp32 ``dq`` accumulator): row offsets are 32-bit there.
 per-trajectory varlen call over ~600k rows of 16 heads x 256 raised an illegal memory access. Larger layouts are
 split into several calls by runs (benchmarks/varlen_limits.py)."""
 PAD_ROWS = 128  # per sequence, in flash's backward accumulator
+
+KERNEL = "torch"
+"""The varlen kernel: ``"torch"`` (torch's ``varlen_attn``, FlashAttention-2 inside torch; the default), ``"fa4"``
+(FlashAttention-4's CuTe-DSL kernels, package ``flash-attn-4``, module ``flash_attn.cute``: wgmma kernels on Hopper,
+head dims up to 256, GQA, varlen, bottom-right causal) or ``"auto"``: fa4 where it imports on a GPU of compute
+capability 9.x or 10.x, else torch. Measured on the H200 (BENCHMARKS.md): fa4 runs full-size `tau`'s tree attention
+at 1.49x torch's rate with the same bf16 error against fp32, and the whole tree step 1.11x faster; it stays opt-in
+until its compilation over a training run's changing shapes is measured (the packed baseline's new shapes did not
+finish within the run's time limit)."""
 
 
 @dataclass
@@ -115,6 +126,36 @@ def gqa_keyword(varlen_attn) -> dict:
     return {"enable_gqa": True} if "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
 
 
+@functools.cache
+def _fa4_importable() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
+
+
+def varlen_kernel(device: torch.device, choice: str | None = None) -> str:
+    """``"torch"`` or ``"fa4"`` on ``device`` under ``choice`` (default :data:`KERNEL`)."""
+    choice = KERNEL if choice is None else choice
+    if choice not in ("auto", "torch", "fa4"):
+        raise ValueError(f"tree attention: varlen KERNEL must be 'auto', 'torch' or 'fa4', got {choice!r}")
+    if choice == "auto":
+        return "fa4" if _fa4_importable() and torch.cuda.get_device_capability(device)[0] in (9, 10) else "torch"
+    if choice == "fa4" and not _fa4_importable():
+        raise ImportError("tree attention: KERNEL='fa4' needs FlashAttention-4: pip install flash-attn-4")
+    return choice
+
+
+def _varlen_call(kernel: str, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scaling, extra: dict) -> torch.Tensor:
+    """One bottom-right causal varlen attention call on ``kernel``."""
+    if kernel == "fa4":
+        from flash_attn.cute import flash_attn_varlen_func
+
+        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                     max_seqlen_k=max_k, softmax_scale=scaling, causal=True)
+        return out[0] if isinstance(out, tuple) else out
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0), **extra)
+
+
 def varlen_available() -> bool:
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
@@ -151,7 +192,8 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     over consecutive runs where one call would pass :data:`MAX_CALL_ELEMENTS`."""
     from torch.nn.attention.varlen import varlen_attn
 
-    extra = gqa_keyword(varlen_attn) if q.shape[1] != k.shape[1] else {}
+    kernel = varlen_kernel(q.device)
+    extra = gqa_keyword(varlen_attn) if q.shape[1] != k.shape[1] and kernel == "torch" else {}
     cu_q, cu_k = layout.host_cu()
     cache = layout.__dict__.setdefault("_call_groups", {})  # per layout, head shape and limit (as run_blocks caches)
     key = (q[0].numel(), k[0].numel(), MAX_CALL_ELEMENTS)
@@ -160,13 +202,12 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     groups = cache[key]
     if len(groups) == 1:
         keys, values = gather_rows(k, layout.key_index), gather_rows(v, layout.key_index)
-        return varlen_attn(q, keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scale=scaling,
-                           window_size=(-1, 0), **extra)
+        return _varlen_call(kernel, q, keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scaling,
+                            extra)
     outputs = []
     for r0, r1 in groups:
         index = layout.key_index[cu_k[r0]: cu_k[r1]]
         offsets_q, offsets_k = layout.cu_q[r0: r1 + 1] - cu_q[r0], layout.cu_k[r0: r1 + 1] - cu_k[r0]
-        outputs.append(varlen_attn(q[cu_q[r0]: cu_q[r1]], gather_rows(k, index), gather_rows(v, index), offsets_q,
-                                   offsets_k, layout.max_q, layout.max_k, scale=scaling, window_size=(-1, 0),
-                                   **extra))
+        outputs.append(_varlen_call(kernel, q[cu_q[r0]: cu_q[r1]], gather_rows(k, index), gather_rows(v, index),
+                                    offsets_q, offsets_k, layout.max_q, layout.max_k, scaling, extra))
     return torch.cat(outputs)
