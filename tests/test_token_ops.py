@@ -129,11 +129,13 @@ def test_varlen_kernel_choice():
     assert varlen.varlen_kernel(torch.device("cpu"), "torch") == "torch"
 
 
-@pytest.mark.parametrize("rows,padded", [(1, 2048), (2048, 2048), (2049, 4096), (5000, 8192), (65536, 65536)])
-def test_narrow_norm_rows_are_padded_to_power_of_two_tiles(rows, padded):
-    """fla's narrow-row RMSNorm compiles per ceil(rows / 2048): the rows reach it padded to 2048 x 2**j, and the
-    padding changes neither the result nor the gradient."""
-    from harts_hf.kernels.token_ops.ops import _bucketed
+@pytest.mark.parametrize("rows,blocks", [(1, [2048]), (2048, [2048]), (2049, [2048, 2048]),
+                                         (97_199, [65536, 16384, 8192, 4096, 2048, 2048]),
+                                         (200_000, [65536, 65536, 65536, 2048, 2048])])
+def test_norm_rows_reach_fla_in_power_of_two_blocks(rows, blocks):
+    """fla's RMSNorm kernels compile per row count: the rows reach them in blocks of 2048 x 2**j (the last one
+    zero-padded), and the blocks change neither the result nor the gradient."""
+    from harts_hf.kernels.token_ops.ops import _power_of_two_blocks
 
     seen = []
 
@@ -142,7 +144,7 @@ def test_narrow_norm_rows_are_padded_to_power_of_two_tiles(rows, padded):
         return x * torch.arange(x.shape[1], dtype=x.dtype)
 
     x = torch.randn(rows, 3, requires_grad=True)
-    y = _bucketed(row_wise, x)
+    y = _power_of_two_blocks(row_wise, x)
     (y.square().sum()).backward()
-    assert seen == [padded] and torch.equal(y, x * torch.arange(3.0))
+    assert seen == blocks and torch.equal(y, x * torch.arange(3.0))
     assert torch.equal(x.grad, 2 * x.detach() * torch.arange(3.0) ** 2)

@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .._backend import fla_available, in_row_blocks
+from .._backend import FLA_ROW_BUCKET, fla_available, in_row_blocks
 from .naive import gated_rms_norm_reference, rms_norm_reference, swiglu_reference
 
 __all__ = ["BACKEND", "gated_rms_norm", "rms_norm", "swiglu", "token_ops_backend"]
@@ -21,14 +21,12 @@ BACKEND = "auto"
 """``"auto"``: fla's kernels for CUDA tensors where fla imports, the references otherwise; ``"torch"``: always the
 references (benchmarks' A/B); ``"fla"``: always fla (CUDA, or CPU under Triton's interpreter)."""
 
-_ROW_KERNEL_MIN_DIM = 513
-"""Rows at least this wide take fla's row kernels, whose compilation does not depend on the row count. Narrower
-ones take kernels that compile and autotune once per ``NB``, a function of the row count: fla's RMSNorm
-(``NB = ceil(rows / 2048)``) runs in blocks of :data:`~.._backend.FLA_ROW_BUCKET` rows with the last block padded
-to 2048 x a power of two rows (:func:`_bucketed`: six variants in all, where unpadded tails gave a new 30-70 s
-compilation for most new forest sizes on the H200); the gated norm (``NB = ceil(rows / 65536)``) runs in
-65,536-row blocks (one variant)."""
 _NORM_ROW_TILE = 2048
+"""fla's RMSNorm kernels specialise on the row count: the backward's rows per program (``ceil(rows / SMs)``) is a
+compile-time constant at every width, and for widths <= 512 the forward and backward also autotune once per
+``ceil(rows / 2048)``. On the H200 the packed baseline's new forest sizes cost 30-70 s of compilation each. So
+:func:`rms_norm` calls fla on blocks of 2048 x 2**j rows only (:func:`_power_of_two_blocks`): at most seven shapes
+per width, whatever the forest."""
 
 
 def token_ops_backend(x: torch.Tensor, choice: str | None = None) -> str:
@@ -60,20 +58,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool,
     out_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
     scale = 1.0 + weight.float() if offset else weight
     rows = x.reshape(-1, x.shape[-1])
-    norm = functools.partial(_fla_rms_norm_rows, fla_rms_norm, scale, eps)
-    y = norm(rows) if x.shape[-1] >= _ROW_KERNEL_MIN_DIM else in_row_blocks(functools.partial(_bucketed, norm),
-                                                                             rows)
+    y = _power_of_two_blocks(functools.partial(_fla_rms_norm_rows, fla_rms_norm, scale, eps), rows)
     return y.reshape(x.shape).to(out_dtype)
 
 
-def _bucketed(function, rows: torch.Tensor) -> torch.Tensor:
-    """``function(rows)`` for a row-wise ``function`` with the rows zero-padded to ``2048 * 2**j`` (at most
-    :data:`~.._backend.FLA_ROW_BUCKET`); the padded rows are cut off again (their gradient is zero)."""
-    tiles = -(-rows.shape[0] // _NORM_ROW_TILE)
-    padded = _NORM_ROW_TILE * (1 << max(tiles - 1, 0).bit_length())
-    if padded == rows.shape[0]:
-        return function(rows)
-    return function(torch.nn.functional.pad(rows, (0, 0, 0, padded - rows.shape[0])))[: rows.shape[0]]
+def _power_of_two_blocks(function, rows: torch.Tensor) -> torch.Tensor:
+    """``function(rows)`` for a ROW-WISE ``function``, called on consecutive blocks of ``2048 * 2**j`` rows (at most
+    :data:`~.._backend.FLA_ROW_BUCKET`; the binary digits of the row count) and concatenated; the last ``< 2048``
+    rows are zero-padded to 2048 and cut off again (the padding's gradient is zero)."""
+    sizes, left = [], rows.shape[0]
+    while left >= _NORM_ROW_TILE:
+        block = min(FLA_ROW_BUCKET, _NORM_ROW_TILE << ((left // _NORM_ROW_TILE).bit_length() - 1))
+        sizes.append(block)
+        left -= block
+    blocks = list(rows.split(sizes + ([left] if left else [])))
+    if left:
+        tail = torch.nn.functional.pad(blocks[-1], (0, 0, 0, _NORM_ROW_TILE - left))
+        blocks[-1] = tail
+    outputs = [function(block) for block in blocks]
+    if left:
+        outputs[-1] = outputs[-1][:left]
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 def _fla_rms_norm_rows(fla_rms_norm, weight, eps, rows):
@@ -96,7 +101,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     fla_rms_norm_gated = _fla()[2]
     rows, gates = x.reshape(-1, x.shape[-1]), gate.reshape(-1, x.shape[-1])
     norm = functools.partial(_fla_gated_rows, fla_rms_norm_gated, weight, eps)
-    y = norm(rows, gates) if x.shape[-1] >= _ROW_KERNEL_MIN_DIM else in_row_blocks(norm, rows, gates)
+    y = in_row_blocks(norm, rows, gates)  # the gated kernels autotune per ceil(rows / 65536): one block shape
     return y.reshape(x.shape).to(x.dtype)
 
 
