@@ -313,7 +313,7 @@ def packed_fit(rows: list[dict], sequences) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=0.2)
-    parser.add_argument("--workload", default="swe", choices=["swe", "tau", "grpo", "search"],
+    parser.add_argument("--workload", default="swe", choices=["swe", "tau", "grpo", "search", "distinct"],
                         help="swe: one task; the others: the preset's whole batch")
     parser.add_argument("--budget", type=int, nargs="+", default=[0, 32768],
                         help="token budgets to run, 0 = the whole forest as one piece (default: %(default)s)")

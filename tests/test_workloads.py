@@ -135,7 +135,7 @@ def test_small_vocabulary_keeps_ids_in_range_and_prefixes_apart():
 # ---------------------------------------------------------------------- presets
 @pytest.mark.parametrize("name,scale,seed", [
     ("swe", 0.02, 0), ("swe", 0.02, 1), ("swe", 0.05, 2), ("tau", 0.02, 0), ("tau", 0.05, 1),
-    ("grpo", 0.02, 0), ("grpo", 0.1, 1), ("search", 0.02, 0), ("coding_agent", 0.02, 0),
+    ("grpo", 0.02, 0), ("grpo", 0.1, 1), ("search", 0.02, 0), ("coding_agent", 0.02, 0), ("distinct", 0.02, 0),
 ])
 def test_preset_r_tok_in_documented_range(name, scale, seed):
     w = make_workload(name, scale=scale, seed=seed)
@@ -173,7 +173,7 @@ def test_presets_document_their_source():
 
 # ---------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("call,message", [
-    (lambda: make_workload("nope"), r"known presets: coding_agent, grpo, search, swe, tau"),
+    (lambda: make_workload("nope"), r"known presets: coding_agent, distinct, grpo, search, swe, tau"),
     (lambda: make_workload("swe", scale=0), r"scale = 0; expected a finite number > 0"),
     (lambda: make_workload("swe", scale=-1.0), r"scale"),
     (lambda: make_workload("swe", turn=3), r"turn: not parameters of preset 'swe'"),

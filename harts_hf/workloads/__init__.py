@@ -1,7 +1,7 @@
 """Seeded synthetic RL workloads as token sequences with loss masks, for measuring prefix sharing.
 
 Generators: :func:`grpo_groups`, :func:`agentic_rollouts`, :func:`fixed_branching`; named presets
-(``swe``, ``tau``, ``grpo``, ``search``, ``coding_agent``) through :func:`make_workload`.
+(``swe``, ``tau``, ``grpo``, ``search``, ``coding_agent``, ``distinct``) through :func:`make_workload`.
 """
 
 from .agentic import agentic_rollouts

@@ -1,4 +1,5 @@
-"""Named workload presets (``swe``, ``tau``, ``grpo``, ``search``, ``coding_agent``) and :func:`make_workload`.
+"""Named workload presets (``swe``, ``tau``, ``grpo``, ``search``, ``coding_agent``, ``distinct``) and
+:func:`make_workload`.
 
 ``scale`` multiplies every token length of a preset (counts and shapes stay), so a full-size shape fits a CPU
 test. ``R_tok`` depends on length ratios, so it stays in each preset's range down to ``scale ~ 0.02``; below,
@@ -77,6 +78,16 @@ PRESETS: dict[str, Preset] = {
 
         A 1k-token system prompt shared by all, ~512-token prompts, ~2k-token reasoning completions (lognormal,
         sigma 0.5). With ~1k completions R_tok would be ~2.3; longer completions put it in 1.3-1.9.""",
+    ),
+    "distinct": Preset(
+        grpo_groups,
+        dict(num_prompts=64, group_size=1, prompt_len=512, completion_len=2048, system_prompt_len=0,
+             prompt_len_sigma=0.3, completion_len_sigma=0.5),
+        ("prompt_len", "completion_len"),
+        (1.0, 1.001),
+        """The no-sharing control: 64 unrelated prompts with one completion each (the `grpo` preset's lengths from
+        DeepSeekMath's GRPO, arXiv 2402.03300, with no system prompt and groups of one), R_tok 1.0. The tree has nothing to share, so it measures the tree path's own
+        overhead against the packed per-trajectory path and TRL's GRPOTrainer on the same rows.""",
     ),
     "search": Preset(
         agentic_rollouts,
