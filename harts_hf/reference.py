@@ -72,13 +72,12 @@ def per_sequence_logprobs(model, sequences, *, compute_entropy: bool = False, te
     """
     device = model.get_input_embeddings().weight.device
     logprobs, entropies, router_logits = [], [], []
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
     with torch_reference_kernels(float64_recurrence):
         for sequence in sequences:
             ids = torch.as_tensor(sequence, dtype=torch.long, device=device).unsqueeze(0)
             kwargs = {"output_router_logits": True} if return_aux_loss else {}
-            outputs = decoder(input_ids=ids, use_cache=False, **kwargs)
-            logits = head(outputs.last_hidden_state[0, :-1]).float() / temperature
+            outputs = model(input_ids=ids, use_cache=False, **kwargs)  # the model's own head (final softcapping)
+            logits = outputs.logits[0, :-1].float() / temperature
             log_probs = logits.log_softmax(-1)
             logprobs.append(log_probs.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1))
             if compute_entropy:

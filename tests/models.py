@@ -53,6 +53,22 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**COMMON, num_hidden_layers=2))
     elif name == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**COMMON, num_hidden_layers=2))
+    elif name in ("mistral", "mistral_sliding"):
+        window = dict(sliding_window=64) if name == "mistral_sliding" else dict(sliding_window=None)
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**COMMON, **window, num_hidden_layers=2))
+    elif name == "phi3":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(**COMMON, num_hidden_layers=2,
+                                                                     pad_token_id=0))
+    elif name == "olmo2":
+        model = transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**COMMON, num_hidden_layers=2))
+    elif name == "gemma3_text":  # mixed sliding (window 64) and full layers, query_pre_attn_scalar, q/k norms
+        config = transformers.Gemma3TextConfig(**COMMON, num_hidden_layers=3, sliding_window=64,
+                                               layer_types=["sliding_attention", "sliding_attention",
+                                                            "full_attention"], query_pre_attn_scalar=24,
+                                               final_logit_softcapping=None, attn_logit_softcapping=None)
+        model = transformers.Gemma3ForCausalLM(config)
+    elif name == "gemma2":  # attention logit softcapping: refused on trees
+        model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**COMMON, num_hidden_layers=2))
     else:
         raise ValueError(name)
     if mild_decay:

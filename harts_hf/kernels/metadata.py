@@ -135,11 +135,14 @@ class TreeMetadata:
             self._cache["varlen_layout"] = build_varlen_layout(self.host_packed(), self.context_tokens).to(self.device)
         return self._cache["varlen_layout"]
 
-    def attention_mask(self) -> torch.Tensor:
-        """Dense ``[U, U + d0]`` ancestor-or-self mask (the sdpa path; context keys last)."""
-        if "attention_mask" not in self._cache:
-            self._cache["attention_mask"] = tree_attention_mask(self.packed.subtree_end, self.context_tokens)
-        return self._cache["attention_mask"]
+    def attention_mask(self, window: int | None = None) -> torch.Tensor:
+        """Dense ``[U, U + d0]`` ancestor-or-self mask (the sdpa path; context keys last), within ``window``
+        positions of the query where given (sliding-window layers)."""
+        key = ("attention_mask", window)
+        if key not in self._cache:
+            self._cache[key] = tree_attention_mask(self.packed.subtree_end, self.context_tokens, window=window,
+                                                   depth=None if window is None else self.packed.position_ids)
+        return self._cache[key]
 
     def stats(self) -> dict:
         """Forest statistics plus the plan's rounds and replay tokens (for the backend in use on this device)."""

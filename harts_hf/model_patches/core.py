@@ -41,13 +41,15 @@ class TreeFamily:
     """How to run one model family on a tree.
 
     ``attention_classes``: class names of softmax-attention mixers; ``linear_classes``: class name ->
-    ``forward`` factory for linear-attention mixers; ``moe``: the family has routed experts.
+    ``forward`` factory for linear-attention mixers; ``moe``: the family has routed experts (and harts_hf weights
+    their load-balancing loss by multiplicity).
     """
 
     model_types: tuple[str, ...]
     attention_classes: tuple[str, ...] = ()
     linear_classes: dict[str, Callable] = field(default_factory=dict)
     moe: bool = False
+    generic: bool = False  # found by attention_interface_family, not registered
 
 
 _REGISTRY: dict[str, TreeFamily] = {}
@@ -133,14 +135,16 @@ class PatchHandle:
         if getattr(self.model, _PATCH_MARK, None) is self:
             delattr(self.model, _PATCH_MARK)
 
-    def __getstate__(self) -> dict:  # pickled with the model (torch.save): the family by its registry key
+    def __getstate__(self) -> dict:  # pickled with the model (torch.save): a registered family by its key
         state = dict(vars(self))
-        state["family"] = None if self.family is None else self.family.model_types[0]
+        if self.family is not None and not self.family.generic:
+            state["family"] = self.family.model_types[0]
         return state
 
     def __setstate__(self, state: dict) -> None:
         _load_families()
-        state["family"] = None if state["family"] is None else _REGISTRY[state["family"]]
+        if isinstance(state["family"], str):
+            state["family"] = _REGISTRY[state["family"]]
         vars(self).update(state)
 
     def __enter__(self) -> PatchHandle:
@@ -153,6 +157,41 @@ class PatchHandle:
         state = "active" if self.active else "reverted"
         return (f"PatchHandle({type(self.model).__name__}, {len(self.attention_modules)} attention + "
                 f"{len(self.linear_modules)} linear-attention mixers, {state})")
+
+
+def _uses_attention_interface(module: torch.nn.Module) -> bool:
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)  # through decorators (deprecate_kwarg)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def attention_interface_family(model) -> TreeFamily | None:
+    """A family for a model that needs nothing beyond softmax attention, found by its structure: the decoder has a
+    rotary embedding (positions come from ``position_ids``, which tree execution sets to depths) and every decoder
+    layer holds exactly one module whose ``forward`` goes through transformers' attention interface
+    (``ALL_ATTENTION_FUNCTIONS``); :func:`check_decoder_layers` then refuses anything else in a layer that is not
+    per-token. None if the model does not look like that."""
+    try:
+        layers = decoder_layers(model)
+    except ValueError:
+        return None
+    if not layers or not any("RotaryEmbedding" in type(m).__name__ for m in model.get_decoder().children()):
+        return None
+    names = set()
+    for _, layer in layers:
+        found = [m for m in layer.modules() if _uses_attention_interface(m)]
+        if len(found) != 1:
+            return None
+        names.add(type(found[0]).__name__)
+        for name, what in (("sinks", "attention sinks"), ("s_aux", "attention sinks")):
+            if getattr(found[0], name, None) is not None:
+                raise ValueError(f"{type(found[0]).__name__} has {what} ({name}), which tree attention does not "
+                                 "implement yet; train this model without trees (TreeGRPOConfig(use_tree=False))")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping}: tree attention does not implement "
+                         "attention logit softcapping yet; train this model without trees "
+                         "(TreeGRPOConfig(use_tree=False))")
+    return TreeFamily(model_types=(model_type_of(model),), attention_classes=tuple(sorted(names)), generic=True)
 
 
 def model_type_of(model) -> str:
@@ -172,10 +211,12 @@ def apply_tree_patches(model) -> PatchHandle:
     """
     _load_families()
     model_type = model_type_of(model)
-    family = _REGISTRY.get(model_type)
+    family = _REGISTRY.get(model_type) or attention_interface_family(model)
     if family is None:
         raise ValueError(
-            f"model_type {model_type!r} has no tree execution in harts_hf; supported: {', '.join(supported_model_types())}. "
+            f"model_type {model_type!r} has no tree execution in harts_hf; supported: {', '.join(supported_model_types())}, "
+            "and any causal LM whose every decoder layer attends through transformers' attention interface "
+            "(ALL_ATTENTION_FUNCTIONS) with rotary positions and per-token modules besides. "
             "Train it without trees (TreeGRPOConfig(use_tree=False)) or add a family in harts_hf/model_patches.")
     existing = getattr(model, _PATCH_MARK, None)
     if existing is not None and existing.active:
@@ -343,9 +384,14 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
     if dropout and module.training:
         raise ValueError(f"tree execution does not support attention dropout (got {dropout}); set "
                          "config.attention_dropout = 0.0 or call model.eval() for the tree forward.")
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError("tree execution does not support sliding-window attention layers yet; "
-                         "disable use_sliding_window in the config or train without trees.")
+    for name, what in _UNSUPPORTED_ATTENTION_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{type(module).__name__}: tree attention does not implement {what} yet ({name}="
+                             f"{kwargs[name]!r}); train this model without trees (TreeGRPOConfig(use_tree=False)).")
+    window = kwargs.get("sliding_window")
+    if window is not None and tree.context is not None:
+        raise ValueError(f"{type(module).__name__}: a sliding-window layer in a planner piece below a branch point "
+                         "is not supported; raise tree_token_budget so that each tree runs as one piece")
     if query.shape[0] != 1 or query.shape[2] != tree.num_tokens:
         raise ValueError(f"tree attention expects one packed row of {tree.num_tokens} tokens, got query {tuple(query.shape)}")
     # under autocast, in its dtype before the kernel choice below (and before hand-off exports record keys)
@@ -369,9 +415,16 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
         backend = "sdpa" if tree.num_tokens <= _DENSE_MASK_TOKENS else "runs"
     layout = tree.varlen_layout() if backend != "sdpa" else None
     out = tree_attention(q, k, v, tree.packed.subtree_end, scaling=scaling,
-                         mask=tree.attention_mask() if backend == "sdpa" else None, backend=backend, layout=layout,
-                         context_k=context_k, context_v=context_v)
+                         mask=tree.attention_mask(window) if backend == "sdpa" else None, backend=backend,
+                         layout=layout, context_k=context_k, context_v=context_v, window=window)
     return out.unsqueeze(0), None
+
+
+_UNSUPPORTED_ATTENTION_KWARGS = {"softcap": "attention logit softcapping", "s_aux": "attention sinks",
+                                 "sinks": "attention sinks"}
+"""Attention keywords that change what attention computes and that the tree kernels do not implement: a call
+carrying one raises instead of running without it (transformers' SDPA path ignores them, which is why those
+models default to eager attention)."""
 
 
 def layer_key(module) -> int:

@@ -97,7 +97,8 @@ def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
     logprobs, entropies = chunked_logprobs(
         model.get_output_embeddings(), hidden, packed.input_ids[request.targets], temperature=request.temperature,
         chunk_size=request.chunk_size, compute_entropy=request.compute_entropy, float32_head=request.float32_head,
-        entropy_grad=request.entropy_grad, functional_head=zero3_enabled())
+        entropy_grad=request.entropy_grad, functional_head=zero3_enabled(),
+        logit_softcap=getattr(text_config(model), "final_logit_softcapping", None))
     aux_loss = router_logits = None
     if request.aux_loss:
         router_logits = tuple(outputs.router_logits)

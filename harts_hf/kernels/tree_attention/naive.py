@@ -9,8 +9,9 @@ from ...trees import PackedForest
 __all__ = ["causal_attention_reference", "tree_attention_reference"]
 
 
-def causal_attention_reference(q, k, v, scaling=None) -> torch.Tensor:
-    """One sequence: q ``[L, HQ, D]``, k, v ``[L, HKV, D]`` -> ``[L, HQ, D]`` (explicit softmax, fp32 accumulation)."""
+def causal_attention_reference(q, k, v, scaling=None, window: int | None = None) -> torch.Tensor:
+    """One sequence: q ``[L, HQ, D]``, k, v ``[L, HKV, D]`` -> ``[L, HQ, D]`` (explicit softmax, fp32 accumulation).
+    ``window``: a query sees the keys less than ``window`` positions before it (sliding-window attention)."""
     L, HQ, D = q.shape
     repeat = HQ // k.shape[1]
     k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -18,14 +19,16 @@ def causal_attention_reference(q, k, v, scaling=None) -> torch.Tensor:
     compute = torch.promote_types(q.dtype, torch.float32)
     scores = torch.einsum("qhd,khd->hqk", q.to(compute), k.to(compute)) * scaling
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    if window is not None:
+        causal &= ~torch.ones(L, L, dtype=torch.bool, device=q.device).tril(-window)
     weights = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", weights, v.to(compute)).to(q.dtype)
 
 
-def tree_attention_reference(q, k, v, packed: PackedForest, scaling=None) -> list[torch.Tensor]:
+def tree_attention_reference(q, k, v, packed: PackedForest, scaling=None, window: int | None = None) -> list[torch.Tensor]:
     """Per-path outputs ``[L_i, HQ, D]``."""
     outputs = []
     for i in range(packed.num_sequences):
         index = packed.sequence_index(i).to(q.device)
-        outputs.append(causal_attention_reference(q[index], k[index], v[index], scaling))
+        outputs.append(causal_attention_reference(q[index], k[index], v[index], scaling, window))
     return outputs

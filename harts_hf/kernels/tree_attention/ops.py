@@ -33,12 +33,19 @@ SDPA's rate and 3.2 s of plans for a second forest (exact shapes: 11.6 s); full-
 paths waste the blocks)."""
 
 
-def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0) -> torch.Tensor:
+def tree_attention_mask(subtree_end: torch.Tensor, context_tokens: int = 0, *, window: int | None = None,
+                        depth: torch.Tensor | None = None) -> torch.Tensor:
     """``[U, U + C]`` bool, ``mask[q, k] = k <= q < subtree_end[k]`` (True = may attend) for the ``U`` packed keys,
-    then ``C = context_tokens`` columns of True: context keys (ancestors outside the forest) every query sees."""
+    then ``C = context_tokens`` columns of True: context keys (ancestors outside the forest) every query sees.
+    ``window`` (with ``depth [U]``, the tokens' depths): an ancestor is also kept only if it lies less than
+    ``window`` positions above the query (sliding-window attention along each path)."""
     positions = torch.arange(subtree_end.shape[0], device=subtree_end.device)
     query, key = positions[:, None], positions[None, :]
     mask = (key <= query) & (query < subtree_end[None, :])
+    if window is not None:
+        if depth is None or context_tokens:
+            raise ValueError("tree_attention_mask: a window needs depth=[U] and no context tokens")
+        mask &= (depth[:, None] - depth[None, :]) < window
     if context_tokens:
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], context_tokens)], dim=1)
     return mask
@@ -70,7 +77,8 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple:
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
                    scaling: float | None = None, mask: torch.Tensor | None = None,
                    backend: str = "auto", layout=None, context_k: torch.Tensor | None = None,
-                   context_v: torch.Tensor | None = None) -> torch.Tensor:
+                   context_v: torch.Tensor | None = None, window: int | None = None,
+                   depth: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention over a packed forest.
 
     Args:
@@ -87,6 +95,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         context_k, context_v: ``[C, HKV, D]`` keys/values of ``C`` ancestors outside the forest that every query
             sees (a planner piece below a branch point: one tree, its root's ancestors). The mask and layout must
             then be built with ``context_tokens=C``.
+        window: sliding-window attention: a query sees only the ancestors less than ``window`` positions above
+            it (and itself), as transformers' sliding-window mask does on each path; the sdpa path needs ``depth``
+            (``[U]``, the tokens' depths) or a mask built with it; not with context keys, nor on ``"cudnn"``.
 
     Returns:
         ``[U, HQ, D]`` in ``q.dtype`` (the autocast dtype under autocast, see :func:`autocast_inputs`).
@@ -110,8 +121,16 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     if layout is not None and layout.context_tokens != k.shape[0] - U:
         raise ValueError(f"tree_attention: the layout was built for {layout.context_tokens} context tokens but "
                          f"{k.shape[0] - U} were given; build_varlen_layout(packed, context_tokens=...) to match")
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"tree_attention: window must be a positive int (sliding-window size), got {window!r}")
+        if context_k is not None:
+            raise ValueError("tree_attention: sliding-window attention with context keys (a planner piece below a "
+                             "branch point) is not supported; raise the token budget so each tree is one piece")
+        if backend == "cudnn":
+            raise ValueError("tree_attention: backend='cudnn' has no sliding window; use 'varlen' or 'auto'")
     if backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        backend = cuda_backend(layout)
+        backend = "varlen" if window is not None else cuda_backend(layout)
     if backend in ("varlen", "cudnn"):
         if layout is None or not q.is_cuda:
             raise ValueError(f"tree_attention: backend={backend!r} needs CUDA tensors and a VarlenLayout (layout=...)")
@@ -121,13 +140,15 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
             return tree_attention_split(q, k, v, run_blocks(layout, key_block=CUDNN_KEY_BLOCK), scaling)
         from .varlen import tree_attention_varlen
 
-        return tree_attention_varlen(q, k, v, layout, scaling)
+        return tree_attention_varlen(q, k, v, layout, scaling, window=window)
     if backend == "runs":
         if layout is None:
             raise ValueError("tree_attention: backend='runs' needs a VarlenLayout (layout=build_varlen_layout(packed))")
-        return _attention_by_runs(q, k, v, layout, scaling)
+        return _attention_by_runs(q, k, v, layout, scaling, window)
     if mask is None:
-        mask = tree_attention_mask(subtree_end, k.shape[0] - U)
+        if window is not None and depth is None:
+            raise ValueError("tree_attention: backend='sdpa' with a window needs depth=[U] (or a mask built with it)")
+        mask = tree_attention_mask(subtree_end, k.shape[0] - U, window=window, depth=depth)
     if mask.shape != (U, k.shape[0]):
         raise ValueError(f"tree_attention: mask must be [U={U}, U + context = {k.shape[0]}], got {tuple(mask.shape)}; "
                          "build it with tree_attention_mask(subtree_end, context_tokens)")
@@ -143,8 +164,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
                                               float("nan"))
 
 
-def _attention_by_runs(q, k, v, layout, scaling):
-    """Each run's queries against its gathered root path, bottom-right causal: one SDPA call per run."""
+def _attention_by_runs(q, k, v, layout, scaling, window: int | None = None):
+    """Each run's queries against its gathered root path, bottom-right causal (within ``window`` positions, where
+    given: along the path, key index and depth differ by a constant): one SDPA call per run."""
     from .varlen import gather_rows
 
     outputs = []
@@ -154,7 +176,10 @@ def _attention_by_runs(q, k, v, layout, scaling):
         queries = q[cu_q[run]:cu_q[run + 1]]
         rows = slice(cu_k[run], cu_k[run + 1])
         length_q, length_k = queries.shape[0], rows.stop - rows.start
-        visible = torch.ones(length_q, length_k, dtype=torch.bool, device=q.device).tril(length_k - length_q)
+        ones = torch.ones(length_q, length_k, dtype=torch.bool, device=q.device)
+        visible = ones.tril(length_k - length_q)
+        if window is not None:
+            visible &= ~ones.tril(length_k - length_q - window)
         out = F.scaled_dot_product_attention(
             queries.transpose(0, 1).unsqueeze(0), keys[rows].transpose(0, 1).unsqueeze(0),
             values[rows].transpose(0, 1).unsqueeze(0), attn_mask=visible, scale=scaling,

@@ -143,17 +143,21 @@ def varlen_kernel(device: torch.device, choice: str | None = None) -> str:
     return choice
 
 
-def _varlen_call(kernel: str, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scaling, extra: dict) -> torch.Tensor:
-    """One bottom-right causal varlen attention call on ``kernel``."""
+def _varlen_call(kernel: str, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scaling, extra: dict,
+                 window: int | None = None) -> torch.Tensor:
+    """One bottom-right causal varlen attention call on ``kernel`` (``window``: keys less than ``window`` rows
+    before the query's diagonal)."""
+    left = -1 if window is None else window - 1
     if kernel == "fa4":
         from flash_attn.cute import flash_attn_varlen_func
 
         out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                     max_seqlen_k=max_k, softmax_scale=scaling, causal=True)
+                                     max_seqlen_k=max_k, softmax_scale=scaling, causal=True,
+                                     window_size=(None if window is None else left, None if window is None else 0))
         return out[0] if isinstance(out, tuple) else out
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(-1, 0), **extra)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(left, 0), **extra)
 
 
 def varlen_available() -> bool:
@@ -187,7 +191,7 @@ def varlen_call_groups(cu_q: list[int], cu_k: list[int], q_row_elements: int, k_
 
 
 def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout,
-                          scaling: float | None = None) -> torch.Tensor:
+                          scaling: float | None = None, window: int | None = None) -> torch.Tensor:
     """q ``[U, HQ, D]``, k/v ``[U, HKV, D]`` on CUDA (bf16/fp16) -> ``[U, HQ, D]``; one varlen call, or several
     over consecutive runs where one call would pass :data:`MAX_CALL_ELEMENTS`."""
     from torch.nn.attention.varlen import varlen_attn
@@ -203,11 +207,11 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     if len(groups) == 1:
         keys, values = gather_rows(k, layout.key_index), gather_rows(v, layout.key_index)
         return _varlen_call(kernel, q, keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scaling,
-                            extra)
+                            extra, window)
     outputs = []
     for r0, r1 in groups:
         index = layout.key_index[cu_k[r0]: cu_k[r1]]
         offsets_q, offsets_k = layout.cu_q[r0: r1 + 1] - cu_q[r0], layout.cu_k[r0: r1 + 1] - cu_k[r0]
         outputs.append(_varlen_call(kernel, q[cu_q[r0]: cu_q[r1]], gather_rows(k, index), gather_rows(v, index),
-                                    offsets_q, offsets_k, layout.max_q, layout.max_k, scaling, extra))
+                                    offsets_q, offsets_k, layout.max_q, layout.max_k, scaling, extra, window))
     return torch.cat(outputs)

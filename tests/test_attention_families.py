@@ -1,0 +1,108 @@
+"""Full-attention families found by structure (transformers' attention interface, rotary positions): sliding
+windows along each path, mixed sliding/full layers, final-logit softcapping, refusal of what trees do not
+implement yet; exact against transformers' own model run one sequence at a time (fp32 CPU)."""
+
+import pytest
+import torch
+
+from harts_hf.kernels import build_varlen_layout, tree_attention, tree_attention_reference
+from harts_hf.model_patches import apply_tree_patches
+from harts_hf.model_patches.core import attention_interface_family
+from harts_hf.trees import PrefixForest
+from tests.forests import chunk_edge_sequences
+from tests.models import VOCAB, build
+from tests.test_tree_logprobs import compare
+
+GENERIC = ["mistral", "mistral_sliding", "phi3", "olmo2", "gemma3_text"]
+
+
+@pytest.mark.parametrize("family", GENERIC)
+def test_matches_per_sequence_fp32(family):
+    """Forks at depths 0, 1, 63, 64, 65, 127-129 (window 64: window - 1, window, window + 1), nested forks, an
+    identical pair and a prefix; log-probs, entropies and every parameter gradient."""
+    compare(build(family), chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-4)
+
+
+def test_final_logit_softcapping():
+    model = build("gemma3_text")
+    model.config.final_logit_softcapping = 3.0
+    compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-4, temperature=0.7)
+
+
+def test_found_by_structure():
+    family = attention_interface_family(build("gemma3_text"))
+    assert family.generic and family.attention_classes == ("Gemma3Attention",)
+    handle = apply_tree_patches(build("mistral_sliding"))
+    assert len(handle.attention_modules) == 2
+    handle.revert()
+
+
+def test_what_trees_do_not_implement_is_refused_at_patch_time():
+    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0: tree attention does not implement attention "
+                                         r"logit softcapping yet; .*use_tree=False"):
+        apply_tree_patches(build("gemma2"))
+
+
+@pytest.mark.parametrize("window", [1, 2, 63, 64, 65, 1000])
+@pytest.mark.parametrize("backend", ["sdpa", "runs"])
+def test_sliding_window_kernels_match_per_path(window, backend):
+    """A key is visible iff it is an ancestor-or-self less than ``window`` positions above the query: output and
+    every input gradient against causal windowed attention on each path (fp64)."""
+    packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
+    U = packed.num_tokens
+    torch.manual_seed(0)
+    leaves = [torch.randn(U, h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)]
+    out = tree_attention(*leaves, packed.subtree_end, backend=backend, layout=build_varlen_layout(packed),
+                         window=window, depth=packed.position_ids)
+    weights = torch.randn(out.shape, dtype=torch.float64)
+    grads = torch.autograd.grad((out * weights).sum(), leaves)
+    expected = torch.zeros_like(out)  # each token's output from the first path through it (all paths agree)
+    written = torch.zeros(U, dtype=torch.bool)
+    for i, path_out in enumerate(tree_attention_reference(*leaves, packed, window=window)):
+        index = packed.sequence_index(i)
+        new = ~written[index]
+        expected = expected.index_copy(0, index[new], path_out[new])
+        written[index] = True
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    for a, b in zip(grads, torch.autograd.grad((expected * weights).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_window_arguments_are_checked():
+    packed = PrefixForest.from_sequences([[1, 2, 3]]).pack()
+    q = torch.randn(3, 2, 4)
+    with pytest.raises(ValueError, match="window must be a positive int"):
+        tree_attention(q, q, q, packed.subtree_end, window=0, depth=packed.position_ids)
+    with pytest.raises(ValueError, match="with a window needs depth"):
+        tree_attention(q, q, q, packed.subtree_end, backend="sdpa", window=2)
+    with pytest.raises(ValueError, match="context keys"):
+        tree_attention(q, q, q, packed.subtree_end, window=2, depth=packed.position_ids, context_k=q[:1],
+                       context_v=q[:1])
+
+
+@pytest.mark.parametrize("family", ["mistral_sliding", "gemma3_text"])
+def test_tree_grpo_trainer_matches_grpo_trainer(tmp_path, family):
+    """A windowed family (window 8, shorter than the rows) through TreeGRPOTrainer and GRPOTrainer: one
+    microbatch's loss and every gradient, then two optimizer steps to the same parameters."""
+    from tests.test_tree_grpo import assert_same_loss_and_grads, make_trainers
+    from tests.trl_helpers import char_tokenizer
+
+    model = build(family)
+    model.config.sliding_window = 8
+    for layer in model.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None):
+            layer.self_attn.sliding_window = 8
+    path = tmp_path / "model"
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    base, tree = make_trainers(str(path), tmp_path / "out")
+    assert_same_loss_and_grads(base, tree)
+    base, tree = make_trainers(str(path), tmp_path / "steps", max_steps=2, per_device_train_batch_size=6,
+                               gradient_accumulation_steps=2)
+    start = {name: p.detach().clone() for name, p in base.model.named_parameters()}
+    for trainer in (base, tree):
+        torch.manual_seed(0)
+        trainer.train()
+    for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
+        step = (a.detach() - start[name]).norm()
+        assert (b - a).norm() <= 1e-5 * a.norm() + 1e-3 * step, name
