@@ -67,8 +67,32 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
                                                             "full_attention"], query_pre_attn_scalar=24,
                                                final_logit_softcapping=None, attn_logit_softcapping=None)
         model = transformers.Gemma3ForCausalLM(config)
-    elif name == "gemma2":  # attention logit softcapping: refused on trees
+    elif name == "cohere2":  # parallel attention / MLP block, logit_scale on the head, sliding + full layers
+        config = transformers.Cohere2Config(**COMMON, num_hidden_layers=2, sliding_window=64, logit_scale=0.5,
+                                            layer_types=["sliding_attention", "full_attention"])
+        model = transformers.Cohere2ForCausalLM(config)
+    elif name == "granite":  # embedding / residual / attention multipliers, logits divided by logits_scaling
+        config = transformers.GraniteConfig(**COMMON, num_hidden_layers=2, logits_scaling=4.0, embedding_multiplier=2.0,
+                                            residual_multiplier=0.5, attention_multiplier=0.3)
+        model = transformers.GraniteForCausalLM(config)
+    elif name == "glm4_moe":  # partial rotary (half the head dim), routed + shared experts after a dense layer
+        config = transformers.Glm4MoeConfig(**COMMON, num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2,
+                                            moe_intermediate_size=16, first_k_dense_replace=1, n_group=1,
+                                            topk_group=1, partial_rotary_factor=0.5, pad_token_id=0)
+        model = transformers.Glm4MoeForCausalLM(config)
+    elif name == "mixtral":
+        config = transformers.MixtralConfig(**COMMON, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    elif name == "gemma2":  # attention logit softcapping (50), final-logit softcapping (30), sliding + full layers
         model = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**COMMON, num_hidden_layers=2))
+    elif name == "gpt_oss":  # attention sinks, routed experts, sliding + full layers
+        config = transformers.GptOssConfig(**COMMON, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2,
+                                           sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+                                           router_aux_loss_coef=0.0)
+        model = transformers.GptOssForCausalLM(config)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()  # transformers initialises them to zero
     else:
         raise ValueError(name)
     if mild_decay:

@@ -1,6 +1,7 @@
 """Full-attention families found by structure (transformers' attention interface, rotary positions): sliding
-windows along each path, mixed sliding/full layers, final-logit softcapping, refusal of what trees do not
-implement yet; exact against transformers' own model run one sequence at a time (fp32 CPU)."""
+windows along each path, mixed sliding/full layers, attention and final-logit softcapping, attention sinks, logit
+scales, a trust_remote_code model, refusal of logits the tree cannot reproduce; exact against transformers' own model run one sequence at a
+time (fp32 CPU)."""
 
 import pytest
 import torch
@@ -10,10 +11,12 @@ from harts_hf.model_patches import apply_tree_patches
 from harts_hf.model_patches.core import attention_interface_family
 from harts_hf.trees import PrefixForest
 from tests.forests import chunk_edge_sequences
+from tests.models import COMMON as _COMMON
 from tests.models import VOCAB, build
 from tests.test_tree_logprobs import compare
 
-GENERIC = ["mistral", "mistral_sliding", "phi3", "olmo2", "gemma3_text"]
+GENERIC = ["mistral", "mistral_sliding", "phi3", "olmo2", "gemma2", "gemma3_text", "cohere2", "granite", "gpt_oss",
+           "glm4_moe", "mixtral"]
 
 
 @pytest.mark.parametrize("family", GENERIC)
@@ -37,28 +40,28 @@ def test_found_by_structure():
     handle.revert()
 
 
-def test_what_trees_do_not_implement_is_refused_at_patch_time():
-    with pytest.raises(ValueError, match="attn_logit_softcapping=50.0: tree attention does not implement attention "
-                                         r"logit softcapping yet; .*use_tree=False"):
-        apply_tree_patches(build("gemma2"))
-
-
-@pytest.mark.parametrize("window", [1, 2, 63, 64, 65, 1000])
+@pytest.mark.parametrize("window,softcap,sinks", [(1, None, False), (2, None, False), (63, None, False),
+                                                  (64, None, False), (65, None, False), (1000, None, False),
+                                                  (None, 0.5, False), (None, None, True), (64, 0.5, True)])
 @pytest.mark.parametrize("backend", ["sdpa", "runs"])
-def test_sliding_window_kernels_match_per_path(window, backend):
-    """A key is visible iff it is an ancestor-or-self less than ``window`` positions above the query: output and
-    every input gradient against causal windowed attention on each path (fp64)."""
+def test_attention_features_match_per_path(window, softcap, sinks, backend):
+    """Sliding window (a key is visible iff it is an ancestor-or-self less than ``window`` positions above the
+    query), logit softcapping and attention sinks: output and every input gradient against causal attention with
+    the same features on each path (fp64)."""
     packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
     U = packed.num_tokens
     torch.manual_seed(0)
     leaves = [torch.randn(U, h, 8, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)]
-    out = tree_attention(*leaves, packed.subtree_end, backend=backend, layout=build_varlen_layout(packed),
-                         window=window, depth=packed.position_ids)
+    if sinks:
+        leaves.append(torch.randn(4, dtype=torch.float64, requires_grad=True))
+    features = dict(window=window, softcap=softcap, sinks=leaves[3] if sinks else None)
+    out = tree_attention(*leaves[:3], packed.subtree_end, backend=backend, layout=build_varlen_layout(packed),
+                         depth=packed.position_ids, **features)
     weights = torch.randn(out.shape, dtype=torch.float64)
     grads = torch.autograd.grad((out * weights).sum(), leaves)
     expected = torch.zeros_like(out)  # each token's output from the first path through it (all paths agree)
     written = torch.zeros(U, dtype=torch.bool)
-    for i, path_out in enumerate(tree_attention_reference(*leaves, packed, window=window)):
+    for i, path_out in enumerate(tree_attention_reference(*leaves[:3], packed, **features)):
         index = packed.sequence_index(i)
         new = ~written[index]
         expected = expected.index_copy(0, index[new], path_out[new])
@@ -80,7 +83,7 @@ def test_window_arguments_are_checked():
                        context_v=q[:1])
 
 
-@pytest.mark.parametrize("family", ["mistral_sliding", "gemma3_text"])
+@pytest.mark.parametrize("family", ["mistral_sliding", "gemma2", "gemma3_text", "cohere2", "gpt_oss"])
 def test_tree_grpo_trainer_matches_grpo_trainer(tmp_path, family):
     """A windowed family (window 8, shorter than the rows) through TreeGRPOTrainer and GRPOTrainer: one
     microbatch's loss and every gradient, then two optimizer steps to the same parameters."""
@@ -106,3 +109,59 @@ def test_tree_grpo_trainer_matches_grpo_trainer(tmp_path, family):
     for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
         step = (a.detach() - start[name]).norm()
         assert (b - a).norm() <= 1e-5 * a.norm() + 1e-3 * step, name
+
+
+REMOTE_CONFIG = """from transformers import LlamaConfig
+
+
+class RemoteConfig(LlamaConfig):
+    model_type = "remote_llama"
+"""
+REMOTE_MODEL = """import torch
+from transformers import LlamaForCausalLM
+
+from .configuration_remote import RemoteConfig
+
+
+class RemoteForCausalLM(LlamaForCausalLM):
+    config_class = RemoteConfig
+
+
+class ScaledRemoteForCausalLM(LlamaForCausalLM):  # post-processes its logits in its own forward
+    config_class = RemoteConfig
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+"""
+
+
+def _remote_model(tmp_path, class_name):
+    import json
+
+    import transformers
+
+    path = tmp_path / class_name
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**_COMMON, num_hidden_layers=2)).save_pretrained(path)
+    (path / "configuration_remote.py").write_text(REMOTE_CONFIG)
+    (path / "modeling_remote.py").write_text(REMOTE_MODEL)
+    config = json.loads((path / "config.json").read_text())
+    config.update(model_type="remote_llama", architectures=[class_name], auto_map={
+        "AutoConfig": "configuration_remote.RemoteConfig", "AutoModelForCausalLM": f"modeling_remote.{class_name}"})
+    (path / "config.json").write_text(json.dumps(config))
+    return transformers.AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.float32).eval()
+
+
+def test_trust_remote_code_model(tmp_path):
+    """A model whose classes come from its own directory (trust_remote_code) runs on trees by its structure."""
+    model = _remote_model(tmp_path, "RemoteForCausalLM")
+    assert type(model).__module__.startswith("transformers_modules") and model.config.model_type == "remote_llama"
+    compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-4)
+
+
+def test_logits_the_tree_cannot_reproduce_are_refused(tmp_path):
+    model = _remote_model(tmp_path, "ScaledRemoteForCausalLM")
+    with pytest.raises(ValueError, match="model_type 'remote_llama': the model's forward turns the LM head's output "
+                                         r"into logits in a way harts_hf does not reproduce .*use_tree=False"):
+        apply_tree_patches(model)

@@ -21,8 +21,20 @@ from .logprob_stats import logprob_entropy, logprob_stats_backend
 __all__ = ["chunked_logprobs"]
 
 
+def transform_logits(logits: torch.Tensor, logit_scale: float | None = None,
+                     logit_softcap: float | None = None) -> torch.Tensor:
+    """What a model's forward does to its LM head's output, as the model does it: times ``logit_scale``, then
+    ``c * tanh(logits / c)`` for ``c = logit_softcap``."""
+    if logit_scale is not None:
+        logits = logits * logit_scale
+    if logit_softcap is not None:
+        logits = torch.tanh(logits / logit_softcap) * logit_softcap
+    return logits
+
+
 def _score_chunk(head, hidden, labels, temperature: float, compute_entropy: bool, float32_head: bool,
-                 entropy_grad: bool = True, functional_head: bool = False, logit_softcap: float | None = None):
+                 entropy_grad: bool = True, functional_head: bool = False, logit_scale: float | None = None,
+                 logit_softcap: float | None = None):
     bias = getattr(head, "bias", None)
     if float32_head:
         with torch.autocast(hidden.device.type, enabled=False):
@@ -32,8 +44,7 @@ def _score_chunk(head, hidden, labels, temperature: float, compute_entropy: bool
         logits = torch.nn.functional.linear(hidden, head.weight, bias)
     else:
         logits = head(hidden)
-    if logit_softcap is not None:  # final-logit softcapping (Gemma 2), as the model's forward applies it
-        logits = torch.tanh(logits / logit_softcap) * logit_softcap
+    logits = transform_logits(logits, logit_scale, logit_softcap)
     if logprob_stats_backend(logits) == "triton":
         picked, entropy = logprob_entropy(logits, labels, temperature, backend="triton")
         if not compute_entropy:
@@ -50,6 +61,7 @@ def _score_chunk(head, hidden, labels, temperature: float, compute_entropy: bool
 def chunked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
                      chunk_size: int = 4096, compute_entropy: bool = False,
                      float32_head: bool = False, entropy_grad: bool = True, functional_head: bool = False,
+                     logit_scale: float | None = None,
                      logit_softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``hidden [N, H]`` through ``head`` (the LM head), ``labels [N]`` -> fp32 ``logprobs [N]`` and
     ``entropies [N]`` (or None). ``float32_head``: project in fp32 outside autocast (TRL's cast_lm_head_to_fp32).
@@ -58,8 +70,8 @@ def chunked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.
     ``[rows, vocab]`` tensors stashed by the checkpoint until the entropies are dropped (~4.6 GiB per 4096 rows
     at vocabulary 152k; measured on the GPU as ~37 GiB for a 30k-token planner piece). ``functional_head``:
     ``linear(hidden, head.weight, head.bias)`` instead of calling the module (ZeRO-3, see the module doc).
-    ``logit_softcap``: ``logits = c * tanh(logits / c)`` before the temperature (the config's
-    ``final_logit_softcapping``)."""
+    ``logit_scale`` / ``logit_softcap``: what the model's forward does to the head's output before the temperature
+    (:func:`transform_logits`)."""
     if hidden.shape[0] != labels.shape[0]:
         raise ValueError(f"chunked_logprobs: {hidden.shape[0]} rows but {labels.shape[0]} labels")
     temperature = check_number(temperature, "chunked_logprobs: temperature")
@@ -69,7 +81,7 @@ def chunked_logprobs(head: torch.nn.Module, hidden: torch.Tensor, labels: torch.
     for start in range(0, max(hidden.shape[0], 1), chunk_size):
         rows = slice(start, start + chunk_size)
         arguments = (head, hidden[rows], labels[rows], temperature, compute_entropy, float32_head, entropy_grad,
-                     functional_head, logit_softcap)
+                     functional_head, logit_scale, logit_softcap)
         if use_checkpoint:
             picked, entropy = checkpoint(_score_chunk, *arguments, use_reentrant=False)
         else:

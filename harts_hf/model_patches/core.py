@@ -24,6 +24,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..kernels import TreeMetadata, tree_attention
+from ..kernels._backend import _log_once
 from ..kernels.tree_attention.ops import autocast_inputs
 
 __all__ = ["PatchHandle", "PatchedForward", "TreeFamily", "apply_tree_patches", "cpu_safe", "register_family",
@@ -182,15 +183,6 @@ def attention_interface_family(model) -> TreeFamily | None:
         if len(found) != 1:
             return None
         names.add(type(found[0]).__name__)
-        for name, what in (("sinks", "attention sinks"), ("s_aux", "attention sinks")):
-            if getattr(found[0], name, None) is not None:
-                raise ValueError(f"{type(found[0]).__name__} has {what} ({name}), which tree attention does not "
-                                 "implement yet; train this model without trees (TreeGRPOConfig(use_tree=False))")
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(f"attn_logit_softcapping={config.attn_logit_softcapping}: tree attention does not implement "
-                         "attention logit softcapping yet; train this model without trees "
-                         "(TreeGRPOConfig(use_tree=False))")
     return TreeFamily(model_types=(model_type_of(model),), attention_classes=tuple(sorted(names)), generic=True)
 
 
@@ -256,6 +248,10 @@ def _patch_mixers(handle: PatchHandle) -> None:
                          f"{type(model).__name__}; is this a {model_type_of(model)} model?")
     from .entry import serve_tree_requests
 
+    if not zero3_enabled() and not any(p.is_meta for p in model.parameters()):
+        from .entry import check_logit_transform
+
+        check_logit_transform(model)  # unpatched calls: what the model computes now
     handle._set(model, "forward", PatchedForward(model, model.forward, serve_tree_requests))
     handle._set(model, _PATCH_MARK, handle)
     _register_zero3_external_parameters(model, handle)
@@ -384,11 +380,11 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
     if dropout and module.training:
         raise ValueError(f"tree execution does not support attention dropout (got {dropout}); set "
                          "config.attention_dropout = 0.0 or call model.eval() for the tree forward.")
-    for name, what in _UNSUPPORTED_ATTENTION_KWARGS.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(f"{type(module).__name__}: tree attention does not implement {what} yet ({name}="
-                             f"{kwargs[name]!r}); train this model without trees (TreeGRPOConfig(use_tree=False)).")
-    window = kwargs.get("sliding_window")
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
+    if (softcap is not None or sinks is not None) and query.is_cuda:
+        _log_once(f"harts_hf: {type(module).__name__} uses attention softcapping / sinks, which tree attention "
+                  "computes explicitly per run on the GPU (exact, not fast)")
     if window is not None and tree.context is not None:
         raise ValueError(f"{type(module).__name__}: a sliding-window layer in a planner piece below a branch point "
                          "is not supported; raise tree_token_budget so that each tree runs as one piece")
@@ -416,15 +412,9 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
     layout = tree.varlen_layout() if backend != "sdpa" else None
     out = tree_attention(q, k, v, tree.packed.subtree_end, scaling=scaling,
                          mask=tree.attention_mask(window) if backend == "sdpa" else None, backend=backend,
-                         layout=layout, context_k=context_k, context_v=context_v, window=window)
+                         layout=layout, context_k=context_k, context_v=context_v, window=window, softcap=softcap,
+                         sinks=sinks)
     return out.unsqueeze(0), None
-
-
-_UNSUPPORTED_ATTENTION_KWARGS = {"softcap": "attention logit softcapping", "s_aux": "attention sinks",
-                                 "sinks": "attention sinks"}
-"""Attention keywords that change what attention computes and that the tree kernels do not implement: a call
-carrying one raises instead of running without it (transformers' SDPA path ignores them, which is why those
-models default to eager attention)."""
 
 
 def layer_key(module) -> int:

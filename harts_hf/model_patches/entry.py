@@ -14,7 +14,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..kernels import TreeMetadata
-from ..kernels.chunked_logprobs import chunked_logprobs
+from ..kernels.chunked_logprobs import chunked_logprobs, transform_logits
 from .core import TREE_KWARG, zero3_enabled
 
 __all__ = ["TREE_REQUEST_KWARG", "TreeForwardOutput", "TreeRequest", "serve_tree_requests"]
@@ -73,6 +73,39 @@ def text_config(model):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def logit_transform(model) -> dict:
+    """What the model's forward does to the LM head's output before returning logits, as ``chunked_logprobs``
+    arguments: a multiplier (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``) and the final-logit
+    softcapping (Gemma 2). :func:`check_logit_transform` verifies it against the model's own forward."""
+    config = text_config(model)
+    scale = getattr(model, "logit_scale", None)
+    if getattr(config, "logits_scaling", None):
+        scale = 1.0 / config.logits_scaling
+    return {"logit_scale": None if scale in (None, 1, 1.0) else float(scale),
+            "logit_softcap": getattr(config, "final_logit_softcapping", None)}
+
+
+def check_logit_transform(model) -> None:
+    """Refuse a model whose forward turns the LM head's output into logits in a way :func:`logit_transform` does
+    not reproduce: a 3-token forward of the model against the head on its decoder's last hidden state."""
+    device = model.get_input_embeddings().weight.device
+    ids = torch.arange(3, device=device).unsqueeze(0) % model.get_input_embeddings().weight.shape[0]
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=ids, use_cache=False).logits[0].float()
+            hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]
+            got = transform_logits(model.get_output_embeddings()(hidden), **logit_transform(model)).float()
+    finally:
+        model.train(training)
+    if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max()):
+        difference = (got - expected).abs().max().item() if got.shape == expected.shape else "shape"
+        raise ValueError(f"model_type {text_config(model).model_type!r}: the model's forward turns the LM head's output into logits in a "
+                         f"way harts_hf does not reproduce (max difference {difference}); train it without trees "
+                         "(TreeGRPOConfig(use_tree=False))")
+
+
 def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
     """One decoder pass over the forest, then the LM head on the parents of ``request.targets``; a piece with a
     hand-off predicts its root from the handed-in hidden row and exports its branch tokens' rows."""
@@ -97,8 +130,7 @@ def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
     logprobs, entropies = chunked_logprobs(
         model.get_output_embeddings(), hidden, packed.input_ids[request.targets], temperature=request.temperature,
         chunk_size=request.chunk_size, compute_entropy=request.compute_entropy, float32_head=request.float32_head,
-        entropy_grad=request.entropy_grad, functional_head=zero3_enabled(),
-        logit_softcap=getattr(text_config(model), "final_logit_softcapping", None))
+        entropy_grad=request.entropy_grad, functional_head=zero3_enabled(), **logit_transform(model))
     aux_loss = router_logits = None
     if request.aux_loss:
         router_logits = tuple(outputs.router_logits)

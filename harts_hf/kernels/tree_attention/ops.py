@@ -78,7 +78,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
                    scaling: float | None = None, mask: torch.Tensor | None = None,
                    backend: str = "auto", layout=None, context_k: torch.Tensor | None = None,
                    context_v: torch.Tensor | None = None, window: int | None = None,
-                   depth: torch.Tensor | None = None) -> torch.Tensor:
+                   depth: torch.Tensor | None = None, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention over a packed forest.
 
     Args:
@@ -98,6 +99,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         window: sliding-window attention: a query sees only the ancestors less than ``window`` positions above
             it (and itself), as transformers' sliding-window mask does on each path; the sdpa path needs ``depth``
             (``[U]``, the tokens' depths) or a mask built with it; not with context keys, nor on ``"cudnn"``.
+        softcap: attention logit softcapping, ``c * tanh(scores / c)`` before the mask (Gemma 2).
+        sinks: ``[HQ]`` attention-sink logits: one extra logit per head in every softmax whose value is zero
+            (GPT-OSS). With ``softcap`` or ``sinks`` the attention is computed explicitly (``"sdpa"``: dense, or
+            ``"runs"``: per run, which CUDA inputs take): exact, not fast.
 
     Returns:
         ``[U, HQ, D]`` in ``q.dtype`` (the autocast dtype under autocast, see :func:`autocast_inputs`).
@@ -129,6 +134,14 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
                              "branch point) is not supported; raise the token budget so each tree is one piece")
         if backend == "cudnn":
             raise ValueError("tree_attention: backend='cudnn' has no sliding window; use 'varlen' or 'auto'")
+    explicit = softcap is not None or sinks is not None
+    if explicit:
+        if sinks is not None and sinks.shape != (HQ,):
+            raise ValueError(f"tree_attention: sinks must be [HQ={HQ}], got {tuple(sinks.shape)}")
+        if backend in ("varlen", "cudnn"):
+            raise ValueError(f"tree_attention: backend={backend!r} has no softcapping / sinks; use 'runs' or 'auto'")
+        if backend == "auto":
+            backend = "runs" if layout is not None else "sdpa"
     if backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         backend = "varlen" if window is not None else cuda_backend(layout)
     if backend in ("varlen", "cudnn"):
@@ -144,11 +157,13 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     if backend == "runs":
         if layout is None:
             raise ValueError("tree_attention: backend='runs' needs a VarlenLayout (layout=build_varlen_layout(packed))")
-        return _attention_by_runs(q, k, v, layout, scaling, window)
+        return _attention_by_runs(q, k, v, layout, scaling, window, softcap, sinks)
     if mask is None:
         if window is not None and depth is None:
             raise ValueError("tree_attention: backend='sdpa' with a window needs depth=[U] (or a mask built with it)")
         mask = tree_attention_mask(subtree_end, k.shape[0] - U, window=window, depth=depth)
+    if explicit:
+        return explicit_attention(q, k, v, mask, scaling, softcap, sinks)
     if mask.shape != (U, k.shape[0]):
         raise ValueError(f"tree_attention: mask must be [U={U}, U + context = {k.shape[0]}], got {tuple(mask.shape)}; "
                          "build it with tree_attention_mask(subtree_end, context_tokens)")
@@ -164,7 +179,29 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
                                               float("nan"))
 
 
-def _attention_by_runs(q, k, v, layout, scaling, window: int | None = None):
+def explicit_attention(q, k, v, visible, scaling=None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention written out: q ``[Q, HQ, D]``, k/v ``[K, HKV, D]``, ``visible [Q, K]`` bool; scores
+    softcapped before the mask (``c * tanh(s / c)``) and a per-head sink logit in every softmax, as transformers'
+    eager attention of Gemma 2 / GPT-OSS computes them (fp32 at least)."""
+    HQ = q.shape[1]
+    compute = torch.promote_types(q.dtype, torch.float32)
+    k = k.repeat_interleave(HQ // k.shape[1], dim=1).to(compute)
+    v = v.repeat_interleave(HQ // v.shape[1], dim=1).to(compute)
+    scores = torch.einsum("qhd,khd->hqk", q.to(compute), k) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.to(compute)[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
+    weights = scores.softmax(-1)
+    if sinks is not None:
+        weights = weights[..., :-1]
+    return torch.einsum("hqk,khd->qhd", weights, v).to(q.dtype)
+
+
+def _attention_by_runs(q, k, v, layout, scaling, window: int | None = None, softcap: float | None = None,
+                       sinks: torch.Tensor | None = None):
     """Each run's queries against its gathered root path, bottom-right causal (within ``window`` positions, where
     given: along the path, key index and depth differ by a constant): one SDPA call per run."""
     from .varlen import gather_rows
@@ -180,6 +217,9 @@ def _attention_by_runs(q, k, v, layout, scaling, window: int | None = None):
         visible = ones.tril(length_k - length_q)
         if window is not None:
             visible &= ~ones.tril(length_k - length_q - window)
+        if softcap is not None or sinks is not None:
+            outputs.append(explicit_attention(queries, keys[rows], values[rows], visible, scaling, softcap, sinks))
+            continue
         out = F.scaled_dot_product_attention(
             queries.transpose(0, 1).unsqueeze(0), keys[rows].transpose(0, 1).unsqueeze(0),
             values[rows].transpose(0, 1).unsqueeze(0), attn_mask=visible, scale=scaling,
