@@ -105,8 +105,9 @@ def tree_logprobs(model, sequences=None, *, compute_entropy: bool = False, tempe
     base = unwrap_model(model)
     handle = _ensure_patched(base)
     if return_aux_loss and not handle.family.moe:
-        raise ValueError(f"return_aux_loss=True but harts_hf weights no load-balancing loss for "
-                         f"{model_type_of(base)} (it has no routed experts, or its family is not registered)")
+        raise ValueError(f"return_aux_loss=True but {model_type_of(base)} has no load-balancing loss harts_hf can "
+                         "weight by multiplicity (no routed experts, or no load_balancing_loss_func in its modeling "
+                         "module)")
     tree, token_logprobs, token_entropies, output = run_tree_forward(
         model, forest, base.get_input_embeddings().weight.device, only_loss_tokens=only_loss_tokens,
         compute_entropy=compute_entropy, temperature=temperature, aux_loss=return_aux_loss, gdn_backend=gdn_backend,

@@ -26,6 +26,15 @@ def test_matches_per_sequence_fp32(family):
     compare(build(family), chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_load_balancing_loss_weighted_by_multiplicity(family):
+    """The family's own load-balancing loss over router rows weighted by multiplicity equals it over the
+    per-sequence runs' router rows, and so do its gradients."""
+    model = build(family)
+    model.config.output_router_logits = True
+    compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-4, aux=True)
+
+
 def test_final_logit_softcapping():
     model = build("gemma3_text")
     model.config.final_logit_softcapping = 3.0

@@ -183,7 +183,9 @@ def attention_interface_family(model) -> TreeFamily | None:
         if len(found) != 1:
             return None
         names.add(type(found[0]).__name__)
-    return TreeFamily(model_types=(model_type_of(model),), attention_classes=tuple(sorted(names)), generic=True)
+    moe = hasattr(sys.modules[type(model).__module__], "load_balancing_loss_func")  # routed experts with an aux loss
+    return TreeFamily(model_types=(model_type_of(model),), attention_classes=tuple(sorted(names)), moe=moe,
+                      generic=True)
 
 
 def model_type_of(model) -> str:

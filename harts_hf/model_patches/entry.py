@@ -142,5 +142,5 @@ def load_balancing_loss(model, router_logits, weights: torch.Tensor) -> torch.Te
     """The family's own load-balancing loss with each router row weighted by ``weights`` (multiplicity)."""
     config = text_config(model)
     loss_function = sys.modules[type(model).__module__].load_balancing_loss_func
-    return loss_function(tuple(router_logits), config.num_experts, config.num_experts_per_tok,
-                         weights.unsqueeze(0).float())
+    num_experts = getattr(config, "num_experts", None) or config.num_local_experts  # Mixtral / GPT-OSS spelling
+    return loss_function(tuple(router_logits), num_experts, config.num_experts_per_tok, weights.unsqueeze(0).float())
