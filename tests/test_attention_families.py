@@ -92,10 +92,11 @@ def test_window_arguments_are_checked():
                        context_v=q[:1])
 
 
-@pytest.mark.parametrize("family", ["mistral_sliding", "gemma2", "gemma3_text", "cohere2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mistral_sliding", "phi3", "olmo2", "gemma2", "gemma3_text", "cohere2",
+                                    "granite", "gpt_oss", "glm4_moe", "mixtral"])
 def test_tree_grpo_trainer_matches_grpo_trainer(tmp_path, family):
-    """A windowed family (window 8, shorter than the rows) through TreeGRPOTrainer and GRPOTrainer: one
-    microbatch's loss and every gradient, then two optimizer steps to the same parameters."""
+    """Each family through TreeGRPOTrainer and GRPOTrainer (sliding-window layers at window 8, shorter than the
+    rows): one microbatch's loss and every gradient, then two optimizer steps to the same parameters."""
     from tests.test_tree_grpo import assert_same_loss_and_grads, make_trainers
     from tests.trl_helpers import char_tokenizer
 
