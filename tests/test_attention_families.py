@@ -41,6 +41,14 @@ def test_final_logit_softcapping():
     compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-4, temperature=0.7)
 
 
+def test_supported_model_types_list_the_tested_structural_families():
+    from harts_hf.model_patches import supported_model_types
+    from harts_hf.model_patches.core import TESTED_BY_STRUCTURE
+
+    assert set(TESTED_BY_STRUCTURE) <= set(supported_model_types())
+    assert {build(family).config.model_type for family in GENERIC} == set(TESTED_BY_STRUCTURE)
+
+
 def test_found_by_structure():
     family = attention_interface_family(build("gemma3_text"))
     assert family.generic and family.attention_classes == ("Gemma3Attention",)
