@@ -41,6 +41,21 @@ MODELS = {
 MODELS["qwen3_next_2b_4layers"] = dict(MODELS["qwen3_next_2b"], num_hidden_layers=4)  # same layer shapes
 
 
+KERNEL_SETS = {"fused": ("auto", "auto", "torch"), "reference": ("torch", "torch", "torch"),
+               "fused_fa4": ("auto", "auto", "fa4")}
+"""Kernel sets the benchmarks time: (``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
+``tree_attention.varlen.KERNEL``). ``fused`` is harts_hf's default."""
+
+
+def use_kernels(name: str) -> None:
+    """Put the kernel set ``name`` of :data:`KERNEL_SETS` in force."""
+    from harts_hf.kernels.logprob_stats import ops as logprob_ops
+    from harts_hf.kernels.token_ops import ops as token_ops
+    from harts_hf.kernels.tree_attention import varlen
+
+    token_ops.BACKEND, logprob_ops.BACKEND, varlen.KERNEL = KERNEL_SETS[name]
+
+
 def build_model(name: str, family: str, device, dtype):
     import transformers
 

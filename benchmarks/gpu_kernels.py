@@ -509,10 +509,10 @@ def token_ops_step(results: dict, rows: int = 97_199) -> None:
     and every input gradient) next to the reference's own error, as the model calls them (decoder norm on the fp32
     residual stream, q/k norm and gated norm on bf16, SwiGLU on bf16, log-prob / entropy through the chunked LM
     head under bf16 autocast with fp32 weights, on 8,192 rows: two chunks)."""
+    from bench_tree_vs_trajectory import use_kernels
+
     from harts_hf.kernels import token_ops
     from harts_hf.kernels.chunked_logprobs import chunked_logprobs
-    from harts_hf.kernels.logprob_stats import ops as logprob_ops
-    from harts_hf.kernels.token_ops import ops as token_ops_module
 
     torch.manual_seed(0)
     cuda = functools.partial(torch.randn, device="cuda")
@@ -547,8 +547,7 @@ def token_ops_step(results: dict, rows: int = 97_199) -> None:
         row = token.setdefault(name, {})
         outputs = {}
         for kernels in ("reference", "fused", "fp64"):
-            token_ops_module.BACKEND, logprob_ops.BACKEND = ("fla", "triton") if kernels == "fused" else ("torch",
-                                                                                                        "torch")
+            use_kernels("fused" if kernels == "fused" else "reference")
             args = [x.detach().double().requires_grad_() for x in leaves] if kernels == "fp64" else leaves
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name == "lm_head" and kernels != "fp64"):
                 out = (truth if kernels == "fp64" else function)(*args)
@@ -560,7 +559,7 @@ def token_ops_step(results: dict, rows: int = 97_199) -> None:
                         y = function(*args)
                         torch.autograd.grad(y.float().square().sum(), args, allow_unused=True)
                 row[f"{kernels}_s"] = bench(step, repeats=3)
-        token_ops_module.BACKEND, logprob_ops.BACKEND = "auto", "auto"
+        use_kernels("fused")
         for kernels in ("reference", "fused"):
             row[f"{kernels}_error_vs_fp64"] = [None if b is None or a is None else rel(a, b)
                                                for a, b in zip(outputs[kernels], outputs["fp64"])]

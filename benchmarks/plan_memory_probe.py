@@ -40,7 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_tree_vs_trajectory import MODELS, build_model, run_tree  # noqa: E402
+from bench_tree_vs_trajectory import KERNEL_SETS, MODELS, build_model, run_tree, use_kernels  # noqa: E402
 from model_flops import forest_throughput  # noqa: E402
 from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
 
@@ -377,12 +377,12 @@ def main(argv=None):
             print(f"{kernels} kernels, budget {budget}: {r['pieces']} pieces, {r['seconds']:.2f} s (runs "
                   f"{', '.join(f'{x:.2f}' for x in r['seconds_all'])}), peak {r['peak_gib']:.1f} GiB "
                   f"(weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}", flush=True)
-        for p, phase, a, m in r["memory"]:
-            print(f"   piece {p:3d} {phase:9s} allocated {a:7.2f} peak {m:7.2f}")
-        for key in ("peak_by_our_line", "peak_by_line"):
-            print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
-            for where, gib in r.get(key, [])[:15]:
-                print(f"    {gib:8.3f}  {where}")
+            for p, phase, a, m in r["memory"]:
+                print(f"   piece {p:3d} {phase:9s} allocated {a:7.2f} peak {m:7.2f}")
+            for key in ("peak_by_our_line", "peak_by_line"):
+                print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
+                for where, gib in r.get(key, [])[:15]:
+                    print(f"    {gib:8.3f}  {where}")
     if args.profile:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, Path(args.out),
                                          max(args.loop_sample, 8))))
@@ -403,19 +403,6 @@ def main(argv=None):
                                                  args.attention)))
     add_throughput(rows, model, sequences)
     save()
-
-
-KERNEL_SETS = {"fused": ("auto", "auto", "torch"), "reference": ("torch", "torch", "torch"),
-               "fused_fa4": ("auto", "auto", "fa4")}
-"""``--kernels``: (``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``, ``tree_attention.varlen.KERNEL``)."""
-
-
-def use_kernels(name: str) -> None:
-    from harts_hf.kernels.logprob_stats import ops as logprob_ops
-    from harts_hf.kernels.token_ops import ops as token_ops
-    from harts_hf.kernels.tree_attention import varlen
-
-    token_ops.BACKEND, logprob_ops.BACKEND, varlen.KERNEL = KERNEL_SETS[name]
 
 
 def add_throughput(rows: list[dict], model, sequences) -> None:

@@ -255,11 +255,9 @@ def _patch_mixers(handle: PatchHandle) -> None:
     if not handle.attention_modules and not handle.linear_modules:
         raise ValueError(f"found no {family.attention_classes + tuple(family.linear_classes)} modules in "
                          f"{type(model).__name__}; is this a {model_type_of(model)} model?")
-    from .entry import serve_tree_requests
+    from .entry import check_logit_transform, serve_tree_requests
 
     if not zero3_enabled() and not any(p.is_meta for p in model.parameters()):
-        from .entry import check_logit_transform
-
         check_logit_transform(model)  # unpatched calls: what the model computes now
     handle._set(model, "forward", PatchedForward(model, model.forward, serve_tree_requests))
     handle._set(model, _PATCH_MARK, handle)

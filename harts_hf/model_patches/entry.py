@@ -81,7 +81,7 @@ def logit_transform(model) -> dict:
     scale = getattr(model, "logit_scale", None)
     if getattr(config, "logits_scaling", None):
         scale = 1.0 / config.logits_scaling
-    return {"logit_scale": None if scale in (None, 1, 1.0) else float(scale),
+    return {"logit_scale": None if scale is None or scale == 1 else float(scale),
             "logit_softcap": getattr(config, "final_logit_softcapping", None)}
 
 
@@ -101,9 +101,9 @@ def check_logit_transform(model) -> None:
         model.train(training)
     if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max()):
         difference = (got - expected).abs().max().item() if got.shape == expected.shape else "shape"
-        raise ValueError(f"model_type {text_config(model).model_type!r}: the model's forward turns the LM head's output into logits in a "
-                         f"way harts_hf does not reproduce (max difference {difference}); train it without trees "
-                         "(TreeGRPOConfig(use_tree=False))")
+        raise ValueError(f"model_type {text_config(model).model_type!r}: the model's forward turns the LM head's "
+                         f"output into logits in a way harts_hf does not reproduce (max difference {difference}); "
+                         "train it without trees (TreeGRPOConfig(use_tree=False))")
 
 
 def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:

@@ -58,7 +58,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool,
     out_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
     scale = 1.0 + weight.float() if offset else weight
     rows = x.reshape(-1, x.shape[-1])
-    y = _power_of_two_blocks(functools.partial(_fla_rms_norm_rows, fla_rms_norm, scale, eps), rows)
+    y = _power_of_two_blocks(functools.partial(fla_rms_norm, weight=scale, bias=None, eps=eps), rows)
     return y.reshape(x.shape).to(out_dtype)
 
 
@@ -73,16 +73,11 @@ def _power_of_two_blocks(function, rows: torch.Tensor) -> torch.Tensor:
         left -= block
     blocks = list(rows.split(sizes + ([left] if left else [])))
     if left:
-        tail = torch.nn.functional.pad(blocks[-1], (0, 0, 0, _NORM_ROW_TILE - left))
-        blocks[-1] = tail
+        blocks[-1] = torch.nn.functional.pad(blocks[-1], (0, 0, 0, _NORM_ROW_TILE - left))
     outputs = [function(block) for block in blocks]
     if left:
         outputs[-1] = outputs[-1][:left]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-
-def _fla_rms_norm_rows(fla_rms_norm, weight, eps, rows):
-    return fla_rms_norm(rows, weight, None, eps=eps)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
@@ -100,10 +95,7 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         return gated_rms_norm_reference(x, gate, weight, eps)
     fla_rms_norm_gated = _fla()[2]
     rows, gates = x.reshape(-1, x.shape[-1]), gate.reshape(-1, x.shape[-1])
-    norm = functools.partial(_fla_gated_rows, fla_rms_norm_gated, weight, eps)
+    norm = functools.partial(fla_rms_norm_gated, weight=weight, bias=None, activation="swish", eps=eps)
     y = in_row_blocks(norm, rows, gates)  # the gated kernels autotune per ceil(rows / 65536): one block shape
     return y.reshape(x.shape).to(x.dtype)
 
-
-def _fla_gated_rows(fla_rms_norm_gated, weight, eps, rows, gates):
-    return fla_rms_norm_gated(rows, gates, weight, None, activation="swish", eps=eps)

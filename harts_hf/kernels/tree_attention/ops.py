@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .naive import explicit_attention
+
 __all__ = ["CUDNN_KEY_BLOCK", "CUDNN_MIN_PAIRS_PER_RUN", "cuda_backend", "tree_attention", "tree_attention_mask"]
 
 _BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
@@ -162,11 +164,11 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         if window is not None and depth is None:
             raise ValueError("tree_attention: backend='sdpa' with a window needs depth=[U] (or a mask built with it)")
         mask = tree_attention_mask(subtree_end, k.shape[0] - U, window=window, depth=depth)
-    if explicit:
-        return explicit_attention(q, k, v, mask, scaling, softcap, sinks)
     if mask.shape != (U, k.shape[0]):
         raise ValueError(f"tree_attention: mask must be [U={U}, U + context = {k.shape[0]}], got {tuple(mask.shape)}; "
                          "build it with tree_attention_mask(subtree_end, context_tokens)")
+    if explicit:
+        return explicit_attention(q, k, v, mask, scaling, softcap, sinks)
     # a masked-out key still meets its query in SDPA's products (probability 0 x value): a NaN/Inf key or value
     # would spread to every query. Zero non-finite key/value rows and give NaN to the queries that see one.
     bad = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1))  # [U + C, HKV]
@@ -177,27 +179,6 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     sees_bad = (mask.to(q.dtype) @ bad.to(q.dtype)) > 0  # [U, HKV]
     return out[0].transpose(0, 1).masked_fill(sees_bad.repeat_interleave(HQ // bad.shape[1], 1).unsqueeze(-1),
                                               float("nan"))
-
-
-def explicit_attention(q, k, v, visible, scaling=None, softcap: float | None = None,
-                       sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax attention written out: q ``[Q, HQ, D]``, k/v ``[K, HKV, D]``, ``visible [Q, K]`` bool; scores
-    softcapped before the mask (``c * tanh(s / c)``) and a per-head sink logit in every softmax, as transformers'
-    eager attention of Gemma 2 / GPT-OSS computes them (fp32 at least)."""
-    HQ = q.shape[1]
-    compute = torch.promote_types(q.dtype, torch.float32)
-    k = k.repeat_interleave(HQ // k.shape[1], dim=1).to(compute)
-    v = v.repeat_interleave(HQ // v.shape[1], dim=1).to(compute)
-    scores = torch.einsum("qhd,khd->hqk", q.to(compute), k) * (q.shape[-1] ** -0.5 if scaling is None else scaling)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:
-        scores = torch.cat([scores, sinks.to(compute)[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
-    weights = scores.softmax(-1)
-    if sinks is not None:
-        weights = weights[..., :-1]
-    return torch.einsum("hqk,khd->qhd", weights, v).to(q.dtype)
 
 
 def _attention_by_runs(q, k, v, layout, scaling, window: int | None = None, softcap: float | None = None,

@@ -147,17 +147,17 @@ def _varlen_call(kernel: str, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scali
                  window: int | None = None) -> torch.Tensor:
     """One bottom-right causal varlen attention call on ``kernel`` (``window``: keys less than ``window`` rows
     before the query's diagonal)."""
-    left = -1 if window is None else window - 1
-    if kernel == "fa4":
+    if kernel == "fa4":  # FlashAttention-4 spells "no limit" None
         from flash_attn.cute import flash_attn_varlen_func
 
         out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                                      max_seqlen_k=max_k, softmax_scale=scaling, causal=True,
-                                     window_size=(None if window is None else left, None if window is None else 0))
+                                     window_size=(None, None) if window is None else (window - 1, 0))
         return out[0] if isinstance(out, tuple) else out
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling, window_size=(left, 0), **extra)
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling,
+                       window_size=(-1 if window is None else window - 1, 0), **extra)
 
 
 def varlen_available() -> bool:
