@@ -13,7 +13,8 @@ out, so MFU is a slight under-count of the useful work. The tree's work is its u
 and sum L (L + 1) / 2; their ratio is the FLOP (sharing) ratio.
 
 ``MFU = F / (seconds * 989e12)`` (one H200's dense bf16 peak). ``HFU`` adds the recomputed forward of activation
-checkpointing (``2 P_layers tokens + 4 H D L_att pairs``: decoder layers only, the LM head is not recomputed).
+checkpointing (``2 P_ckpt tokens + 4 H D L_ckpt pairs``: the matmul parameters and attention layers of the
+checkpointed decoder layers; the LM head is not recomputed; layers left out by ``tree_stored_layers`` are not).
 """
 
 from __future__ import annotations
@@ -35,12 +36,19 @@ def _active_fraction(module, config) -> float:
     return 1.0
 
 
-def flop_rates(model) -> dict:
+def flop_rates(model, checkpointed: list[int] | None = None) -> dict:
     """FLOPs per token and per attended pair of one fwd+bwd pass of ``model`` (see the module docstring), and of the
-    forward recomputed under gradient checkpointing."""
+    forward recomputed under gradient checkpointing by the decoder layers ``checkpointed`` (indices; None: the
+    layers checkpointed now)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     head = model.get_output_embeddings()
-    layers_params = head_params = 0.0
+    decoder_layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if checkpointed is None:
+        checkpointed = [i for i, layer in enumerate(decoder_layers) if layer.gradient_checkpointing]
+    in_layer = {id(p): i for i, layer in enumerate(decoder_layers) for p in layer.parameters()}
+    layers_params = head_params = recomputed_params = 0.0
     for module in model.modules():
         fraction = _active_fraction(module, config)
         for parameter in module.parameters(recurse=False):
@@ -50,14 +58,17 @@ def flop_rates(model) -> dict:
                 head_params += parameter.numel()
             else:
                 layers_params += parameter.numel() * fraction
-    attention_layers = sum(1 for kind in getattr(config, "layer_types", None) or ["full_attention"] *
-                           config.num_hidden_layers if kind == "full_attention")
+                recomputed_params += parameter.numel() * fraction * (in_layer.get(id(parameter)) in checkpointed)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    attention_layers = sum(1 for kind in layer_types if kind == "full_attention")
+    recomputed_attention = sum(1 for i in checkpointed if i < len(layer_types) and layer_types[i] == "full_attention")
     heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None) or (
         config.hidden_size // config.num_attention_heads)
-    pair = 4 * heads * head_dim * attention_layers  # forward FLOPs per attended pair, all attention layers
+    pair = 4 * heads * head_dim  # forward FLOPs per attended pair in one attention layer
     return dict(matmul_parameters=layers_params + head_params, layer_parameters=layers_params,
-                attention_layers=attention_layers, per_token=6 * (layers_params + head_params), per_pair=3 * pair,
-                recompute_per_token=2 * layers_params, recompute_per_pair=pair)
+                attention_layers=attention_layers, per_token=6 * (layers_params + head_params),
+                per_pair=3 * pair * attention_layers, recompute_per_token=2 * recomputed_params,
+                recompute_per_pair=pair * recomputed_attention, checkpointed_layers=list(checkpointed))
 
 
 def throughput(rates: dict, seconds: float, tokens: float, pairs: float, path_tokens: float | None = None,
@@ -76,11 +87,12 @@ def throughput(rates: dict, seconds: float, tokens: float, pairs: float, path_to
                 path_tokens_per_s=path_tokens / seconds if seconds > 0 else None)
 
 
-def forest_throughput(model, seconds: float, forest_stats: dict, tree: bool) -> dict:
+def forest_throughput(model, seconds: float, forest_stats: dict, tree: bool,
+                      checkpointed: list[int] | None = None) -> dict:
     """:func:`throughput` of a pass over a forest (``PackedForest.stats()``) taking ``seconds``: the tree's unique
-    work (``tree=True``) or the per-trajectory paths' work, recompute counted when checkpointing is on."""
+    work (``tree=True``) or the per-trajectory paths' work, the recompute of the ``checkpointed`` decoder layers
+    counted in HFU (None: the layers checkpointed now)."""
     unique = (forest_stats["unique_tokens"], forest_stats["tree_attention_pairs"])
     path = (forest_stats["path_tokens"], forest_stats["path_attention_pairs"])
-    return throughput(flop_rates(model), seconds, *(unique + path if tree else path),
-                      recompute=bool(getattr(model, "is_gradient_checkpointing", False)))
+    return throughput(flop_rates(model, checkpointed), seconds, *(unique + path if tree else path))
 

@@ -44,6 +44,8 @@ from bench_tree_vs_trajectory import KERNEL_SETS, MODELS, build_model, run_tree,
 from model_flops import forest_throughput  # noqa: E402
 from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
 
+from harts_hf.model_patches import checkpointed_layers, store_layer_activations  # noqa: E402
+
 OURS = ("harts_hf", "transformers", "/fla/")
 
 
@@ -257,7 +259,8 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
                 whole_loop_priced_seconds=total_priced)
 
 
-def packed_groups(model, sequences, max_tokens: int, device, attention: str = "auto", progress=None) -> dict:
+def packed_groups(model, sequences, max_tokens: int, device, attention: str = "auto", progress=None,
+                  repeats: int = 1) -> dict:
     """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed into ONE
     forward each (every trajectory its own tree: same kernels, no padding, no sharing; ``tree_logprobs`` as the
     bench's ``packed``) of at most ``max_tokens`` path tokens, fwd+bwd, the second of two runs timed (the first
@@ -273,19 +276,21 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
         forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        first, seconds = two_runs(model, forest, device, attention, zero_grad=False)
+        first, *timed = (timed_run(model, forest, device, attention, zero_grad=False) for _ in range(1 + repeats))
         rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)),
-                         pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=seconds, first_seconds=first,
+                         pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=float(np.mean(timed)),
+                         seconds_all=timed, first_seconds=first,
                          peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))
-        print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {seconds:.3f} s (first run "
+        print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {rows[-1]['seconds']:.3f} s (first run "
               f"{first:.3f}), peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
         if progress is not None:
             progress(rows)
     model.zero_grad(set_to_none=True)
     total = dict(calls=len(rows), max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
+                 repeat_seconds=[sum(r["seconds_all"][i] for r in rows) for i in range(repeats)],
                  peak_gib=max(r["peak_gib"] for r in rows), groups=rows, **packed_fit(rows, sequences))
     print(f"packed per-trajectory: {len(sequences)} trajectories in {len(rows)} calls of <= {max_tokens} tokens: "
-          f"{total['seconds']:.2f} s, peak {total['peak_gib']:.1f} GiB; fit c {total['fit'][0]:.4g} s, "
+          f"{total['seconds']:.2f} s (repeats {', '.join(f'{x:.2f}' for x in total['repeat_seconds'])}), peak {total['peak_gib']:.1f} GiB; fit c {total['fit'][0]:.4g} s, "
           f"a {total['fit'][1]:.4g} s/token, b {total['fit'][2]:.4g} s/pair; the tree priced "
           f"{total['tree_priced_seconds']:.2f} s, S_phys against this path {total['S_phys_packed']:.2f}", flush=True)
     return total
@@ -347,6 +352,10 @@ def main(argv=None):
                              "(fused, attention on FlashAttention-4); the packed, profile and loop runs use the first")
     parser.add_argument("--repeats", type=int, default=2,
                         help="timed runs of the tree per budget and kernel set (seconds: their mean; all kept)")
+    parser.add_argument("--stored-layers", type=int, nargs="+", default=[0],
+                        help="decoder layers left out of gradient checkpointing (harts_hf's tree_stored_layers), one "
+                             "tree run per count; a count that does not fit is recorded as out of memory. The "
+                             "packed, profile and loop runs checkpoint every layer")
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -365,24 +374,40 @@ def main(argv=None):
         use_kernels(kernels)
         run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
             attention=args.attention)                                      # cuDNN plans)
-        for budget in [b or None for b in args.budget]:
-            repeats = [run(model, sequences, budget, device, history=not args.no_history and not repeat,
-                           attention=args.attention, recompute=not args.no_recompute)
-                       for repeat in range(max(args.repeats, 1))]
-            rows.append(dict(repeats[0], kernels=kernels, seconds_all=[r["seconds"] for r in repeats],
-                             seconds=float(np.mean([r["seconds"] for r in repeats])),
-                             peak_gib=max(r["peak_gib"] for r in repeats)))
-            r = rows[-1]
-            save()
-            print(f"{kernels} kernels, budget {budget}: {r['pieces']} pieces, {r['seconds']:.2f} s (runs "
-                  f"{', '.join(f'{x:.2f}' for x in r['seconds_all'])}), peak {r['peak_gib']:.1f} GiB "
-                  f"(weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}", flush=True)
-            for p, phase, a, m in r["memory"]:
-                print(f"   piece {p:3d} {phase:9s} allocated {a:7.2f} peak {m:7.2f}")
-            for key in ("peak_by_our_line", "peak_by_line"):
-                print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
-                for where, gib in r.get(key, [])[:15]:
-                    print(f"    {gib:8.3f}  {where}")
+        for stored in args.stored_layers:
+            store_layer_activations(model, stored)
+            for budget in [b or None for b in args.budget]:
+                try:
+                    repeats = [run(model, sequences, budget, device,
+                                   history=not args.no_history and not repeat and not stored,
+                                   attention=args.attention, recompute=not args.no_recompute)
+                               for repeat in range(max(args.repeats, 1))]
+                except torch.OutOfMemoryError as error:
+                    model.zero_grad(set_to_none=True)
+                    torch.cuda.empty_cache()
+                    rows.append(dict(kernels=kernels, budget=budget, stored_layers=stored,
+                                     out_of_memory=str(error).split("\n")[0]))
+                    save()
+                    print(f"{kernels} kernels, budget {budget}, {stored} stored layers: out of memory", flush=True)
+                    continue
+                rows.append(dict(repeats[0], kernels=kernels, stored_layers=stored,
+                                 checkpointed_layers=checkpointed_layers(model),
+                                 seconds_all=[r["seconds"] for r in repeats],
+                                 seconds=float(np.mean([r["seconds"] for r in repeats])),
+                                 peak_gib=max(r["peak_gib"] for r in repeats)))
+                r = rows[-1]
+                save()
+                print(f"{kernels} kernels, budget {budget}, {stored} stored layers: {r['pieces']} pieces, "
+                      f"{r['seconds']:.2f} s (runs {', '.join(f'{x:.2f}' for x in r['seconds_all'])}), peak "
+                      f"{r['peak_gib']:.1f} GiB (weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}",
+                      flush=True)
+                for p, phase, a, m in r["memory"]:
+                    print(f"   piece {p:3d} {phase:9s} allocated {a:7.2f} peak {m:7.2f}")
+                for key in ("peak_by_our_line", "peak_by_line"):
+                    print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
+                    for where, gib in r.get(key, [])[:15]:
+                        print(f"    {gib:8.3f}  {where}")
+        store_layer_activations(model, 0)
     if args.profile:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, Path(args.out),
                                          max(args.loop_sample, 8))))
@@ -392,7 +417,8 @@ def main(argv=None):
         cap = args.packed_groups or PrefixForest.from_sequences(sequences).pack().num_tokens
         rows.append(dict(packed_groups=packed_groups(
             model, sequences, cap, device, args.attention,
-            progress=lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1)))))
+            progress=lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1)),
+            repeats=max(args.repeats, 1))))
         packed = rows[-1]["packed_groups"]
         for tree in (r for r in rows if r.get("pieces") is not None):
             speedup = packed["seconds"] / tree["seconds"]
@@ -416,13 +442,14 @@ def add_throughput(rows: list[dict], model, sequences) -> None:
     if packed is not None:
         packed["throughput"] = forest_throughput(model, packed["seconds"], stats, tree=False)
     for row in (r for r in rows if r.get("pieces") is not None):
-        row["throughput"] = forest_throughput(model, row["seconds"], stats, tree=True)
+        row["throughput"] = forest_throughput(model, row["seconds"], stats, tree=True,
+                                              checkpointed=row.get("checkpointed_layers"))
         if packed is not None:
             row["speedup_vs_packed"] = packed["seconds"] / row["seconds"]
             row["fraction_of_flop_ratio"] = row["speedup_vs_packed"] / row["throughput"]["flop_ratio"]
     print(f"{'path':22s} {'seconds':>8s} {'speed-up':>8s} {'FLOP ratio':>10s} {'fraction':>8s} {'MFU':>6s} "
           f"{'HFU':>6s} {'unique tok/s':>12s} {'path tok/s':>12s} {'peak GiB':>8s}")
-    trees = [(f"tree {r.get('kernels', '')} {r['budget'] or 'all'}", r) for r in rows if r.get("pieces") is not None]
+    trees = [(f"tree {r.get('kernels', '')} {r['budget'] or 'all'} s{r.get('stored_layers', 0)}", r) for r in rows if r.get("pieces") is not None]
     for name, row in [("packed per-trajectory", packed)] + trees:
         if row is None:
             continue

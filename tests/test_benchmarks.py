@@ -296,7 +296,11 @@ def test_model_flops_and_mfu_rows():
     model = build("llama")  # 2 layers, hidden 32, 4 heads of 16, MLP 48, vocab 97, untied head
     config = model.config
     per_layer = 32 * 16 * (4 + 2 + 2) + 4 * 16 * 32 + 3 * 32 * 48
-    rates = flop_rates(model)
+    rates = flop_rates(model, checkpointed=[0, 1])
+    assert rates["recompute_per_token"] == 2 * 2 * per_layer and rates["recompute_per_pair"] == 4 * 4 * 16 * 2
+    assert flop_rates(model)["recompute_per_token"] == 0  # checkpointing is off
+    one = flop_rates(model, checkpointed=[1])  # the other layer stored (tree_stored_layers=1)
+    assert one["recompute_per_token"] == 2 * per_layer and one["recompute_per_pair"] == 4 * 4 * 16
     assert rates["layer_parameters"] == 2 * per_layer and rates["matmul_parameters"] == 2 * per_layer + 97 * 32
     assert rates["per_token"] == 6 * (2 * per_layer + 97 * 32) and rates["attention_layers"] == 2
     assert rates["per_pair"] == 12 * config.num_attention_heads * 16 * 2

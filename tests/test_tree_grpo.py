@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
+from harts_hf.model_patches import checkpointed_layers
 from tests.trl_helpers import (
     char_tokenizer,
     cpu_safe_trainer,
@@ -28,7 +29,7 @@ def saved_model(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next"), "qwen3_next_moe", router_aux_loss_coef=0.01)
 
 
-def make_trainers(path, tmp_path, **overrides):
+def make_trainers(path, tmp_path, tree_args=(), **overrides):
     tokenizer = char_tokenizer()
     args = dict(BASE_ARGS, output_dir=str(tmp_path), **overrides)
     dataset = prompt_dataset(8)
@@ -36,7 +37,7 @@ def make_trainers(path, tmp_path, **overrides):
     base = cpu_safe_trainer(GRPOTrainer(models[0], reward_funcs=length_reward, args=GRPOConfig(**args),
                                         train_dataset=dataset, processing_class=tokenizer))
     tree = TreeGRPOTrainer(models[1], reward_funcs=length_reward, train_dataset=dataset, processing_class=tokenizer,
-                           args=TreeGRPOConfig(**args, tree_keep_groups_together=False))
+                           args=TreeGRPOConfig(**args, tree_keep_groups_together=False, **dict(tree_args)))
     return base, tree
 
 
@@ -97,6 +98,17 @@ def test_options_match_grpo_trainer(saved_model, tmp_path, options):
     base, tree = make_trainers(saved_model, tmp_path, **{k: v for k, v in options.items() if k not in tree_only})
     for key, value in tree_only.items():
         setattr(tree.args, key, value)
+    assert_same_loss_and_grads(base, tree)
+
+
+def test_stored_layers_match_grpo_trainer(saved_model, tmp_path):
+    """tree_stored_layers: the stored layers stay out of checkpointing through the trainer's own enabling, and
+    the loss and gradients are GRPOTrainer's (which checkpoints every layer)."""
+    base, tree = make_trainers(saved_model, tmp_path, tree_args=dict(tree_stored_layers=2))
+    for trainer in (base, tree):  # as Trainer.train() does
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed_layers(base.model) == [0, 1, 2, 3]
+    assert checkpointed_layers(tree.model) == [0, 2]  # the two attention layers keep their activations
     assert_same_loss_and_grads(base, tree)
 
 
@@ -229,6 +241,8 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_gdn_backend="fla"), ["tree_gdn_backend='fla'", "CUDA only"]),
     (dict(tree_cross_replica_handoffs=True), ["tree_cross_replica_handoffs=True", "tree_token_budget"]),
     (dict(tree_head_chunk_size=0), ["tree_head_chunk_size"]),
+    (dict(tree_stored_layers=2, gradient_checkpointing=False), ["tree_stored_layers=2", "gradient_checkpointing=True"]),
+    (dict(tree_stored_layers=-1), ["tree_stored_layers", ">= 0"]),
     (dict(tree_cost_model="no/such/cost.json"), ["tree_cost_model", "CostModel.save"]),
 ])
 def test_contradictory_config_is_refused(tmp_path, fields, words):

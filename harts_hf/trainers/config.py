@@ -104,6 +104,13 @@ class TreeGRPOConfig(GRPOConfig):
         default=4096,
         metadata={"help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."},
     )
+    tree_stored_layers: int = field(
+        default=0,
+        metadata={"help": "With gradient_checkpointing: how many decoder layers keep their activations for the "
+                          "backward instead of recomputing their forward (softmax-attention layers first, then "
+                          "the others spread evenly). Less compute, more memory; the gradients are the same. 0: "
+                          "every layer is checkpointed (transformers' default)."},
+    )
 
     def __post_init__(self):
         self._check_tree_field_types()
@@ -137,6 +144,9 @@ class TreeGRPOConfig(GRPOConfig):
         if self.tree_cross_replica_handoffs and self.tree_token_budget is None:
             raise ValueError("tree_cross_replica_handoffs=True plans microbatches into pieces: set tree_token_budget "
                              "(the most unique tokens of one piece), or tree_cross_replica_handoffs=False.")
+        if self.tree_stored_layers and not self.gradient_checkpointing:
+            raise ValueError(f"tree_stored_layers={self.tree_stored_layers} picks layers to leave out of gradient "
+                             "checkpointing, which is off; set gradient_checkpointing=True or tree_stored_layers=0.")
         if self.use_tree and self.use_liger_kernel:
             raise ValueError("use_tree=True and use_liger_kernel=True both replace how log-probs are computed; set "
                              "use_liger_kernel=False to train on trees, or use_tree=False to keep Liger.")
@@ -148,6 +158,7 @@ class TreeGRPOConfig(GRPOConfig):
             check_bool(getattr(self, name), name)
         self.tree_token_budget = check_int(self.tree_token_budget, "tree_token_budget", allow_none=True)
         self.tree_head_chunk_size = check_int(self.tree_head_chunk_size, "tree_head_chunk_size")
+        self.tree_stored_layers = check_int(self.tree_stored_layers, "tree_stored_layers", minimum=0)
         if isinstance(self.tree_cost_model, os.PathLike):
             self.tree_cost_model = os.fspath(self.tree_cost_model)
         if self.tree_cost_model is not None and not isinstance(self.tree_cost_model, str):
