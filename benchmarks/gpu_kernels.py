@@ -483,7 +483,8 @@ def attention_parity(q, k, v, subtree_end, layout, fp32_reference: bool) -> dict
 
 def conv_timing(row, U, ancestors, backward) -> None:
     """Tree conv1d (shifted multiply-adds, and fla's fused bulk) vs a plain depthwise conv over U rows, at the 2B
-    model's conv_dim = 2 * 16 * 128 + 32 * 128."""
+    model's conv_dim = 2 * 16 * 128 + 32 * 128, bf16 inputs and fp32 weights as under autocast; and each bulk's
+    relative error against fp64 (output, input and weight gradients)."""
     import torch.nn.functional as F
 
     from harts_hf.kernels import tree_causal_conv1d
@@ -491,16 +492,28 @@ def conv_timing(row, U, ancestors, backward) -> None:
 
     C = 8192
     x = torch.randn(U, C, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(C, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(C, 4, device="cuda", requires_grad=True)
     fixups = conv_window_fixups(ancestors, 4)  # once per forest, as TreeMetadata caches it for the model
+    probe = torch.randn(U, C, device="cuda")
+
+    def grads(x, weight, bulk):
+        y = tree_causal_conv1d(x, weight, None, ancestors, activation="silu", fixups=fixups, backend=bulk)
+        return [y.detach().double(), *(g.double() for g in torch.autograd.grad((y.double() * probe).sum(), [x, weight]))]
+
+    truth = grads(x.detach().double().requires_grad_(), weight.detach().double().requires_grad_(), "torch")
     for bulk in ("torch", "fla"):  # the shifted multiply-adds / fla's fused causal_conv1d (BULK_BACKEND)
-        row["conv_tree_s" if bulk == "torch" else "conv_tree_fla_s"] = bench(lambda bulk=bulk: backward(
+        key = "conv_tree_s" if bulk == "torch" else "conv_tree_fla_s"
+        row[key] = bench(lambda bulk=bulk: backward(
             tree_causal_conv1d(x, weight, None, ancestors, activation="silu", fixups=fixups, backend=bulk)))
+        row[key.replace("_s", "_error")] = [float((a - b).norm() / b.norm()) for a, b in zip(grads(x, weight, bulk), truth)]
     row["conv_fixup_rows"] = int(fixups.numel())
-    row["conv_plain_s"] = bench(lambda: backward(F.silu(F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), padding=3,
+    low = weight.detach().bfloat16().requires_grad_()  # the plain conv under autocast: bf16 weights
+    row["conv_plain_s"] = bench(lambda: backward(F.silu(F.conv1d(x.t().unsqueeze(0), low.unsqueeze(1), padding=3,
                                                                   groups=C)[..., :U])))
     print(f"  conv: tree {row['conv_tree_s'] * 1e3:.2f} ms, fla bulk {row['conv_tree_fla_s'] * 1e3:.2f} ms, plain "
-          f"{row['conv_plain_s'] * 1e3:.2f} ms", flush=True)
+          f"{row['conv_plain_s'] * 1e3:.2f} ms; error vs fp64 (out, dx, dw): shifted "
+          f"{', '.join(f'{e:.1e}' for e in row['conv_tree_error'])}, fla "
+          f"{', '.join(f'{e:.1e}' for e in row['conv_tree_fla_error'])}", flush=True)
 
 
 def token_ops_step(results: dict, rows: int = 97_199) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import pstats
 import sys
@@ -44,7 +45,11 @@ from bench_tree_vs_trajectory import KERNEL_SETS, MODELS, build_model, run_tree,
 from model_flops import forest_throughput  # noqa: E402
 from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
 
-from harts_hf.model_patches import checkpointed_layers, store_layer_activations  # noqa: E402
+from harts_hf.model_patches import (  # noqa: E402
+    checkpointed_layers,
+    keep_attention_outputs,
+    store_layer_activations,
+)
 
 OURS = ("harts_hf", "transformers", "/fla/")
 
@@ -128,7 +133,8 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
     # calls into the next timed run, which the per-trajectory sample's runs do not pay)
 
 
-def profile(model, sequences, device, attention: str, out: Path, loop_count: int = 8) -> dict:
+def profile(model, sequences, device, attention: str, out: Path, loop_count: int = 8,
+            parts=("tree", "loop", "packed")) -> dict:
     """Warm runs under torch.profiler: the whole forest, ``loop_count`` of its trajectories alone (length quantiles
     0.1-0.9, the per-trajectory path) and ONE packed call of its first trajectories up to the forest's unique-token
     count (the packed per-trajectory path at the tree's size). For each: kernel seconds by op family (gpu_suite's
@@ -149,6 +155,7 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     group = consecutive_groups(sequences, PrefixForest.from_sequences(sequences).pack().num_tokens)[0]
     packed = PrefixForest.from_sequences(group, groups=list(range(len(group))))
     forests = {"tree": [sequences], "loop": [[sequences[i]] for i in picks], "packed": [group]}
+    forests = {name: batch for name, batch in forests.items() if name in parts}
     report = {}
     out.mkdir(parents=True, exist_ok=True)
     for name, batch in forests.items():
@@ -173,6 +180,8 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
               f"wall {wall:.2f} s, device {report[name]['device_seconds']:.2f} s: "
               + ", ".join(f"{k} {v:.2f}" for k, v in families.items()), flush=True)
         print(f"  by part (device s; all {parts['total']:.2f}):\n" + table(parts, tokens), flush=True)
+    if "tree" not in parts:
+        return report
     profiler = cProfile.Profile()  # host time of one warm tree run: where a small forest's fixed cost goes
     report["tree"]["host_wall_seconds"] = profiler.runcall(
         lambda: run(model, sequences, None, device, history=False, attention=attention)["seconds"])
@@ -336,12 +345,13 @@ def main(argv=None):
     parser.add_argument("--fit", nargs=3, type=float, default=[0.1595, 4.6416e-05, 1.5976e-09], metavar=("C", "A", "B"))
     parser.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn"],
                         help="tree attention kernel for the tree and the per-trajectory sample alike")
-    parser.add_argument("--profile", action="store_true",
+    parser.add_argument("--profile", nargs="*", choices=["tree", "loop", "packed"], default=None,
                         help="also run the whole forest once more, 8 (or --loop-sample) of its trajectories alone and "
                              "one packed call of its first trajectories up to its unique-token count, under "
                              "torch.profiler: kernel seconds per op family and per model part (forward / recomputed "
                              "forward / backward of GDN layers, tree conv, gated delta rule, attention, MLP, norms, "
-                             "head) and tokens of each, the top kernels in OUT/profile_<tree|loop|packed>.txt")
+                             "head) and tokens of each, the top kernels in OUT/profile_<tree|loop|packed>.txt; "
+                             "followed by names, only those runs")
     parser.add_argument("--packed-groups", type=int, default=None, metavar="TOKENS",
                         help="also time the packed per-trajectory path over ALL trajectories, in calls of at most "
                              "TOKENS path tokens (0: the forest's unique-token count, i.e. the tree's memory envelope)")
@@ -355,7 +365,11 @@ def main(argv=None):
     parser.add_argument("--stored-layers", type=int, nargs="+", default=[0],
                         help="decoder layers left out of gradient checkpointing (harts_hf's tree_stored_layers), one "
                              "tree run per count; a count that does not fit is recorded as out of memory. The "
-                             "packed, profile and loop runs checkpoint every layer")
+                             "packed, profile and loop runs use the first")
+    parser.add_argument("--keep-attention", nargs="+", default=["on"], choices=["on", "off"],
+                        help="keep attention outputs under checkpointing (tree_keep_attention_outputs, the trainer's "
+                             "default) or rerun the attention; one tree run per setting (and stored-layer count); "
+                             "the packed, profile and loop runs use the first")
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -374,7 +388,8 @@ def main(argv=None):
         use_kernels(kernels)
         run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
             attention=args.attention)                                      # cuDNN plans)
-        for stored in args.stored_layers:
+        for keep, stored in itertools.product(args.keep_attention, args.stored_layers):
+            keep_attention_outputs(model, keep == "on")
             store_layer_activations(model, stored)
             for budget in [b or None for b in args.budget]:
                 try:
@@ -385,19 +400,21 @@ def main(argv=None):
                 except torch.OutOfMemoryError as error:
                     model.zero_grad(set_to_none=True)
                     torch.cuda.empty_cache()
-                    rows.append(dict(kernels=kernels, budget=budget, stored_layers=stored,
+                    rows.append(dict(kernels=kernels, budget=budget, stored_layers=stored, keep_attention=keep,
                                      out_of_memory=str(error).split("\n")[0]))
                     save()
-                    print(f"{kernels} kernels, budget {budget}, {stored} stored layers: out of memory", flush=True)
+                    print(f"{kernels} kernels, budget {budget}, attention outputs kept {keep}, {stored} stored layers: "
+                          "out of memory", flush=True)
                     continue
-                rows.append(dict(repeats[0], kernels=kernels, stored_layers=stored,
+                rows.append(dict(repeats[0], kernels=kernels, stored_layers=stored, keep_attention=keep,
                                  checkpointed_layers=checkpointed_layers(model),
                                  seconds_all=[r["seconds"] for r in repeats],
                                  seconds=float(np.mean([r["seconds"] for r in repeats])),
                                  peak_gib=max(r["peak_gib"] for r in repeats)))
                 r = rows[-1]
                 save()
-                print(f"{kernels} kernels, budget {budget}, {stored} stored layers: {r['pieces']} pieces, "
+                print(f"{kernels} kernels, budget {budget}, attention outputs kept {keep}, {stored} stored layers: "
+                      f"{r['pieces']} pieces, "
                       f"{r['seconds']:.2f} s (runs {', '.join(f'{x:.2f}' for x in r['seconds_all'])}), peak "
                       f"{r['peak_gib']:.1f} GiB (weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}",
                       flush=True)
@@ -407,10 +424,11 @@ def main(argv=None):
                     print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
                     for where, gib in r.get(key, [])[:15]:
                         print(f"    {gib:8.3f}  {where}")
-        store_layer_activations(model, 0)
-    if args.profile:
+        keep_attention_outputs(model, args.keep_attention[0] == "on")  # the first settings stay in force
+        store_layer_activations(model, args.stored_layers[0])
+    if args.profile is not None:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, Path(args.out),
-                                         max(args.loop_sample, 8))))
+                                         max(args.loop_sample, 8), args.profile or ("tree", "loop", "packed"))))
     if args.packed_groups is not None:
         from harts_hf.trees import PrefixForest
 
@@ -449,7 +467,8 @@ def add_throughput(rows: list[dict], model, sequences) -> None:
             row["fraction_of_flop_ratio"] = row["speedup_vs_packed"] / row["throughput"]["flop_ratio"]
     print(f"{'path':22s} {'seconds':>8s} {'speed-up':>8s} {'FLOP ratio':>10s} {'fraction':>8s} {'MFU':>6s} "
           f"{'HFU':>6s} {'unique tok/s':>12s} {'path tok/s':>12s} {'peak GiB':>8s}")
-    trees = [(f"tree {r.get('kernels', '')} {r['budget'] or 'all'} s{r.get('stored_layers', 0)}", r) for r in rows if r.get("pieces") is not None]
+    trees = [(f"tree {r.get('kernels', '')} {r['budget'] or 'all'} a{r.get('keep_attention', '')} "
+              f"s{r.get('stored_layers', 0)}", r) for r in rows if r.get("pieces") is not None]
     for name, row in [("packed per-trajectory", packed)] + trees:
         if row is None:
             continue

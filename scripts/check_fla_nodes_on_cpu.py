@@ -250,6 +250,18 @@ def check_conv() -> float:
         print(f"tree conv, fla bulk vs shifted ({U} tokens, {fixups.numel()} fixup rows, {context_rows} context rows): "
               f"out {errors[0]:.1e} grads {max(errors[1:]):.1e}", flush=True)
         worst = max(worst, *errors)
+        # bf16 inputs, fp32 weights (autocast): both compute in fp32 and round once, fla without an fp32 copy of x
+        xb = x.detach().bfloat16().requires_grad_()
+        low = {}
+        for backend in ("torch", "fla"):
+            y = tree_causal_conv1d(xb, weight, bias, table, "silu", context=context, fixups=fixups, backend=backend)
+            assert y.dtype == torch.bfloat16
+            low[backend] = (y.detach().float(), torch.autograd.grad((y.float() ** 2).sum(), [xb, weight, bias]))
+        low_errors = [rel(low["fla"][0], low["torch"][0])] + [rel(a.float(), b.float())
+                                                              for a, b in zip(low["fla"][1], low["torch"][1])]
+        print(f"  bf16 x: out {low_errors[0]:.1e} (bit-equal rows {(low['fla'][0] == low['torch'][0]).float().mean():.4f}) "
+              f"grads x {low_errors[1]:.1e}, weight {low_errors[2]:.1e}, bias {low_errors[3]:.1e}", flush=True)
+        assert max(low_errors) < 1e-2, low_errors
     return worst
 
 

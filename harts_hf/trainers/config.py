@@ -14,7 +14,7 @@ __all__ = ["TreeGRPOConfig"]
 _GDN_BACKENDS = ("auto", "torch", "fla")
 _ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
 _BOOL_FIELDS = ("use_tree", "tree_share_across_groups", "tree_keep_groups_together", "tree_balance_replicas",
-                "tree_cross_replica_handoffs")
+                "tree_cross_replica_handoffs", "tree_keep_attention_outputs")
 
 
 @dataclass
@@ -103,6 +103,14 @@ class TreeGRPOConfig(GRPOConfig):
     tree_head_chunk_size: int = field(
         default=4096,
         metadata={"help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."},
+    )
+    tree_keep_attention_outputs: bool = field(
+        default=True,
+        metadata={"help": "With gradient_checkpointing (non-reentrant, transformers' default) and use_tree: keep each "
+                          "softmax-attention kernel's output and softmax statistics from the forward, so the "
+                          "backward's rerun of a checkpointed layer skips the attention (memory: one attention "
+                          "output per attention layer). The gradients are the same. False reruns it, as "
+                          "transformers does."},
     )
     tree_stored_layers: int = field(
         default=0,

@@ -21,7 +21,7 @@ from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from ..logprobs import run_tree_forward, unwrap_model
-from ..model_patches import apply_tree_patches, cpu_safe, store_layer_activations
+from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs, store_layer_activations
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
 from ..planner import CostModel, Plan, imbalance, plan
@@ -89,6 +89,8 @@ class TreeGRPOTrainer(GRPOTrainer):
                 self._tree_handles.append(cpu_safe(base))
             elif getattr(base, _PATCH_MARK, None) is None:
                 self._tree_handles.append(apply_tree_patches(base))
+        if args.use_tree and args.tree_keep_attention_outputs:
+            keep_attention_outputs(unwrap_model(self.model))
         if args.tree_stored_layers:
             store_layer_activations(unwrap_model(self.model), args.tree_stored_layers)
 

@@ -74,7 +74,8 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
     Returns:
         ``[U, C]`` in ``x.dtype``; computed in the promoted dtype of ``x`` and ``weight`` (fp32 for bf16 inputs and
-        fp32 weights, as under autocast with fp32 master weights).
+        fp32 weights, as under autocast with fp32 master weights) and rounded once. With ``"fla"`` the input gradient
+        of the few rows inside fixup windows is rounded to ``x.dtype`` once for the bulk and once for the fixups.
     """
     U, C = x.shape
     W = weight.shape[1]
@@ -88,9 +89,7 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         raise ValueError(f"tree_causal_conv1d: backend must be 'torch' or 'fla', got {backend!r}")
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"tree_causal_conv1d: activation must be None, 'silu' or 'swish', got {activation!r}")
-    # in the promoted dtype before anything else (fp32 for bf16 inputs and fp32 weights): the W terms' input
-    # gradients then add up in fp32 and round once (promoting inside each product rounds each term's gradient)
-    xw = x.to(torch.promote_types(x.dtype, weight.dtype))
+    compute = torch.promote_types(x.dtype, weight.dtype)  # fp32 for bf16 inputs and fp32 weights (autocast)
     taps = weight.flip(1).t()  # [W, C]: row j multiplies the j-th ancestor
     if backend == "fla":
         try:
@@ -99,11 +98,17 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             raise ImportError("tree_causal_conv1d: backend='fla' needs flash-linear-attention and triton: pip install "
                               "'flash-linear-attention>=0.6,<0.7' triton (or use backend='torch')") from error
 
-        y = causal_conv1d(xw.unsqueeze(0), weight.to(xw.dtype), None if bias is None else bias.to(xw.dtype),
+        # fla's kernel reads x, weight and bias in their own dtypes and computes in fp32; y and dx are rounded once
+        # to x's dtype (no fp32 copy of x or y)
+        y = causal_conv1d(x.unsqueeze(0), weight.to(compute), None if bias is None else bias.to(compute),
                           activation=activation)[0].squeeze(0)
+        rows = x
     else:
-        shifted = F.pad(xw, (0, 0, W - 1, 0))  # row W - 1 + t is token t; zeros above
-        y = taps[0] * xw
+        # in the promoted dtype before anything else: the W terms' input gradients then add up in fp32 and round
+        # once (promoting inside each product rounds each term's gradient)
+        rows = x.to(compute)
+        shifted = F.pad(rows, (0, 0, W - 1, 0))  # row W - 1 + t is token t; zeros above
+        y = taps[0] * rows
         for j in range(1, W):
             y = y + taps[j] * shifted[W - 1 - j: W - 1 - j + U]
         y = _activate(y if bias is None else y + bias, activation)
@@ -111,10 +116,10 @@ def tree_causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         fixups = conv_window_fixups(ancestors, W)
     if fixups.numel():
         index = ancestors[fixups, :W]  # [F, W]
-        window = xw[index.clamp(0, U - 1)] * ((index >= 0) & (index < U)).unsqueeze(-1).to(xw.dtype)
+        window = rows[index.clamp(0, U - 1)].to(compute) * ((index >= 0) & (index < U)).unsqueeze(-1).to(compute)
         if context is not None and context.shape[0]:
-            inside = context.to(xw.dtype)[(index - U).clamp(0, context.shape[0] - 1)]
-            window = window + inside * (index >= U).unsqueeze(-1).to(xw.dtype)
+            inside = context.to(compute)[(index - U).clamp(0, context.shape[0] - 1)]
+            window = window + inside * (index >= U).unsqueeze(-1).to(compute)
         fixed = (window * taps).sum(1)
         y = y.index_put((fixups,), _activate(fixed if bias is None else fixed + bias, activation).to(y.dtype))
     return y.to(x.dtype)

@@ -1,0 +1,171 @@
+"""What activation checkpointing keeps and what it recomputes, on transformers models.
+
+Whole-layer checkpointing reruns each decoder layer's forward during the backward: about a third more work per
+step. Two ways to rerun less, both exact (checkpointing changes what is kept, never the arithmetic; the kernels
+involved are deterministic):
+
+- :func:`keep_attention_outputs`: every softmax-attention kernel's output and softmax statistics from the forward are
+  kept (a selective-checkpointing policy, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``), so the
+  rerun skips the attention itself, the costliest op to recompute per byte kept (one attention output per attention
+  layer: ``tokens x heads x head_dim`` in bf16 plus fp32 statistics). Needs non-reentrant checkpointing; under the
+  reentrant kind it is not applied.
+- :func:`store_layer_activations`: ``count`` decoder layers leave checkpointing altogether (softmax-attention
+  layers first, then the others spread evenly) and keep everything their backward needs.
+
+Both stay in force whenever checkpointing is enabled again (TRL turns it off around generation and back on).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from .._checks import check_bool, check_int
+
+__all__ = ["checkpointed_layers", "keep_attention_outputs", "store_layer_activations"]
+
+_ORIGINAL = "_harts_original_checkpoint"  # a layer's checkpoint function before the policy was added
+
+
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+@functools.cache
+def _attention_ops() -> frozenset:
+    """The dispatcher ops that compute softmax attention in the kernels tree attention calls (torch's varlen op,
+    SDPA's fused backends, flash / efficient attention forwards); each present in this torch build."""
+    import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn)
+
+    names = [("torch_attn", "_varlen_attn")] + [("aten", name) for name in (
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_flash_attention_forward", "_efficient_attention_forward")]
+    ops = set()
+    for namespace, name in names:
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is not None:
+            ops.add(packet.default)
+    return frozenset(ops)
+
+
+def _keep_attention_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _attention_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_attention_policy)
+
+
+def _non_reentrant(function) -> bool:
+    while isinstance(function, functools.partial):
+        if "use_reentrant" in function.keywords:
+            return function.keywords["use_reentrant"] is False
+        function = function.func
+    return False
+
+
+class _SetGradientCheckpointing:
+    """A model's ``_set_gradient_checkpointing``: transformers' own, then harts_hf's settings (``stored`` layer
+    indices, ``keep_attention``). An object holding its model, so a deep copy of the model gets its own."""
+
+    def __init__(self, model):
+        self.model, self.stored, self.keep_attention = model, [], False
+
+    def __call__(self, *args, **kwargs):
+        type(self.model)._set_gradient_checkpointing(self.model, *args, **kwargs)
+        _apply(self.model)
+
+
+def _settings(model) -> _SetGradientCheckpointing:
+    if hasattr(model, "get_base_model"):  # PEFT: the transformers model the trainer enables checkpointing on
+        model = model.get_base_model()
+    enable = getattr(type(model), "_set_gradient_checkpointing", None)
+    if enable is None or "value" in inspect.signature(enable).parameters:
+        raise TypeError(f"{type(model).__name__} has no _set_gradient_checkpointing(enable, ...) of transformers >= "
+                        "4.35: harts_hf's checkpointing settings need a transformers PreTrainedModel")
+    if not isinstance(model.__dict__.get("_set_gradient_checkpointing"), _SetGradientCheckpointing):
+        model._set_gradient_checkpointing = _SetGradientCheckpointing(model)
+    return model._set_gradient_checkpointing
+
+
+def _apply(model: torch.nn.Module) -> None:
+    """Put the model's settings on its checkpointed modules (after transformers enabled checkpointing)."""
+    settings = model._set_gradient_checkpointing
+    layers = _decoder_layers(model)
+    if not _checkpointing_on(model, layers):
+        return
+    for module in model.modules():
+        function = getattr(module, "_gradient_checkpointing_func", None)
+        if function is None:
+            continue
+        original = getattr(function, _ORIGINAL, function)
+        if settings.keep_attention and _non_reentrant(original):
+            function = functools.partial(original, context_fn=_attention_contexts)
+            setattr(function, _ORIGINAL, original)
+        else:
+            function = original
+        module._gradient_checkpointing_func = function
+    for index, layer in enumerate(layers):
+        layer.gradient_checkpointing = index not in settings.stored
+
+
+def _checkpointing_on(model, layers) -> bool:
+    """Whether checkpointing is enabled: transformers sets every module's flag, layers' and others' alike (the
+    decoder's own, e.g.); the layers' alone may all be off because every layer is stored."""
+    others = [m.gradient_checkpointing for m in model.modules() if hasattr(m, "gradient_checkpointing")
+              and m not in layers and isinstance(m.gradient_checkpointing, bool)]
+    return any(others) if others else any(layer.gradient_checkpointing for layer in layers)
+
+
+def _choose(layer_types: list[str], count: int) -> list[int]:
+    """``count`` layer indices: full-attention layers first, evenly spaced within each kind."""
+    attention = [i for i, kind in enumerate(layer_types) if kind == "full_attention"]
+    others = [i for i in range(len(layer_types)) if i not in attention]
+    if len(attention) == len(layer_types):  # one kind only
+        attention, others = [], attention
+    chosen = []
+    for pool in (attention, others):
+        take = min(count - len(chosen), len(pool))
+        chosen += [pool[(2 * j + 1) * len(pool) // (2 * take)] for j in range(take)]
+    return sorted(chosen)
+
+
+def store_layer_activations(model: torch.nn.Module, count: int) -> list[int]:
+    """Leave ``count`` decoder layers of ``model`` (a transformers model) out of gradient checkpointing, now and
+    whenever it is enabled again; 0 checkpoints every layer again. Returns the indices of the stored layers."""
+    settings = _settings(model)
+    model = settings.model
+    layers = _decoder_layers(model)
+    count = check_int(count, "tree_stored_layers", minimum=0)
+    if count > len(layers):
+        raise ValueError(f"tree_stored_layers={count} exceeds the model's {len(layers)} decoder layers; pass at most "
+                         f"{len(layers)} (every layer keeps its activations) or 0 (every layer is checkpointed)")
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if len(layer_types) != len(layers):
+        layer_types = ["full_attention"] * len(layers)
+    settings.stored = _choose(layer_types, count)
+    _apply(model)
+    return settings.stored
+
+
+def keep_attention_outputs(model: torch.nn.Module, enable: bool = True) -> None:
+    """Under non-reentrant gradient checkpointing, keep every softmax-attention kernel's output from the forward
+    instead of rerunning the attention in the backward (now and whenever checkpointing is enabled again)."""
+    settings = _settings(model)
+    settings.keep_attention = check_bool(enable, "tree_keep_attention_outputs")
+    _apply(settings.model)
+
+
+def checkpointed_layers(model: torch.nn.Module) -> list[int]:
+    """Indices of the decoder layers that run under gradient checkpointing now."""
+    return [i for i, layer in enumerate(_decoder_layers(model)) if layer.gradient_checkpointing]

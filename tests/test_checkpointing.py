@@ -1,0 +1,142 @@
+"""What gradient checkpointing keeps: decoder layers left out (tree_stored_layers: which layers, the same gradients,
+their forwards not run again in the backward) and attention outputs kept (tree_keep_attention_outputs: the same
+gradients, each attention op run once); both kept when checkpointing is enabled again."""
+
+import random
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from harts_hf import tree_logprobs
+from harts_hf.model_patches import checkpointed_layers, keep_attention_outputs, store_layer_activations
+from harts_hf.model_patches.checkpointing import _attention_ops, _choose
+from harts_hf.trees import PrefixForest
+from tests.forests import random_tree_sequences
+from tests.models import VOCAB, build
+
+HYBRID = ["linear_attention", "full_attention"] * 4
+
+
+@pytest.mark.parametrize("layer_types, count, expected", [
+    (HYBRID, 0, []),
+    (HYBRID, 2, [3, 7]),
+    (HYBRID, 4, [1, 3, 5, 7]),
+    (HYBRID, 5, [1, 3, 4, 5, 7]),
+    (HYBRID, 8, list(range(8))),
+    (["full_attention"] * 6, 2, [1, 4]),
+    (["full_attention"] * 6, 3, [1, 3, 5]),
+])
+def test_attention_layers_first_then_spread(layer_types, count, expected):
+    assert _choose(layer_types, count) == expected
+
+
+def _fwd_bwd(model, forest):
+    model.zero_grad(set_to_none=True)
+    out = tree_logprobs(model, forest=forest)
+    sum((lp * (1 + torch.arange(lp.numel()) % 3)).sum() for lp in out.logprobs).backward()
+    return [lp.detach() for lp in out.logprobs], {n: p.grad.clone() for n, p in model.named_parameters()
+                                                  if p.grad is not None}
+
+
+@pytest.mark.parametrize("family, count", [("qwen3_next", 2), ("qwen3_next", 4), ("llama", 1)])
+def test_same_gradients_and_no_second_forward(family, count):
+    model = build(family).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(0), 6, vocab=VOCAB, max_tail=70))
+    reference = _fwd_bwd(model, forest)
+    stored = store_layer_activations(model, count)
+    layers = model.model.layers
+    assert checkpointed_layers(model) == [i for i in range(len(layers)) if i not in stored]
+    calls = [0] * len(layers)
+    hooks = [layer.mlp.register_forward_pre_hook(lambda m, a, i=i: calls.__setitem__(i, calls[i] + 1))
+             for i, layer in enumerate(layers)]
+    logprobs, grads = _fwd_bwd(model, forest)
+    for hook in hooks:
+        hook.remove()
+    assert calls == [1 if i in stored else 2 for i in range(len(layers))]  # a checkpointed layer runs again
+    for a, b in zip(logprobs, reference[0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert grads.keys() == reference[1].keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], reference[1][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_kept_out_when_checkpointing_is_enabled_again_and_reset_by_zero():
+    model = build("qwen3_next").train()
+    assert store_layer_activations(model, 2) == [1, 3]
+    assert checkpointed_layers(model) == []  # checkpointing is off: nothing to leave out
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed_layers(model) == [0, 2]
+    model.gradient_checkpointing_disable()
+    assert checkpointed_layers(model) == []
+    model.gradient_checkpointing_enable()
+    assert checkpointed_layers(model) == [0, 2]
+    store_layer_activations(model, 0)
+    assert checkpointed_layers(model) == [0, 1, 2, 3]
+    store_layer_activations(model, 4)  # every layer stored, checkpointing still on: 0 brings them all back
+    assert checkpointed_layers(model) == []
+    store_layer_activations(model, 0)
+    assert checkpointed_layers(model) == [0, 1, 2, 3]
+
+
+def test_bad_counts_are_refused():
+    model = build("llama")
+    with pytest.raises(ValueError, match=r"tree_stored_layers=3 exceeds the model's 2 decoder layers"):
+        store_layer_activations(model, 3)
+    with pytest.raises(ValueError, match="tree_stored_layers"):
+        store_layer_activations(model, -1)
+
+
+class _CountAttention(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in _attention_ops()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "llama"])
+def test_kept_attention_outputs_give_the_same_gradients_and_run_attention_once(family):
+    model = build(family).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(1), 6, vocab=VOCAB, max_tail=70))
+    attention_layers = sum(kind == "full_attention" for kind in getattr(model.config, "layer_types", None)
+                           or ["full_attention"] * model.config.num_hidden_layers)
+    _fwd_bwd(model, forest)  # patches the model (its patch-time probes run attention too)
+    counts, results = {}, {}
+    for keep in (False, True):
+        keep_attention_outputs(model, keep)
+        with _CountAttention() as counter:
+            results[keep] = _fwd_bwd(model, forest)
+        counts[keep] = counter.calls
+    assert counts == {False: 2 * attention_layers, True: attention_layers}  # forward and rerun; forward only
+    for a, b in zip(results[True][0], results[False][0]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name, grad in results[True][1].items():
+        torch.testing.assert_close(grad, results[False][1][name], rtol=1e-6, atol=1e-7, msg=name)
+    model.gradient_checkpointing_disable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with _CountAttention() as counter:
+        _fwd_bwd(model, forest)
+    assert counter.calls == attention_layers  # the policy survives re-enabling
+
+
+def test_reentrant_checkpointing_keeps_its_function():
+    model = build("llama").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    before = model.model.layers[0]._gradient_checkpointing_func
+    keep_attention_outputs(model)
+    assert model.model.layers[0]._gradient_checkpointing_func is before  # selective checkpointing needs non-reentrant
+
+
+def test_deep_copy_keeps_its_own_settings():
+    import copy
+
+    model = build("qwen3_next").train()
+    store_layer_activations(model, 2)
+    twin = copy.deepcopy(model)
+    twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed_layers(twin) == [0, 2] and checkpointed_layers(model) == []
