@@ -14,7 +14,8 @@ and sum L (L + 1) / 2; their ratio is the FLOP (sharing) ratio.
 
 ``MFU = F / (seconds * 989e12)`` (one H200's dense bf16 peak). ``HFU`` adds the recomputed forward of activation
 checkpointing (``2 P_ckpt tokens + 4 H D L_ckpt pairs``: the matmul parameters and attention layers of the
-checkpointed decoder layers; the LM head is not recomputed; layers left out by ``tree_stored_layers`` are not).
+checkpointed decoder layers; the LM head is not recomputed; layers left out by ``tree_stored_layers`` are not, nor
+are the pairs when ``tree_keep_attention_outputs`` keeps the attention outputs).
 """
 
 from __future__ import annotations
@@ -36,10 +37,11 @@ def _active_fraction(module, config) -> float:
     return 1.0
 
 
-def flop_rates(model, checkpointed: list[int] | None = None) -> dict:
+def flop_rates(model, checkpointed: list[int] | None = None, attention_recomputed: bool = True) -> dict:
     """FLOPs per token and per attended pair of one fwd+bwd pass of ``model`` (see the module docstring), and of the
     forward recomputed under gradient checkpointing by the decoder layers ``checkpointed`` (indices; None: the
-    layers checkpointed now)."""
+    layers checkpointed now); ``attention_recomputed=False``: the attention outputs are kept
+    (``tree_keep_attention_outputs``), no pair is recomputed."""
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -68,7 +70,7 @@ def flop_rates(model, checkpointed: list[int] | None = None) -> dict:
     return dict(matmul_parameters=layers_params + head_params, layer_parameters=layers_params,
                 attention_layers=attention_layers, per_token=6 * (layers_params + head_params),
                 per_pair=3 * pair * attention_layers, recompute_per_token=2 * recomputed_params,
-                recompute_per_pair=pair * recomputed_attention, checkpointed_layers=list(checkpointed))
+                recompute_per_pair=pair * recomputed_attention * attention_recomputed, checkpointed_layers=list(checkpointed))
 
 
 def throughput(rates: dict, seconds: float, tokens: float, pairs: float, path_tokens: float | None = None,
@@ -88,11 +90,13 @@ def throughput(rates: dict, seconds: float, tokens: float, pairs: float, path_to
 
 
 def forest_throughput(model, seconds: float, forest_stats: dict, tree: bool,
-                      checkpointed: list[int] | None = None) -> dict:
+                      checkpointed: list[int] | None = None, attention_recomputed: bool = True) -> dict:
     """:func:`throughput` of a pass over a forest (``PackedForest.stats()``) taking ``seconds``: the tree's unique
     work (``tree=True``) or the per-trajectory paths' work, the recompute of the ``checkpointed`` decoder layers
-    counted in HFU (None: the layers checkpointed now)."""
+    counted in HFU (None: the layers checkpointed now; their attention pairs unless ``attention_recomputed`` is
+    False)."""
     unique = (forest_stats["unique_tokens"], forest_stats["tree_attention_pairs"])
     path = (forest_stats["path_tokens"], forest_stats["path_attention_pairs"])
-    return throughput(flop_rates(model, checkpointed), seconds, *(unique + path if tree else path))
+    return throughput(flop_rates(model, checkpointed, attention_recomputed), seconds,
+                      *(unique + path if tree else path))
 

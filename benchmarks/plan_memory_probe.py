@@ -438,6 +438,7 @@ def main(argv=None):
             progress=lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1)),
             repeats=max(args.repeats, 1))))
         packed = rows[-1]["packed_groups"]
+        packed["keep_attention"] = args.keep_attention[0]
         for tree in (r for r in rows if r.get("pieces") is not None):
             speedup = packed["seconds"] / tree["seconds"]
             print(f"tree, budget {tree['budget']}: {tree['seconds']:.2f} s, {speedup:.2f}x the packed path, "
@@ -458,10 +459,12 @@ def add_throughput(rows: list[dict], model, sequences) -> None:
     stats = PrefixForest.from_sequences(sequences).pack().stats()
     packed = next((r["packed_groups"] for r in rows if "packed_groups" in r), None)
     if packed is not None:
-        packed["throughput"] = forest_throughput(model, packed["seconds"], stats, tree=False)
+        packed["throughput"] = forest_throughput(model, packed["seconds"], stats, tree=False,
+                                                 attention_recomputed=packed.get("keep_attention") != "on")
     for row in (r for r in rows if r.get("pieces") is not None):
         row["throughput"] = forest_throughput(model, row["seconds"], stats, tree=True,
-                                              checkpointed=row.get("checkpointed_layers"))
+                                              checkpointed=row.get("checkpointed_layers"),
+                                              attention_recomputed=row.get("keep_attention") != "on")
         if packed is not None:
             row["speedup_vs_packed"] = packed["seconds"] / row["seconds"]
             row["fraction_of_flop_ratio"] = row["speedup_vs_packed"] / row["throughput"]["flop_ratio"]

@@ -299,6 +299,7 @@ def test_model_flops_and_mfu_rows():
     rates = flop_rates(model, checkpointed=[0, 1])
     assert rates["recompute_per_token"] == 2 * 2 * per_layer and rates["recompute_per_pair"] == 4 * 4 * 16 * 2
     assert flop_rates(model)["recompute_per_token"] == 0  # checkpointing is off
+    assert flop_rates(model, checkpointed=[0, 1], attention_recomputed=False)["recompute_per_pair"] == 0
     one = flop_rates(model, checkpointed=[1])  # the other layer stored (tree_stored_layers=1)
     assert one["recompute_per_token"] == 2 * per_layer and one["recompute_per_pair"] == 4 * 4 * 16
     assert rates["layer_parameters"] == 2 * per_layer and rates["matmul_parameters"] == 2 * per_layer + 97 * 32
