@@ -19,7 +19,8 @@ where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the 
 ``--packed-groups`` times the strongest per-trajectory path over all trajectories: packed (each its own tree, no
 padding) into calls of at most as many path tokens as the tree has unique ones (the same memory envelope).
 
-Needs CUDA. Writes ``OUT/probe.json`` and prints the tables.
+Needs CUDA. Writes ``OUT/probe.json`` (and ``OUT/run.json``: command, date, machine, versions) and prints the tables.
+Also ``python -m benchmarks step ...``.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tree_vs_trajectory import KERNEL_SETS, MODELS, build_model, run_tree, use_kernels  # noqa: E402
 from model_flops import forest_throughput  # noqa: E402
 from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
+from run_record import write_run_record  # noqa: E402
 
 from harts_hf.model_patches import (  # noqa: E402
     checkpointed_layers,
@@ -379,7 +381,7 @@ def main(argv=None):
     sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"], workload=args.workload)
     rows = []
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    write_run_record(out)
 
     def save():  # after every stage: a run stopped by a time limit keeps what it measured
         (out / "probe.json").write_text(json.dumps(rows, indent=1))

@@ -320,3 +320,27 @@ def test_model_flops_and_mfu_rows():
     assert rows[0]["speedup_vs_packed"] == 3.0
     assert rows[0]["fraction_of_flop_ratio"] == 3.0 / rows[0]["throughput"]["flop_ratio"]
     assert rows[1]["packed_groups"]["throughput"]["flop_ratio"] == 1.0
+
+
+def test_one_entry_point_runs_every_script(tmp_path):
+    """``python -m benchmarks``: every script with a main is a command (helpers are not), a CPU command runs through
+    it, and the run record names the command, date, machine and versions."""
+    import importlib
+
+    bench = ROOT / "benchmarks"
+    sys.path.insert(0, str(bench))
+    from benchmarks.__main__ import COMMANDS
+    from run_record import write_run_record
+
+    scripts = {p.stem for p in bench.glob("*.py") if "def main(" in p.read_text()} - {"__main__"}
+    assert {module for module, _ in COMMANDS.values()} == scripts
+    for module, _ in COMMANDS.values():
+        assert callable(importlib.import_module(module).main)
+    listing = subprocess.run([sys.executable, "-m", "benchmarks"], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+    assert all(name in listing for name in COMMANDS)
+    run = subprocess.run([sys.executable, "-m", "benchmarks", "workloads", "--scales", "0.01", "--seeds", "0",
+                          "--presets", "grpo"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert "grpo" in run.stdout and "R_tok" in run.stdout
+    record = json.loads(write_run_record(tmp_path).read_text())
+    assert {"command", "date", "host", "device", "versions"} <= record.keys() and record["versions"]["torch"]
