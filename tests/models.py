@@ -93,6 +93,16 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.sinks.normal_()  # transformers initialises them to zero
+    elif name in ("deepseek_v3", "deepseek_v2"):  # multi-head latent attention: q/k heads of 16 + 8 (RoPE part),
+        # value heads of 12; low-rank q (V3) or a plain q projection (V2); routed experts in groups + a shared one
+        common = dict({k: v for k, v in COMMON.items() if k != "head_dim"}, num_key_value_heads=4)
+        mla = dict(num_hidden_layers=2, kv_lora_rank=16,
+                   qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=16, first_k_dense_replace=1, n_group=2, topk_group=1, n_shared_experts=1)
+        if name == "deepseek_v3":
+            model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**common, **mla, q_lora_rank=16))
+        else:
+            model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**common, **mla, q_lora_rank=None))
     else:
         raise ValueError(name)
     if mild_decay:

@@ -16,7 +16,7 @@ from tests.models import VOCAB, build
 from tests.test_tree_logprobs import compare
 
 GENERIC = ["mistral", "mistral_sliding", "phi3", "olmo2", "gemma2", "gemma3_text", "cohere2", "granite", "gpt_oss",
-           "glm4_moe", "mixtral"]
+           "glm4_moe", "mixtral", "deepseek_v3", "deepseek_v2"]
 
 
 @pytest.mark.parametrize("family", GENERIC)
@@ -88,6 +88,38 @@ def test_attention_features_match_per_path(window, softcap, sinks, backend):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("value_dim", [4, 12])
+@pytest.mark.parametrize("backend, window", [("sdpa", None), ("runs", None), ("sdpa", 64), ("runs", 64)])
+def test_value_head_dim_other_than_query_key(value_dim, backend, window):
+    """Value heads of another width than query/key heads (multi-head latent attention): output and every input
+    gradient against causal attention on each path (fp64); and the zero padding the flash / cuDNN paths use to give
+    q, k and v one head dim changes nothing."""
+    from harts_hf.kernels.tree_attention.ops import common_head_dim
+
+    packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
+    U = packed.num_tokens
+    torch.manual_seed(0)
+    leaves = [torch.randn(U, h, d, dtype=torch.float64, requires_grad=True) for h, d in ((4, 8), (2, 8), (2, value_dim))]
+    out = tree_attention(*leaves, packed.subtree_end, backend=backend, layout=build_varlen_layout(packed),
+                         depth=packed.position_ids, window=window)
+    assert out.shape == (U, 4, value_dim)
+    weights = torch.randn(out.shape, dtype=torch.float64)
+    expected = torch.zeros_like(out)
+    for i, path_out in enumerate(tree_attention_reference(*leaves, packed, window=window)):
+        expected = expected.index_copy(0, packed.sequence_index(i), path_out)  # every path agrees on shared tokens
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad((out * weights).sum(), leaves)
+    for a, b in zip(grads, torch.autograd.grad((expected * weights).sum(), leaves)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    padded = common_head_dim(*leaves)
+    assert {t.shape[-1] for t in padded} == {max(8, value_dim)}
+    again = tree_attention(*padded, packed.subtree_end, backend=backend, layout=build_varlen_layout(packed),
+                           depth=packed.position_ids, window=window, scaling=8 ** -0.5)[..., :value_dim]
+    torch.testing.assert_close(again, out, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad((again * weights).sum(), leaves), grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_window_arguments_are_checked():
     packed = PrefixForest.from_sequences([[1, 2, 3]]).pack()
     q = torch.randn(3, 2, 4)
@@ -101,7 +133,7 @@ def test_window_arguments_are_checked():
 
 
 @pytest.mark.parametrize("family", ["mistral_sliding", "phi3", "olmo2", "gemma2", "gemma3_text", "cohere2",
-                                    "granite", "gpt_oss", "glm4_moe", "mixtral"])
+                                    "granite", "gpt_oss", "glm4_moe", "mixtral", "deepseek_v3"])
 def test_tree_grpo_trainer_matches_grpo_trainer(tmp_path, family):
     """Each family through TreeGRPOTrainer and GRPOTrainer (sliding-window layers at window 8, shorter than the
     rows): one microbatch's loss and every gradient, then two optimizer steps to the same parameters."""

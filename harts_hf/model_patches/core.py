@@ -61,8 +61,8 @@ def register_family(family: TreeFamily) -> None:
         _REGISTRY[model_type] = family
 
 
-TESTED_BY_STRUCTURE = ("cohere2", "gemma2", "gemma3_text", "glm4_moe", "gpt_oss", "granite", "mistral", "mixtral",
-                       "olmo2", "phi3")
+TESTED_BY_STRUCTURE = ("cohere2", "deepseek_v2", "deepseek_v3", "gemma2", "gemma3_text", "glm4_moe", "gpt_oss",
+                       "granite", "mistral", "mixtral", "olmo2", "phi3")
 """Model types without a family file that :func:`attention_interface_family` finds and the tests check against
 per-sequence runs and GRPOTrainer (tests/test_attention_families.py); any other model of that structure runs too."""
 

@@ -76,6 +76,14 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple:
     return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
+def common_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """q, k and v zero-padded to one head dim, the larger of q/k's and v's (flash and cuDNN kernels take one): zero
+    columns of q and k add nothing to a score, zero columns of v give zero output columns to cut off. Multi-head
+    latent attention (DeepSeek, Kimi, Ling) has q/k heads of 192 and value heads of 128, e.g."""
+    width = max(q.shape[-1], v.shape[-1])
+    return tuple(t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+
+
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor, *,
                    scaling: float | None = None, mask: torch.Tensor | None = None,
                    backend: str = "auto", layout=None, context_k: torch.Tensor | None = None,
@@ -85,7 +93,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     """Softmax attention over a packed forest.
 
     Args:
-        q: ``[U, HQ, D]``; k, v: ``[U, HKV, D]`` with ``HQ`` a multiple of ``HKV`` (grouped-query attention).
+        q, k: ``[U, HQ, D]``, ``[U, HKV, D]``; v: ``[U, HKV, Dv]`` (``Dv`` may differ from ``D``), with ``HQ`` a
+            multiple of ``HKV`` (grouped-query attention).
         subtree_end: ``[U]`` long from :class:`PackedForest`. scaling: default ``D ** -0.5``.
         mask: optional precomputed :func:`tree_attention_mask` (reused across layers).
         backend: ``"sdpa"`` (dense mask, any device), ``"varlen"`` (one flash-attention varlen call over runs and
@@ -107,14 +116,15 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
             ``"runs"``: per run, which CUDA inputs take): exact, not fast.
 
     Returns:
-        ``[U, HQ, D]`` in ``q.dtype`` (the autocast dtype under autocast, see :func:`autocast_inputs`).
+        ``[U, HQ, Dv]`` in ``q.dtype`` (the autocast dtype under autocast, see :func:`autocast_inputs`).
     """
     if backend not in _BACKENDS:
         raise ValueError(f"tree_attention: backend must be one of {_BACKENDS}, got {backend!r}")
     q, k, v, context_k, context_v = autocast_inputs(q, k, v, context_k, context_v)
     U, HQ, D = q.shape
-    if k.shape[0] != U or v.shape[0] != U or k.shape[1] != v.shape[1] or HQ % k.shape[1]:
-        raise ValueError(f"tree_attention: expected q [U, HQ, D], k and v [U, HKV, D] with HQ % HKV == 0; got "
+    if k.shape[0] != U or v.shape[0] != U or k.shape[1] != v.shape[1] or k.shape[2] != D or HQ % k.shape[1]:
+        raise ValueError(f"tree_attention: expected q [U, HQ, D], k [U, HKV, D] and v [U, HKV, Dv] with HQ % HKV == "
+                         f"0; got "
                          f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if subtree_end.shape != (U,):
         raise ValueError(f"tree_attention: subtree_end must be [U={U}], got {tuple(subtree_end.shape)}")
@@ -149,13 +159,17 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     if backend in ("varlen", "cudnn"):
         if layout is None or not q.is_cuda:
             raise ValueError(f"tree_attention: backend={backend!r} needs CUDA tensors and a VarlenLayout (layout=...)")
+        (q, k, v), value_dim = common_head_dim(q, k, v), v.shape[-1]
+        scaling = D ** -0.5 if scaling is None else scaling
         if backend == "cudnn":
             from .split import run_blocks, tree_attention_split
 
-            return tree_attention_split(q, k, v, run_blocks(layout, key_block=CUDNN_KEY_BLOCK), scaling)
-        from .varlen import tree_attention_varlen
+            out = tree_attention_split(q, k, v, run_blocks(layout, key_block=CUDNN_KEY_BLOCK), scaling)
+        else:
+            from .varlen import tree_attention_varlen
 
-        return tree_attention_varlen(q, k, v, layout, scaling, window=window)
+            out = tree_attention_varlen(q, k, v, layout, scaling, window=window)
+        return out[..., :value_dim]
     if backend == "runs":
         if layout is None:
             raise ValueError("tree_attention: backend='runs' needs a VarlenLayout (layout=build_varlen_layout(packed))")
