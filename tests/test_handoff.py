@@ -343,10 +343,11 @@ def test_phased_schedule_pads_like_zero3_needs():
 
 
 # ---------------------------------------------------------------------------- kernels with context
-def test_kernels_with_context_match_the_whole_forest():
+@pytest.mark.parametrize("per_channel_gates", [False, True])
+def test_kernels_with_context_match_the_whole_forest(per_channel_gates):
     """Each piece's kernels, given context rows gathered from the whole forest's inputs, reproduce the whole
     forest's outputs on the piece's tokens (attention: sdpa and runs; conv; gated delta rule with replay and
-    the requested hand-off states)."""
+    the requested hand-off states, with Gated DeltaNet's per-head and Kimi Delta Attention's per-channel gates)."""
     sequences = handoff_sequences(seed=3)
     the_plan = plan(sequences, token_budget=140)
     packed = the_plan.packed
@@ -355,7 +356,7 @@ def test_kernels_with_context_match_the_whole_forest():
     x, weight = torch.randn(U, 6, generator=generator, dtype=torch.float64), torch.randn(6, 4, dtype=torch.float64)
     gq, gk = (torch.randn(U, 2, 8, generator=generator, dtype=torch.float64) for _ in range(2))
     gv = torch.randn(U, 4, 8, generator=generator, dtype=torch.float64)
-    g = -torch.rand(U, 4, generator=generator, dtype=torch.float64)
+    g = -torch.rand(U, 4, *((8,) if per_channel_gates else ()), generator=generator, dtype=torch.float64)
     beta = torch.rand(U, 4, generator=generator, dtype=torch.float64)
     attention = tree_attention(q, k, v, packed.subtree_end, backend="sdpa")
     conv = tree_causal_conv1d(x, weight, None, packed.ancestor_table(4), "silu")

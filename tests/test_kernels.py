@@ -46,14 +46,16 @@ def assert_paths_match(packed, tree_out, reference, inputs, dtype):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(FORESTS))
 @pytest.mark.parametrize("final_states_only", [False, True])
-def test_tree_gated_delta_rule(name, dtype, final_states_only):
+@pytest.mark.parametrize("gates", ["per_head", "per_channel"])
+def test_tree_gated_delta_rule(name, dtype, final_states_only, gates):
+    """Gated DeltaNet (one decay per head) and Kimi Delta Attention (one per key channel)."""
     torch.manual_seed(0)
     packed = PrefixForest.from_sequences(FORESTS[name]).pack()
     U, HK, HV, K, V = packed.num_tokens, 2, 4, 8, 6
     q = torch.randn(U, HK, K, dtype=dtype, requires_grad=True)
     k = torch.randn(U, HK, K, dtype=dtype, requires_grad=True)
     v = torch.randn(U, HV, V, dtype=dtype, requires_grad=True)
-    g = (-torch.rand(U, HV, dtype=dtype) * 0.3).requires_grad_()
+    g = (-torch.rand(U, HV, *((K,) if gates == "per_channel" else ()), dtype=dtype) * 0.3).requires_grad_()
     beta = torch.rand(U, HV, dtype=dtype).requires_grad_()
     plan = build_gated_delta_plan(packed, final_states_only=final_states_only)
     out = tree_gated_delta_rule(q, k, v, g, beta, plan, use_qk_l2norm_in_kernel=True, backend="torch")
@@ -72,6 +74,37 @@ def test_gated_delta_rule_chunked_matches_recurrence():
     recurrent = tree_gated_delta_rule_reference(q, k, v, g, beta, packed, use_qk_l2norm_in_kernel=True, scale=0.3, recurrent=True)
     for a, b in zip(chunked, recurrent):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+@pytest.mark.parametrize("decay", [0.3, 12.0])
+def test_per_channel_gates_chunked_match_recurrence(decay):
+    """Kimi Delta Attention's per-channel decays, chunked (the tree's torch backend) against the token-by-token
+    recurrence, fp64; decays up to e^-12 per token (a chunk's total far past fp32's range when factored) stay
+    finite."""
+    torch.manual_seed(0)
+    packed = PrefixForest.from_sequences(FORESTS["random_b"]).pack()
+    U = packed.num_tokens
+    q, k = torch.randn(U, 2, 4, dtype=torch.float64), torch.randn(U, 2, 4, dtype=torch.float64)
+    v, beta = torch.randn(U, 2, 3, dtype=torch.float64), torch.rand(U, 2, dtype=torch.float64)
+    g = -torch.rand(U, 2, 4, dtype=torch.float64) * decay
+    chunked = tree_gated_delta_rule_reference(q, k, v, g, beta, packed, use_qk_l2norm_in_kernel=True)
+    recurrent = tree_gated_delta_rule_reference(q, k, v, g, beta, packed, use_qk_l2norm_in_kernel=True, recurrent=True)
+    for a, b in zip(chunked, recurrent):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+    plan = build_gated_delta_plan(packed)
+    out = tree_gated_delta_rule(q.float(), k.float(), v.float(), g.float(), beta.float(), plan,
+                                use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(out).all()
+    for a, b in zip(packed.gather_sequences(out), recurrent):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+def test_per_channel_gates_refuse_the_fla_backend():
+    packed = PrefixForest.from_sequences([[1, 2, 3]]).pack()
+    x = torch.randn(3, 1, 4)
+    with pytest.raises(ValueError, match="per-channel gates"):
+        tree_gated_delta_rule(x, x, x, -torch.rand(3, 1, 4), torch.rand(3, 1), build_gated_delta_plan(packed),
+                              backend="fla")
 
 
 def test_plan_replay_and_rounds():

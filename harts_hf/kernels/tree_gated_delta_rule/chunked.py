@@ -49,7 +49,8 @@ def chunk_gated_delta_rule_torch(
     """Gated delta rule, chunk by chunk, on fp32 inputs already normalised and scaled.
 
     Args:
-        q, k: ``[N, H, T, K]``; v: ``[N, H, T, V]``; g (log decay, <= 0), beta: ``[N, H, T]``. ``T`` must be a
+        q, k: ``[N, H, T, K]``; v: ``[N, H, T, V]``; beta: ``[N, H, T]``; g (log decay, <= 0): ``[N, H, T]`` one per
+            head (Gated DeltaNet) or ``[N, H, T, K]`` one per key channel (Kimi Delta Attention). ``T`` must be a
             multiple of ``chunk_size``; pad with zeros (zero k, v, beta and g leave the state unchanged).
         initial_state: ``[N, H, K, V]`` fp32.
         state_chunks: chunk counts ``c`` for which the state after ``c`` whole chunks is returned (0 = initial).
@@ -62,26 +63,39 @@ def chunk_gated_delta_rule_torch(
         raise ValueError(f"sequence length {T} is not a multiple of chunk_size {chunk_size}; pad first.")
     n = T // chunk_size
     wanted = set(state_chunks or ())
+    per_channel = g.dim() == 4
 
     def chunks(x):
         return x.reshape(N, H, n, chunk_size, *x.shape[3:])
 
     q, k, v, g, beta = chunks(q), chunks(k), chunks(v), chunks(g), chunks(beta)
-    log_decay = g.cumsum(-1)  # [N, H, n, C]: log of the decay from the chunk start to each position
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    pair_decay = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
-
     k_beta = k * beta.unsqueeze(-1)
     v_beta = v * beta.unsqueeze(-1)
+    if per_channel:
+        # log of the decay from the chunk start to each position, per key channel: [N, H, n, C, K]. The decay between
+        # positions j <= i, exp(G_i - G_j) per channel, is formed pair by pair ([C, C, K]): a factored exp(G_i) *
+        # exp(-G_j) overflows once a chunk's decay passes e^-88
+        log_decay = g.cumsum(-2)
+        pair_decay = (log_decay.unsqueeze(-2) - log_decay.unsqueeze(-3)).masked_fill(
+            ~causal[..., None], float("-inf")).exp()  # [N, H, n, C (i), C (j), K]
+        system = torch.einsum("...ik,...jk,...ijk->...ij", k_beta, k, pair_decay)
+        intra = torch.einsum("...ik,...jk,...ijk->...ij", q, k, pair_decay)
+        decay = log_decay.exp()  # [N, H, n, C, K]
+        k_to_end = k * (log_decay[..., -1:, :] - log_decay).exp()
+        chunk_decay = decay[..., -1, :, None]  # [N, H, n, K, 1]: each key row of the state
+    else:
+        log_decay = g.cumsum(-1)  # [N, H, n, C]
+        pair_decay = (log_decay.unsqueeze(-1) - log_decay.unsqueeze(-2)).masked_fill(~causal, float("-inf")).exp()
+        system = (k_beta @ k.transpose(-1, -2)) * pair_decay
+        intra = (q @ k.transpose(-1, -2)) * pair_decay
+        decay = log_decay.exp().unsqueeze(-1)  # [N, H, n, C, 1]
+        k_to_end = k * (log_decay[..., -1:] - log_decay).exp().unsqueeze(-1)
+        chunk_decay = log_decay[..., -1].exp()[..., None, None]
     # WY form of the within-chunk delta updates: (I + strictly-lower(beta k k^T * decay)) u = beta v
-    system = (k_beta @ k.transpose(-1, -2)) * pair_decay
     u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * log_decay.exp().unsqueeze(-1), upper=False, unitriangular=True)
-    intra = (q @ k.transpose(-1, -2)) * pair_decay
-
-    q_decayed = q * log_decay.exp().unsqueeze(-1)
-    k_to_end = k * (log_decay[..., -1:] - log_decay).exp().unsqueeze(-1)
-    chunk_decay = log_decay[..., -1].exp()[..., None, None]
+    w = torch.linalg.solve_triangular(system, k_beta * decay, upper=False, unitriangular=True)
+    q_decayed = q * decay
 
     state = initial_state
     states = {0: state} if 0 in wanted else {}

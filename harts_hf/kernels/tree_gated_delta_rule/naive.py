@@ -14,7 +14,9 @@ __all__ = ["gated_delta_rule_chunked", "gated_delta_rule_recurrent", "tree_gated
 def gated_delta_rule_recurrent(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_kernel=False) -> torch.Tensor:
     """One sequence, one token at a time: ``S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q``.
 
-    q, k ``[L, HK, K]``; v ``[L, HV, V]``; g, beta ``[L, HV]``. Returns ``[L, HV, V]`` in ``q.dtype``.
+    q, k ``[L, HK, K]``; v ``[L, HV, V]``; beta ``[L, HV]``; g ``[L, HV]`` (one decay per head) or ``[L, HV, K]``
+    (one per key channel: each row of ``S`` decays by its own factor, Kimi Delta Attention). Returns ``[L, HV, V]``
+    in ``q.dtype``.
     """
     dtype = q.dtype
     q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
@@ -22,7 +24,7 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in
     state = q.new_zeros(H, K, v.shape[-1])
     outputs = []
     for t in range(L):
-        state = state * g[t].exp()[:, None, None]
+        state = state * (g[t].exp()[:, :, None] if g.dim() == 3 else g[t].exp()[:, None, None])
         delta = (v[t] - torch.einsum("hkv,hk->hv", state, k[t])) * beta[t][:, None]
         state = state + k[t][:, :, None] * delta[:, None, :]
         outputs.append(torch.einsum("hkv,hk->hv", state, q[t]))
@@ -37,7 +39,7 @@ def gated_delta_rule_chunked(q, k, v, g, beta, *, scale=None, use_qk_l2norm_in_k
     L = q_.shape[0]
     pad = (-L) % chunk_size
     q_, k_, v_ = (F.pad(x, (0, 0, 0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (q_, k_, v_))
-    g_, beta_ = (F.pad(x, (0, 0, 0, pad)).transpose(0, 1).unsqueeze(0) for x in (g_, beta_))
+    g_, beta_ = (F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)).transpose(0, 1).unsqueeze(0) for x in (g_, beta_))
     state = q_.new_zeros(1, q_.shape[1], q_.shape[-1], v_.shape[-1])
     o, _ = chunk_gated_delta_rule_torch(q_, k_, v_, g_, beta_, state, chunk_size)
     return o[0].transpose(0, 1)[:L].to(q.dtype)

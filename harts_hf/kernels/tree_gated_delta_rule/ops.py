@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import resolve_backend
+from .._backend import _log_once, resolve_backend
 from .chunked import chunk_gated_delta_rule_torch, prepare_inputs
 from .plan import CONTEXT_STATE, GatedDeltaPlan, GatedDeltaRound
 
@@ -37,7 +37,9 @@ def tree_gated_delta_rule(
 
     Args:
         q, k: ``[U, HK, K]``; v: ``[U, HV, V]`` with ``HV`` a multiple of ``HK`` (each key head serves
-            ``HV // HK`` consecutive value heads); g: ``[U, HV]`` log decay (<= 0); beta: ``[U, HV]``.
+            ``HV // HK`` consecutive value heads); g: log decay (<= 0), ``[U, HV]`` one per head (Gated DeltaNet)
+            or ``[U, HV, K]`` one per key channel (Kimi Delta Attention: the "torch" backend; "auto" takes it on
+            CUDA too, with a warning, until fla's KDA kernels are wired in); beta: ``[U, HV]``.
         plan: from :func:`build_gated_delta_plan` on the same packed forest (``final_states_only=True`` for fla).
         scale: query scale, default ``K ** -0.5``.
         use_qk_l2norm_in_kernel: L2-normalise q and k first (in fp32), as Qwen3-Next / Qwen3.5 do.
@@ -54,10 +56,11 @@ def tree_gated_delta_rule(
     """
     U, HK, K = k.shape
     HV = v.shape[1]
-    if q.shape != k.shape or v.shape[0] != U or g.shape != (U, HV) or beta.shape != (U, HV):
+    if q.shape != k.shape or v.shape[0] != U or g.shape not in ((U, HV), (U, HV, K)) or beta.shape != (U, HV):
         raise ValueError(
-            f"tree_gated_delta_rule: expected q, k [U, HK, K], v [U, HV, V], g and beta [U, HV]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta {tuple(beta.shape)}")
+            f"tree_gated_delta_rule: expected q, k [U, HK, K], v [U, HV, V], g [U, HV] or [U, HV, K] and beta [U, HV]; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, beta "
+            f"{tuple(beta.shape)}")
     if HV % HK:
         raise ValueError(f"tree_gated_delta_rule: value heads ({HV}) must be a multiple of key heads ({HK})")
     if plan.num_tokens != U:
@@ -81,6 +84,14 @@ def tree_gated_delta_rule(
         raise ValueError("tree_gated_delta_rule: the forest's root starts past a chunk boundary of its path; pass "
                          "initial_state, the state on its root path at that boundary (from its source's hand-off)")
     scale = K ** -0.5 if scale is None else scale
+    if g.dim() == 3:  # per-channel gates (KDA)
+        if backend == "fla":
+            raise ValueError("tree_gated_delta_rule: per-channel gates g [U, HV, K] (Kimi Delta Attention) have no "
+                             "fla tree node yet; pass backend='torch' or 'auto' (tree_gdn_backend='auto')")
+        if q.is_cuda:
+            _log_once("harts_hf: Kimi Delta Attention on trees runs the PyTorch chunked backend on CUDA (exact, "
+                      "slow); fla's KDA kernels are not wired into the tree node yet")
+        backend = "torch"
     if resolve_backend(backend, q, "tree_gated_delta_rule") == "fla":
         from .fla_backend import tree_gated_delta_rule_fla
 
