@@ -1,6 +1,6 @@
 """The obviously-right baseline: run the model on every sequence alone and read off its log-probs.
 
-``torch_reference_kernels()`` makes transformers' Qwen3-Next / Qwen3.5 layers use their pure-PyTorch
+``torch_reference_kernels()`` makes transformers' Qwen3-Next / Qwen3.5 / Kimi Linear layers use their pure-PyTorch
 kernels even when fla / causal-conv1d (and triton) are importable, so CPU references never reach Triton.
 """
 
@@ -17,13 +17,16 @@ _KERNEL_MODULES = (
     "transformers.models.qwen3_next.modeling_qwen3_next",
     "transformers.models.qwen3_5.modeling_qwen3_5",
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+    "transformers.models.kimi_linear.modeling_kimi_linear",
 )
+_CHUNKED_RECURRENCES = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")  # fp32 inside transformers
 
 
 def _chunk_gated_delta_rule_in_input_dtype(query, key, value, g, beta, chunk_size=64, initial_state=None,
                                            output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
-    """transformers' chunk_gated_delta_rule contract ([B, T, H, D], zero initial state), computed in the input
-    dtype (fp64 stays fp64) by harts_hf's plain per-sequence chunked recurrence."""
+    """transformers' chunk_gated_delta_rule / chunk_kimi_delta_attention contract ([B, T, H, D], zero initial
+    state; g per head or per key channel), computed in the input dtype (fp64 stays fp64) by harts_hf's plain
+    per-sequence chunked recurrence."""
     from .kernels.tree_gated_delta_rule import gated_delta_rule_chunked
 
     if initial_state is not None or output_final_state:
@@ -53,9 +56,10 @@ def torch_reference_kernels(float64_recurrence: bool = False):
             for function, original in kernel_fallbacks(module).items():
                 saved.append((module, function, getattr(module, function)))
                 setattr(module, function, original)
-            if float64_recurrence and hasattr(module, "torch_chunk_gated_delta_rule"):
-                saved.append((module, "torch_chunk_gated_delta_rule", module.torch_chunk_gated_delta_rule))
-                module.torch_chunk_gated_delta_rule = _chunk_gated_delta_rule_in_input_dtype
+            for function in _CHUNKED_RECURRENCES if float64_recurrence else ():
+                if hasattr(module, function):
+                    saved.append((module, function, getattr(module, function)))
+                    setattr(module, function, _chunk_gated_delta_rule_in_input_dtype)
         yield
     finally:
         for module, function, current in reversed(saved):

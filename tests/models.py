@@ -103,6 +103,17 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
             model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**common, **mla, q_lora_rank=16))
         else:
             model = transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(**common, **mla, q_lora_rank=None))
+    elif name in ("kimi_linear", "kimi_linear_dense"):  # Kimi Delta Attention (per-channel decays) + latent
+        # attention without RoPE + experts (dense: MLPs only; transformers' grouped expert matmul has no fp64)
+        common = dict({k: v for k, v in COMMON.items() if k != "head_dim"}, num_key_value_heads=4)
+        mlps = ["dense", "sparse"] * 2 if name == "kimi_linear" else ["dense"] * 4
+        config = transformers.KimiLinearConfig(
+            **common, num_hidden_layers=4, layer_types=HYBRID_LAYERS, mlp_layer_types=mlps,
+            kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+            linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, num_local_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+        model = transformers.KimiLinearForCausalLM(config)
     else:
         raise ValueError(name)
     if mild_decay:
@@ -110,5 +121,5 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
     return model.to(dtype).eval()
 
 
-FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "llama", "qwen2", "qwen3",
-            "qwen3_moe"]
+FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "kimi_linear", "llama", "qwen2",
+            "qwen3", "qwen3_moe"]

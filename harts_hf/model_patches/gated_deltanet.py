@@ -1,14 +1,17 @@
-"""Tree forward for Gated DeltaNet mixers (Qwen3-Next, Qwen3.5): projections once per unique token,
-tree conv1d over ancestor windows, tree gated delta rule, then the layer's own gated norm and output.
-Planner pieces take their root's conv window, state and replay rows from a hand-off and export their own.
+"""Tree forward for gated-delta-rule mixers (Gated DeltaNet: Qwen3-Next, Qwen3.5; Kimi Delta Attention: Kimi
+Linear): projections once per unique token, tree conv1d over ancestor windows, tree gated delta rule, then the
+layer's own gated norm and output projection. Planner pieces take their root's conv window, state and replay rows
+from a hand-off and export their own.
 
-Families differ only in how the input projections are laid out; each passes a ``project`` function.
+Families differ in how the input projections and gates are computed (each passes a ``project`` function) and in
+their modules' names (a :class:`MixerLayout`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,26 +22,49 @@ from ..kernels.context import GDN_REPLAY_NAMES
 from ..kernels.tree_conv1d import ops as conv_ops
 from .core import TREE_KWARG, PatchedForward, layer_key, zero3_enabled
 
-__all__ = ["make_tree_gdn_forward"]
+__all__ = ["GATED_DELTANET", "MixerLayout", "gdn_gates", "make_tree_gdn_forward"]
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
 
 
-def make_tree_gdn_forward(project: Callable) -> Callable:
-    """Build a forward factory ``module -> {"forward": ...}`` for one family's Gated DeltaNet mixers.
+@dataclass(frozen=True)
+class MixerLayout:
+    """Where a family's mixer keeps its sizes and modules: attribute names of the q / k width (all heads), the v
+    width, one key head's and one value head's dim, the gated output norm and the output projection."""
 
-    ``project(module, x [1, U, hidden]) -> (mixed_qkv [U, conv_dim], z [U, HV, V], b [U, HV], a [U, HV])`` (a
-    module-level function: the forward pickles with its module). The forward is a
-    :class:`~.core.PatchedForward` of the module, so a deep copy of a patched model patches the copy.
+    key_dim: str = "key_dim"
+    value_dim: str = "value_dim"
+    head_k_dim: str = "head_k_dim"
+    head_v_dim: str = "head_v_dim"
+    norm: str = "norm"
+    out_proj: str = "out_proj"
+
+
+GATED_DELTANET = MixerLayout()  # Qwen3-Next and Qwen3.5's Gated DeltaNet
+
+
+def gdn_gates(module, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's write strength and log decay from its ``b``, ``a`` projections ``[U, HV]``:
+    ``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)`` (in fp32), as transformers computes them."""
+    return b.sigmoid(), -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+
+
+def make_tree_gdn_forward(project: Callable, layout: MixerLayout = GATED_DELTANET) -> Callable:
+    """Build a forward factory ``module -> {"forward": ...}`` for one family's gated-delta-rule mixers.
+
+    ``project(module, x [1, U, hidden]) -> (mixed_qkv [U, conv_dim], z [U, HV, V], beta [U, HV], g)`` with ``g``
+    the log decay, ``[U, HV]`` or per key channel ``[U, HV, K]`` (a module-level function: the forward pickles with
+    its module). The forward is a :class:`~.core.PatchedForward` of the module, so a deep copy of a patched model
+    patches the copy.
     """
 
     def factory(module: torch.nn.Module) -> dict:
-        return {"forward": PatchedForward(module, module.forward, functools.partial(_gdn_call, project))}
+        return {"forward": PatchedForward(module, module.forward, functools.partial(_gdn_call, project, layout))}
 
     return factory
 
 
-def _gdn_call(project: Callable, module, original_forward, *args, **kwargs):
+def _gdn_call(project: Callable, layout: MixerLayout, module, original_forward, *args, **kwargs):
     tree = kwargs.pop(TREE_KWARG, None)
     if tree is None:
         return original_forward(*args, **kwargs)
@@ -46,15 +72,18 @@ def _gdn_call(project: Callable, module, original_forward, *args, **kwargs):
     if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
         raise ValueError("tree execution computes a whole forest in one pass and cannot use a cache; "
                          "call the model with use_cache=False")
-    return tree_gdn_forward(module, hidden_states, tree, project)
+    return tree_gdn_forward(module, hidden_states, tree, project, layout)
 
 
-def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, project: Callable) -> torch.Tensor:
+def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, project: Callable,
+                     layout: MixerLayout = GATED_DELTANET) -> torch.Tensor:
     """``hidden_states [1, U, hidden]`` -> ``[1, U, hidden]`` over the forest in ``tree``."""
     if hidden_states.shape[0] != 1 or hidden_states.shape[1] != tree.num_tokens:
         raise ValueError(f"tree execution expects one packed row of {tree.num_tokens} tokens, "
                          f"got hidden_states {tuple(hidden_states.shape)}")
-    mixed_qkv, z, b, a = project(module, hidden_states)
+    mixed_qkv, z, beta, g = project(module, hidden_states)
+    key_dim, value_dim, head_k_dim, head_v_dim = (getattr(module, getattr(layout, name))
+                                                  for name in ("key_dim", "value_dim", "head_k_dim", "head_v_dim"))
     weight = module.conv1d.weight.squeeze(1)  # [conv_dim, W]
     handoff = tree.context is not None or bool(tree.exports)
     layer = layer_key(module) if handoff else None
@@ -67,12 +96,10 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
                                    fixups=tree.conv_fixups(weight.shape[1]),
                                    backend=conv_ops.bulk_backend(mixed_qkv))
     U = mixed_qkv.shape[0]
-    query, key, value = torch.split(mixed_qkv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-    query = query.reshape(U, -1, module.head_k_dim)
-    key = key.reshape(U, -1, module.head_k_dim)
-    value = value.reshape(U, -1, module.head_v_dim)
-    beta = b.sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    query, key, value = torch.split(mixed_qkv, [key_dim, key_dim, value_dim], dim=-1)
+    query = query.reshape(U, -1, head_k_dim)
+    key = key.reshape(U, -1, head_k_dim)
+    value = value.reshape(U, -1, head_v_dim)
     backend = tree.gdn_backend_for(query)
     plan = tree.gdn_plan(backend)
     if not handoff:
@@ -94,9 +121,10 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
                      lambda export: export.ancestor_tokens % plan.chunk_size)
     # under ZeRO-3 a module call is a collective and the block count differs between processes: call the norm's
     # forward per block (its weight is an external parameter of this module, gathered once)
-    norm = module.norm.forward if zero3_enabled() else module.norm
-    core = in_row_blocks(norm, core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(core.reshape(1, U, -1))
+    norm = getattr(module, layout.norm)
+    norm = norm.forward if zero3_enabled() else norm
+    core = in_row_blocks(norm, core.reshape(-1, head_v_dim), z.reshape(-1, head_v_dim))
+    return getattr(module, layout.out_proj)(core.reshape(1, U, -1))
 
 
 def _export_rows(tree: TreeMetadata, layer: int, own: dict, context: dict, count) -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from .core import TreeFamily, register_family
-from .gated_deltanet import make_tree_gdn_forward
+from .gated_deltanet import gdn_gates, make_tree_gdn_forward
 
 
 def _project(module, hidden_states):
     """Qwen3.5 has separate qkv, z, b and a projections."""
     x = hidden_states[0]
     z = module.in_proj_z(x).reshape(x.shape[0], -1, module.head_v_dim)
-    return module.in_proj_qkv(x), z, module.in_proj_b(x), module.in_proj_a(x)
+    return module.in_proj_qkv(x), z, *gdn_gates(module, module.in_proj_b(x), module.in_proj_a(x))
 
 
 _forward = make_tree_gdn_forward(_project)

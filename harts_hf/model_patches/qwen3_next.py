@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .core import TreeFamily, register_family
-from .gated_deltanet import make_tree_gdn_forward
+from .gated_deltanet import gdn_gates, make_tree_gdn_forward
 
 
 def _project(module, hidden_states):
@@ -15,7 +15,7 @@ def _project(module, hidden_states):
     query, key, value, z, b, a = module.fix_query_key_value_ordering(qkvz, ba)
     U = hidden_states.shape[1]
     mixed_qkv = torch.cat([x[0].reshape(U, -1) for x in (query, key, value)], dim=-1)
-    return mixed_qkv, z[0], b[0], a[0]
+    return mixed_qkv, z[0], *gdn_gates(module, b[0], a[0])
 
 
 register_family(TreeFamily(
