@@ -329,8 +329,9 @@ def test_one_entry_point_runs_every_script(tmp_path):
 
     bench = ROOT / "benchmarks"
     sys.path.insert(0, str(bench))
-    from benchmarks.__main__ import COMMANDS
     from run_record import write_run_record
+
+    from benchmarks.__main__ import COMMANDS
 
     scripts = {p.stem for p in bench.glob("*.py") if "def main(" in p.read_text()} - {"__main__"}
     assert {module for module, _ in COMMANDS.values()} == scripts
