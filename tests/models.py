@@ -114,6 +114,10 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
             num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)
         model = transformers.KimiLinearForCausalLM(config)
+    elif name == "olmo_hybrid":  # Gated DeltaNet (separate projections, beta up to 2) + attention with q/k norms
+        config = transformers.OlmoHybridConfig(**COMMON, **LINEAR, layer_types=HYBRID_LAYERS, num_hidden_layers=4,
+                                               pad_token_id=0, eos_token_id=2)
+        model = transformers.OlmoHybridForCausalLM(config)
     else:
         raise ValueError(name)
     if mild_decay:
@@ -121,5 +125,5 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
     return model.to(dtype).eval()
 
 
-FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "kimi_linear", "llama", "qwen2",
-            "qwen3", "qwen3_moe"]
+FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "kimi_linear", "olmo_hybrid",
+            "llama", "qwen2", "qwen3", "qwen3_moe"]

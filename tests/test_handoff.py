@@ -147,7 +147,7 @@ def longest_run(sequences) -> int:
 
 
 # ---------------------------------------------------------------------------- model level
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear", "llama"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear", "olmo_hybrid", "llama"])
 def test_forced_splits_match_tree_and_reference(family):
     model = build(family)
     sequences = handoff_sequences()

@@ -63,7 +63,7 @@ def test_matches_per_sequence_fp32(family):
     compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-4, aux=family in MOE_FAMILIES)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear_dense", "llama"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear_dense", "olmo_hybrid", "llama"])
 def test_matches_per_sequence_fp64(family):
     model = build(family, dtype=torch.float64, mild_decay=False)  # transformers' own init, decays up to 16
     compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-5, value_tol=1e-7, float64_recurrence=True)
