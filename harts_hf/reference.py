@@ -1,7 +1,7 @@
 """The obviously-right baseline: run the model on every sequence alone and read off its log-probs.
 
-``torch_reference_kernels()`` makes transformers' Qwen3-Next / Qwen3.5 / Kimi Linear / OLMo Hybrid layers use their pure-PyTorch
-kernels even when fla / causal-conv1d (and triton) are importable, so CPU references never reach Triton.
+``torch_reference_kernels()`` makes transformers' Qwen3-Next / Qwen3.5 / Kimi Linear / OLMo Hybrid layers use their
+pure-PyTorch kernels even when fla / causal-conv1d (and triton) are importable, so CPU references never reach Triton.
 """
 
 from __future__ import annotations
