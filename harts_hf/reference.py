@@ -1,6 +1,6 @@
 """The obviously-right baseline: run the model on every sequence alone and read off its log-probs.
 
-``torch_reference_kernels()`` makes transformers' Qwen3-Next / Qwen3.5 / Kimi Linear / OLMo Hybrid layers use their
+``torch_reference_kernels()`` makes transformers' Qwen3-Next / Qwen3.5 / Kimi Linear / OLMo Hybrid / Ling 3 layers use their
 pure-PyTorch kernels even when fla / causal-conv1d (and triton) are importable, so CPU references never reach Triton.
 """
 
@@ -19,6 +19,7 @@ _KERNEL_MODULES = (
     "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
     "transformers.models.kimi_linear.modeling_kimi_linear",
     "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
+    "transformers.models.bailing_hybrid.modeling_bailing_hybrid",
 )
 _CHUNKED_RECURRENCES = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")  # fp32 inside transformers
 

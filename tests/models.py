@@ -114,6 +114,16 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
             num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, pad_token_id=0, bos_token_id=1,
             eos_token_id=2)
         model = transformers.KimiLinearForCausalLM(config)
+    elif name in ("bailing_hybrid", "bailing_hybrid_dense"):  # Ling 3: KDA with the safe gate + gated latent
+        # attention with RoPE on its decoupled part + grouped experts (dense: MLPs only, for fp64)
+        common = dict({k: v for k, v in COMMON.items() if k != "head_dim"}, num_key_value_heads=4)
+        mlps = ["dense", "sparse"] * 2 if name == "bailing_hybrid" else ["dense"] * 4
+        config = transformers.BailingHybridConfig(
+            **common, num_hidden_layers=4, layer_types=HYBRID_LAYERS, mlp_layer_types=mlps, head_dim=8,
+            kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+            short_conv_kernel_size=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            n_shared_experts=1, n_group=2, topk_group=1, num_mtp_layers=1, pad_token_id=0, eos_token_id=2)
+        model = transformers.BailingHybridForCausalLM(config)
     elif name == "olmo_hybrid":  # Gated DeltaNet (separate projections, beta up to 2) + attention with q/k norms
         config = transformers.OlmoHybridConfig(**COMMON, **LINEAR, layer_types=HYBRID_LAYERS, num_hidden_layers=4,
                                                pad_token_id=0, eos_token_id=2)
@@ -125,5 +135,5 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
     return model.to(dtype).eval()
 
 
-FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "kimi_linear", "olmo_hybrid",
-            "llama", "qwen2", "qwen3", "qwen3_moe"]
+FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "kimi_linear", "bailing_hybrid",
+            "olmo_hybrid", "llama", "qwen2", "qwen3", "qwen3_moe"]

@@ -147,7 +147,8 @@ def longest_run(sequences) -> int:
 
 
 # ---------------------------------------------------------------------------- model level
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear", "olmo_hybrid", "llama"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear", "bailing_hybrid", "olmo_hybrid",
+                                    "llama"])
 def test_forced_splits_match_tree_and_reference(family):
     model = build(family)
     sequences = handoff_sequences()
@@ -552,7 +553,7 @@ def test_handoffs_across_replicas(tmp_path, replicas, recompute, port):
     assert sum(r["stats"]["grad_tokens"] for r in ranks) == the_plan.packed.num_tokens  # every token once
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear", "bailing_hybrid"])
 def test_sibling_pieces_below_one_branch_token(family):
     """A GRPO-like batch (one prompt, 20 completions) cut at budget 300: the completions below the prompt's last
     token share pieces (several roots, one context: replayed GDN rows and conv window per root, attention context

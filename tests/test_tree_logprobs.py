@@ -63,13 +63,14 @@ def test_matches_per_sequence_fp32(family):
     compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-4, aux=family in MOE_FAMILIES)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear_dense", "olmo_hybrid", "llama"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear_dense", "bailing_hybrid_dense",
+                                    "olmo_hybrid", "llama"])
 def test_matches_per_sequence_fp64(family):
     model = build(family, dtype=torch.float64, mild_decay=False)  # transformers' own init, decays up to 16
     compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-5, value_tol=1e-7, float64_recurrence=True)
 
 
-@pytest.mark.parametrize("family", ["qwen3_next_moe", "qwen3_5", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "qwen3_5", "kimi_linear", "bailing_hybrid"])
 def test_gradient_checkpointing_recomputes_the_same_plan(family, monkeypatch):
     import harts_hf.model_patches.gated_deltanet as gated_deltanet
 
