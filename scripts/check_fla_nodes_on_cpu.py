@@ -4,8 +4,9 @@ Both fla nodes (the fused per-round node and the round-batched node, ``fla_backe
 pass per round, with the one-launch serial state pass and with its heavy-path lanes, ``fla_backend.STATE_PASS``)
 against the fp32 torch backend, on a forest of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state,
 context rows, requested states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
-(log-probs and every parameter gradient); and the tree conv with fla's ``causal_conv1d`` for its bulk. fp32
-throughout; a few minutes on 2 cores.
+(log-probs and every parameter gradient); the tree conv with fla's ``causal_conv1d`` for its bulk; Kimi Delta
+Attention through fla's ``chunk_kda`` per round (kernel, planner piece, a tiny Ling 3 model); the fused per-token
+kernels. fp32 throughout; a few minutes on 2 cores.
 
 Triton must be importable, at the version the interpreter bridges below were written for (3.6.0, the GPU
 machine's): ``bash scripts/run.sh test`` runs this in a helper venv (``.harts-env/triton``) that sees the active
@@ -100,6 +101,60 @@ def check_value_blocks() -> float:
         print(f"two value blocks per head: {name} vs torch: out {errors[0]:.1e} grads {errors[1]:.1e}", flush=True)
         worst = max(worst, *errors)
     return worst
+
+
+def check_kda() -> float:
+    """Kimi Delta Attention (per-channel gates) through fla's ``chunk_kda`` once per round (:mod:`.fla_kda`) vs the
+    fp32 torch backend: the whole forest of forks at chunk offsets 0, 1, 63, 64, 65, 127-129 (several rounds), and a
+    planner piece below a branch point (handed-in state, context rows, requested states); outputs, states and every
+    input gradient."""
+    import torch
+
+    from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
+    from harts_hf.trees import PrefixForest
+    from tests.forests import chunk_edge_sequences
+
+    packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
+    torch.manual_seed(2)
+    U, H, HV, K, V = packed.num_tokens, 1, 2, 16, 16
+    leaves = [t.requires_grad_() for t in (torch.randn(U, H, K), torch.randn(U, H, K), torch.randn(U, HV, V),
+                                           -torch.rand(U, HV, K) * 0.3, torch.rand(U, HV))]
+    worst = 0.0
+    outs = {}
+    for backend in ("torch", "fla"):
+        the_plan = build_gated_delta_plan(packed, final_states_only=backend == "fla")
+        out = tree_gated_delta_rule(*leaves, the_plan, backend=backend, use_qk_l2norm_in_kernel=True)
+        outs[backend] = (out.detach(), torch.autograd.grad(out.square().sum(), leaves))
+    errors = [rel(outs["fla"][0], outs["torch"][0])] + [rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])]
+    print(f"KDA, fla chunk_kda per round vs torch ({U} tokens, {len(the_plan.rounds)} rounds): out {errors[0]:.1e} "
+          f"grads {max(errors[1:]):.1e}", flush=True)
+    worst = max(worst, *errors)
+    # a piece below a branch token at depth 69: roots at depth 70, the state after 64 tokens, 6 replayed rows
+    common = [1 + i % 5 for i in range(70)]
+    whole = PrefixForest.from_sequences([common + [7] * 80, common + [8] * 9 + [9] * 60, common + [6] * 5]).pack()
+    starts = whole.cu_seqlens[:-1].tolist()
+    sub = whole.select([s for s, first in enumerate(starts) if int(whole.position_ids[first]) >= 70])
+    depth, rows = 70, 6
+    state = (torch.randn(HV, K, V) * 0.1).requires_grad_()
+    context = [t.requires_grad_() for t in (torch.randn(rows, H, K), torch.randn(rows, H, K), torch.randn(rows, HV, V),
+                                            -torch.rand(rows, HV, K) * 0.3, torch.rand(rows, HV))]
+    piece = [t.requires_grad_() for t in (torch.randn(sub.num_tokens, H, K), torch.randn(sub.num_tokens, H, K),
+                                          torch.randn(sub.num_tokens, HV, V), -torch.rand(sub.num_tokens, HV, K) * 0.3,
+                                          torch.rand(sub.num_tokens, HV))]
+    outs = {}
+    for backend in ("torch", "fla"):
+        the_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=[5, 60])
+        out, states = tree_gated_delta_rule(*piece, the_plan, backend=backend, use_qk_l2norm_in_kernel=True,
+                                            initial_state=state, context=tuple(context),
+                                            output_requested_states=True)
+        total = out.square().sum() + sum(s.square().sum() for s in states if s is not None)
+        outs[backend] = ([out.detach()] + [s.detach() for s in states if s is not None],
+                         torch.autograd.grad(total, piece + context + [state]))
+    errors = [rel(a, b) for a, b in zip(outs["fla"][0], outs["torch"][0])] + \
+        [rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])]
+    print(f"KDA piece (root at depth {depth}, {rows} replayed rows, handed-in state, 2 requested states): out/states "
+          f"{max(errors[:3]):.1e} grads {max(errors[3:]):.1e}", flush=True)
+    return max(worst, *errors)
 
 
 def main() -> None:
@@ -203,6 +258,8 @@ def main() -> None:
         worst = max(worst, report(f"piece {piece.index} (depth {d0}, {len(branches)} requested states)",
                                   run_all(run, leaves)))
     worst = max(worst, check_conv())
+    worst = max(worst, check_kda())
+    worst = max(worst, check_kda_model())
     worst = max(worst, check_model())
     worst = max(worst, check_token_ops())
     assert worst < 1e-5, f"fla nodes differ from the fp32 torch backend by {worst:.1e}"
@@ -348,6 +405,35 @@ def check_model() -> float:
         assert values < 1e-5 and grads[worst] < 1e-4, (name, values, worst, grads[worst])
         worst_values = max(worst_values, values)
     return worst_values
+
+
+def check_kda_model() -> float:
+    """A tiny Ling 3 (bailing_hybrid: Kimi Delta Attention with the safe gate, gated latent attention, experts)
+    through the patched model: tree log-probs and every parameter gradient with the fla backend (chunk_kda per
+    round) against the torch backend."""
+    import torch
+
+    from harts_hf import tree_logprobs
+    from tests.forests import chunk_edge_sequences
+    from tests.models import VOCAB, build
+
+    model = build("bailing_hybrid")
+    sequences = chunk_edge_sequences(vocab=VOCAB)
+    names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    results = {}
+    for backend in ("torch", "fla"):
+        out = tree_logprobs(model, sequences, gdn_backend=backend, attention_backend="sdpa")
+        loss = sum((lp * torch.randn(lp.shape, generator=torch.Generator().manual_seed(i))).sum()
+                   for i, lp in enumerate(out.logprobs))
+        results[backend] = (torch.cat(out.logprobs).detach(), torch.autograd.grad(loss, params, allow_unused=True))
+    values = rel(results["fla"][0], results["torch"][0])
+    grads = {n: rel(a, b) for n, a, b in zip(names, results["fla"][1], results["torch"][1])
+             if b is not None and b.norm() > 0}
+    worst = max(grads, key=grads.get)
+    print(f"model (tiny Ling 3, {len(sequences)} sequences): fla vs torch backend: log-probs {values:.1e}, worst "
+          f"parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
+    assert values < 1e-5 and grads[worst] < 1e-4, (values, worst, grads[worst])
+    return values
 
 
 def check_token_ops() -> float:

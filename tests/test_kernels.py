@@ -99,14 +99,6 @@ def test_per_channel_gates_chunked_match_recurrence(decay):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
 
 
-def test_per_channel_gates_refuse_the_fla_backend():
-    packed = PrefixForest.from_sequences([[1, 2, 3]]).pack()
-    x = torch.randn(3, 1, 4)
-    with pytest.raises(ValueError, match="per-channel gates"):
-        tree_gated_delta_rule(x, x, x, -torch.rand(3, 1, 4), torch.rand(3, 1), build_gated_delta_plan(packed),
-                              backend="fla")
-
-
 def test_plan_replay_and_rounds():
     # forks at depths 64 (aligned: no replay), 65 (1 replayed token), 127 (63 replayed tokens); the base path
     # is every branch point's first child, so it continues its run and replays nothing

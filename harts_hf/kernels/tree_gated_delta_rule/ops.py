@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import _log_once, resolve_backend
+from .._backend import resolve_backend
 from .chunked import chunk_gated_delta_rule_torch, prepare_inputs
 from .plan import CONTEXT_STATE, GatedDeltaPlan, GatedDeltaRound
 
@@ -38,8 +38,8 @@ def tree_gated_delta_rule(
     Args:
         q, k: ``[U, HK, K]``; v: ``[U, HV, V]`` with ``HV`` a multiple of ``HK`` (each key head serves
             ``HV // HK`` consecutive value heads); g: log decay (<= 0), ``[U, HV]`` one per head (Gated DeltaNet)
-            or ``[U, HV, K]`` one per key channel (Kimi Delta Attention: the "torch" backend; "auto" takes it on
-            CUDA too, with a warning, until fla's KDA kernels are wired in); beta: ``[U, HV]``.
+            or ``[U, HV, K]`` one per key channel (Kimi Delta Attention: fla's ``chunk_kda`` per round on the
+            "fla" backend, :mod:`.fla_kda`); beta: ``[U, HV]``.
         plan: from :func:`build_gated_delta_plan` on the same packed forest (``final_states_only=True`` for fla).
         scale: query scale, default ``K ** -0.5``.
         use_qk_l2norm_in_kernel: L2-normalise q and k first (in fp32), as Qwen3-Next / Qwen3.5 do.
@@ -84,14 +84,11 @@ def tree_gated_delta_rule(
         raise ValueError("tree_gated_delta_rule: the forest's root starts past a chunk boundary of its path; pass "
                          "initial_state, the state on its root path at that boundary (from its source's hand-off)")
     scale = K ** -0.5 if scale is None else scale
-    if g.dim() == 3:  # per-channel gates (KDA)
-        if backend == "fla":
-            raise ValueError("tree_gated_delta_rule: per-channel gates g [U, HV, K] (Kimi Delta Attention) have no "
-                             "fla tree node yet; pass backend='torch' or 'auto' (tree_gdn_backend='auto')")
-        if q.is_cuda:
-            _log_once("harts_hf: Kimi Delta Attention on trees runs the PyTorch chunked backend on CUDA (exact, "
-                      "slow); fla's KDA kernels are not wired into the tree node yet")
-        backend = "torch"
+    if resolve_backend(backend, q, "tree_gated_delta_rule") == "fla" and g.dim() == 3:  # per-channel gates (KDA)
+        from .fla_kda import tree_kda_fla
+
+        return tree_kda_fla(q, k, v, g, beta, plan, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                            initial_state=initial_state, output_requested_states=output_requested_states)
     if resolve_backend(backend, q, "tree_gated_delta_rule") == "fla":
         from .fla_backend import tree_gated_delta_rule_fla
 
