@@ -39,6 +39,23 @@ MODELS = {
                           linear_value_head_dim=128, intermediate_size=6144, vocab_size=151936),
 }
 MODELS["qwen3_next_2b_4layers"] = dict(MODELS["qwen3_next_2b"], num_hidden_layers=4)  # same layer shapes
+# Kimi Delta Attention hybrids with multi-head latent attention. Layer shapes from transformers' configuration
+# defaults (BailingHybridConfig: inclusionAI/Ling-3.0-Flash's; KimiLinearConfig: Kimi-Linear-48B-A3B's): Ling-3.0-tiny's
+# own configuration was not at hand offline. Depth and expert count are cut so one H200 holds fwd+bwd; every layer
+# keeps its widths, head counts and dims, the KDA:MLA ratio (5:1 and 3:1) and the MoE layout (8 routed of the
+# experts, one shared, the first layers dense).
+MODELS["ling3_shaped"] = dict(
+    family="bailing_hybrid", hidden_size=2560, num_hidden_layers=12, layer_group_size=6, num_attention_heads=32,
+    num_key_value_heads=32, head_dim=128, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+    qk_nope_head_dim=128, v_head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_local_experts=32,
+    num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=2, num_mtp_layers=0,
+    vocab_size=157184)
+MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped preset: MLPs of 9216 in every layer
+    family="kimi_linear", hidden_size=2304, num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=32,
+    kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+    linear_head_dim=128, linear_num_heads=32, intermediate_size=9216, mlp_layer_types=["dense"] * 12,
+    layer_types=["full_attention" if i % 4 == 3 else "linear_attention" for i in range(12)],
+    vocab_size=163840)
 
 
 KERNEL_SETS = {"fused": ("auto", "auto", "torch"), "reference": ("torch", "torch", "torch"),
@@ -57,17 +74,28 @@ def use_kernels(name: str) -> None:
 
 
 def build_model(name: str, family: str, device, dtype):
+    """The preset ``name`` of :data:`MODELS` with random weights, gradient checkpointing on, in train mode.
+    ``family`` (qwen3_next or qwen3_5) applies to the Qwen-shaped presets; the others carry their own."""
     import transformers
 
     spec = dict(MODELS[name])
+    family = spec.pop("family", family)
     layers = spec["num_hidden_layers"]
-    spec["layer_types"] = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4)
+    if family in ("qwen3_next", "qwen3_5"):
+        spec["layer_types"] = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4)
     spec["max_position_embeddings"] = 1 << 20
     if family == "qwen3_next":
         config = transformers.Qwen3NextConfig(**spec, mlp_only_layers=list(range(layers)), router_aux_loss_coef=0.0)
         model = transformers.Qwen3NextForCausalLM(config)
-    else:
+    elif family == "qwen3_5":
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**spec))
+    elif family == "bailing_hybrid":
+        model = transformers.BailingHybridForCausalLM(transformers.BailingHybridConfig(**spec, pad_token_id=0))
+    elif family == "kimi_linear":
+        model = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**spec, pad_token_id=0,
+                                                                                 bos_token_id=1, eos_token_id=2))
+    else:
+        raise ValueError(f"build_model: unknown family {family!r}")
     model = model.to(device=device, dtype=dtype)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()

@@ -2,18 +2,19 @@
 
 A fwd+bwd pass over work of ``tokens`` token positions and ``pairs`` attended (query, key) pairs costs
 
-    F = 6 * P * tokens + 12 * H * D * L_att * pairs
+    F = 6 * P * tokens + 6 * H * (D_qk + D_v) * L_att * pairs
 
 with ``P`` the matmul parameters one token goes through (every ``nn.Linear`` of the decoder and the LM head; routed
 experts at ``top_k / num_experts`` of their weights; embeddings are lookups and count 0), ``H`` query heads of
-dimension ``D`` in each of the ``L_att`` softmax-attention layers (QK^T and PV: 4 H D per pair forward, twice that
-backward). The Gated DeltaNet recurrence (about 4 dk dv per token and value head) and every elementwise op are left
-out, so MFU is a slight under-count of the useful work. The tree's work is its unique tokens and tree pairs
+dimensions ``D_qk`` (queries and keys) and ``D_v`` (values; both ``head_dim`` but in multi-head latent attention) in
+each of the ``L_att`` softmax-attention layers (QK^T and PV: 2 H (D_qk + D_v) per pair forward, twice that backward).
+The gated-delta-rule recurrences (about 4 dk dv per token and value head) and every elementwise op are left out, so
+MFU is a slight under-count of the useful work. The tree's work is its unique tokens and tree pairs
 (``PackedForest.stats()``: ``unique_tokens``, ``tree_attention_pairs``), a per-trajectory path's the path tokens
 and sum L (L + 1) / 2; their ratio is the FLOP (sharing) ratio.
 
 ``MFU = F / (seconds * 989e12)`` (one H200's dense bf16 peak). ``HFU`` adds the recomputed forward of activation
-checkpointing (``2 P_ckpt tokens + 4 H D L_ckpt pairs``: the matmul parameters and attention layers of the
+checkpointing (``2 P_ckpt tokens + 2 H (D_qk + D_v) L_ckpt pairs``: the matmul parameters and attention layers of the
 checkpointed decoder layers; the LM head is not recomputed; layers left out by ``tree_stored_layers`` are not, nor
 are the pairs when ``tree_keep_attention_outputs`` keeps the attention outputs).
 """
@@ -66,7 +67,11 @@ def flop_rates(model, checkpointed: list[int] | None = None, attention_recompute
     recomputed_attention = sum(1 for i in checkpointed if i < len(layer_types) and layer_types[i] == "full_attention")
     heads, head_dim = config.num_attention_heads, getattr(config, "head_dim", None) or (
         config.hidden_size // config.num_attention_heads)
-    pair = 4 * heads * head_dim  # forward FLOPs per attended pair in one attention layer
+    if getattr(config, "qk_nope_head_dim", None) is not None:  # latent attention: q/k heads of nope + rope dims
+        qk_dim, v_dim = config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+    else:
+        qk_dim = v_dim = head_dim
+    pair = 2 * heads * (qk_dim + v_dim)  # forward FLOPs per attended pair in one attention layer (QK^T and PV)
     return dict(matmul_parameters=layers_params + head_params, layer_parameters=layers_params,
                 attention_layers=attention_layers, per_token=6 * (layers_params + head_params),
                 per_pair=3 * pair * attention_layers, recompute_per_token=2 * recomputed_params,

@@ -345,3 +345,23 @@ def test_one_entry_point_runs_every_script(tmp_path):
     assert "grpo" in run.stdout and "R_tok" in run.stdout
     record = json.loads(write_run_record(tmp_path).read_text())
     assert {"command", "date", "host", "device", "versions"} <= record.keys() and record["versions"]["torch"]
+
+
+def test_kimi_delta_attention_presets_and_latent_attention_flops():
+    """The Ling-3-shaped and Kimi-Linear-shaped presets build (on the meta device) with their KDA:MLA ratios, and a
+    latent-attention layer's per-pair FLOPs use its q/k and v head dims."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_tree_vs_trajectory import build_model
+    from model_flops import flop_rates
+
+    from tests.models import build
+
+    for name, attention_layers in (("ling3_shaped", 2), ("kimi_linear_dense_shaped", 3)):
+        with torch.device("meta"):
+            model = build_model(name, "qwen3_next", torch.device("meta"), torch.bfloat16)
+        assert model.config.layer_types.count("full_attention") == attention_layers
+        assert flop_rates(model)["per_pair"] == 3 * 2 * 32 * (192 + 128) * attention_layers
+    rates = flop_rates(build("deepseek_v3"))  # 4 heads, q/k 16 + 8, v 12, both layers attention
+    assert rates["per_pair"] == 3 * 2 * 4 * (24 + 12) * 2
