@@ -124,6 +124,26 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
             short_conv_kernel_size=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             n_shared_experts=1, n_group=2, topk_group=1, num_mtp_layers=1, pad_token_id=0, eos_token_id=2)
         model = transformers.BailingHybridForCausalLM(config)
+    elif name in ("nemotron_h", "bamba", "granitemoehybrid"):  # Mamba-2 hybrids: 4 heads of 8, state 8, 2 groups,
+        # chunks of 16 (the forks at 63-65 and 127-129 sit at its chunk edges too)
+        mamba = dict(mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
+                     mamba_expand=1, mamba_chunk_size=16)
+        if name == "nemotron_h":
+            config = transformers.NemotronHConfig(
+                **COMMON, layers_block_type=["mamba", "attention", "moe", "mamba", "mlp"], mamba_num_heads=4,
+                mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)
+            model = transformers.NemotronHForCausalLM(config)
+        elif name == "bamba":
+            config = transformers.BambaConfig(**COMMON, num_hidden_layers=3, attn_layer_indices=[1], **mamba)
+            model = transformers.BambaForCausalLM(config)
+        else:
+            config = transformers.GraniteMoeHybridConfig(
+                **{k: v for k, v in COMMON.items() if k != "head_dim"}, num_hidden_layers=3,
+                layer_types=["mamba", "attention", "mamba"], num_local_experts=4, num_experts_per_tok=2,
+                shared_intermediate_size=24, position_embedding_type="rope", embedding_multiplier=2.0,
+                residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=2.0, **mamba)
+            model = transformers.GraniteMoeHybridForCausalLM(config)
     elif name == "olmo_hybrid":  # Gated DeltaNet (separate projections, beta up to 2) + attention with q/k norms
         config = transformers.OlmoHybridConfig(**COMMON, **LINEAR, layer_types=HYBRID_LAYERS, num_hidden_layers=4,
                                                pad_token_id=0, eos_token_id=2)
@@ -136,4 +156,4 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
 
 
 FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "kimi_linear", "bailing_hybrid",
-            "olmo_hybrid", "llama", "qwen2", "qwen3", "qwen3_moe"]
+            "olmo_hybrid", "nemotron_h", "bamba", "granitemoehybrid", "llama", "qwen2", "qwen3", "qwen3_moe"]

@@ -401,6 +401,13 @@ def test_kernels_with_context_match_the_whole_forest(per_channel_gates):
                     torch.testing.assert_close(handed, _state_at(gq, gk, gv, g, beta, path), rtol=1e-9, atol=1e-9)
 
 
+def test_mamba2_mixers_refuse_planner_pieces():
+    """Mamba-2 mixers run whole trees only (no hand-offs yet): forced pieces raise naming the fix."""
+    model = build("bamba")
+    with pytest.raises(NotImplementedError, match="BambaMixer: Mamba-2 mixers run whole trees only.*tree_token_budget"):
+        check_plan(model, handoff_sequences(seed=2), 140, reference=False)
+
+
 def _root_path(packed, token: int) -> torch.Tensor:
     path, current = [], int(packed.parent[token])
     while current >= 0:

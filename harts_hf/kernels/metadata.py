@@ -117,11 +117,13 @@ class TreeMetadata:
     def gdn_backend_for(self, tensor: torch.Tensor) -> str:
         return resolve_backend(self.gdn_backend, tensor, "tree_gated_delta_rule")
 
-    def gdn_plan(self, backend: str) -> GatedDeltaPlan:
-        """The gated-delta-rule plan for ``backend`` (fla needs runs cut where children restart)."""
-        key = ("gdn_plan", backend == "fla")
+    def gdn_plan(self, backend: str, chunk_size: int | None = None) -> GatedDeltaPlan:
+        """The gated-delta-rule plan for ``backend`` (fla needs runs cut where children restart), on the chunk grid
+        of ``chunk_size`` (default: this metadata's; a Mamba-2 mixer passes its own)."""
+        chunk_size = self.chunk_size if chunk_size is None else chunk_size
+        key = ("gdn_plan", backend == "fla", chunk_size)
         if key not in self._cache:
-            plan = build_gated_delta_plan(self.host_packed(), chunk_size=self.chunk_size,
+            plan = build_gated_delta_plan(self.host_packed(), chunk_size=chunk_size,
                                           final_states_only=backend == "fla",
                                           state_requests=[export.branch_token for export in self.exports])
             self._cache[key] = plan.to(self.device)

@@ -75,7 +75,7 @@ def supported_model_types() -> list[str]:
 
 def _load_families() -> None:
     if not _REGISTRY:
-        from . import full_attention, kimi_delta_attention, olmo_hybrid, qwen3_5, qwen3_next  # noqa: F401
+        from . import full_attention, kimi_delta_attention, mamba2, olmo_hybrid, qwen3_5, qwen3_next  # noqa: F401
 
 
 class PatchedForward:

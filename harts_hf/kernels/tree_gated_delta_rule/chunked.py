@@ -45,6 +45,7 @@ def chunk_gated_delta_rule_torch(
     initial_state: torch.Tensor,
     chunk_size: int = 64,
     state_chunks: list[int] | None = None,
+    delta: bool = True,
 ) -> tuple[torch.Tensor, dict]:
     """Gated delta rule, chunk by chunk, on fp32 inputs already normalised and scaled.
 
@@ -54,6 +55,8 @@ def chunk_gated_delta_rule_torch(
             multiple of ``chunk_size``; pad with zeros (zero k, v, beta and g leave the state unchanged).
         initial_state: ``[N, H, K, V]`` fp32.
         state_chunks: chunk counts ``c`` for which the state after ``c`` whole chunks is returned (0 = initial).
+        delta: False drops the delta correction: ``S = exp(g) S + k (beta v)^T`` (gated linear attention; Mamba-2's
+            state-space duality form with ``q = C``, ``k = B``, ``v = dt x``, ``g = dt A``, ``beta = 1``).
 
     Returns:
         ``o [N, H, T, V]`` and ``{c: state [N, H, K, V]}`` for every requested ``c`` plus ``"final"``.
@@ -92,9 +95,11 @@ def chunk_gated_delta_rule_torch(
         decay = log_decay.exp().unsqueeze(-1)  # [N, H, n, C, 1]
         k_to_end = k * (log_decay[..., -1:] - log_decay).exp().unsqueeze(-1)
         chunk_decay = log_decay[..., -1].exp()[..., None, None]
-    # WY form of the within-chunk delta updates: (I + strictly-lower(beta k k^T * decay)) u = beta v
-    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * decay, upper=False, unitriangular=True)
+    if delta:  # WY form of the within-chunk delta updates: (I + strictly-lower(beta k k^T * decay)) u = beta v
+        u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, k_beta * decay, upper=False, unitriangular=True)
+    else:  # no correction: every write lands as it is
+        u, w = v_beta, torch.zeros_like(k_beta)
     q_decayed = q * decay
 
     state = initial_state

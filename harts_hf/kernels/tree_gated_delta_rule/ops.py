@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import resolve_backend
+from .._backend import _log_once, resolve_backend
 from .chunked import chunk_gated_delta_rule_torch, prepare_inputs
 from .plan import CONTEXT_STATE, GatedDeltaPlan, GatedDeltaRound
 
@@ -32,6 +32,7 @@ def tree_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     context: tuple | None = None,
     output_requested_states: bool = False,
+    delta: bool = True,
 ):
     """Gated delta rule over a packed forest.
 
@@ -49,6 +50,9 @@ def tree_gated_delta_rule(
         context: ``(q, k, v, g, beta)`` of the ``plan.context_tokens`` ancestors the root replays (depths
             ``C * (d0 // C) .. d0 - 1``, oldest first; shapes as above with ``R`` rows), or None when there are none.
         output_requested_states: also return the states of the plan's ``state_requests``.
+        delta: False drops the delta rule's correction (``S = exp(g) S + k (beta v)^T``: gated linear attention, the
+            form Mamba-2's state-space duality takes with ``q = C``, ``k = B``, ``v = dt x``, ``g = dt A``); the
+            "torch" backend only for now ("auto" takes it on CUDA too, logged once).
 
     Returns:
         ``o [U, HV, V]`` in ``q.dtype``; with ``output_requested_states``, ``(o, states)``: one ``[HV, K, V]`` fp32
@@ -84,6 +88,14 @@ def tree_gated_delta_rule(
         raise ValueError("tree_gated_delta_rule: the forest's root starts past a chunk boundary of its path; pass "
                          "initial_state, the state on its root path at that boundary (from its source's hand-off)")
     scale = K ** -0.5 if scale is None else scale
+    if not delta:
+        if backend == "fla":
+            raise ValueError("tree_gated_delta_rule: delta=False (gated linear attention, Mamba-2) has no fla tree node "
+                             "yet; pass backend='torch' or 'auto'")
+        if q.is_cuda:
+            _log_once("harts_hf: Mamba-2 mixers on trees run the PyTorch chunked scan on CUDA (exact, slow); fla's "
+                      "kernels are not wired in for them yet")
+        backend = "torch"
     if resolve_backend(backend, q, "tree_gated_delta_rule") == "fla" and g.dim() == 3:  # per-channel gates (KDA)
         from .fla_kda import tree_kda_fla
 
@@ -96,13 +108,14 @@ def tree_gated_delta_rule(
                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                          initial_state=initial_state, output_requested_states=output_requested_states)
     out, states = _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel,
-                                               initial_state)
+                                               initial_state, delta)
     if not output_requested_states:
         return out
     return out, [None if key is None else states[key] for key in plan.requested_states]
 
 
-def _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel, initial_state=None):
+def _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel, initial_state=None,
+                                 delta=True):
     """``[U + R]`` rows (packed, then context) -> ``(o [U, HV, V], states by key)``."""
     dtype = q.dtype
     U, rows, HV = plan.num_tokens, v.shape[0], v.shape[1]
@@ -115,7 +128,7 @@ def _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in
         states[CONTEXT_STATE] = initial_state.to(q.dtype)
     out_tokens, out_values = [], []
     for round_ in plan.rounds:
-        tokens, values = _run_round(round_, q, k, v, g, beta, states, plan.chunk_size, rows)
+        tokens, values = _run_round(round_, q, k, v, g, beta, states, plan.chunk_size, rows, delta)
         out_tokens.append(tokens)
         out_values.append(values)
     out = v.new_zeros(U, HV, v.shape[-1])
@@ -123,7 +136,7 @@ def _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in
     return out.to(dtype), states
 
 
-def _run_round(round_: GatedDeltaRound, q, k, v, g, beta, states, chunk_size, pad_row):
+def _run_round(round_: GatedDeltaRound, q, k, v, g, beta, states, chunk_size, pad_row, delta=True):
     device = q.device
     round_ = round_ if round_.token_index.device == device else round_.to(device)
     lengths = (round_.cu_seqlens[1:] - round_.cu_seqlens[:-1]).long()
@@ -142,7 +155,7 @@ def _run_round(round_: GatedDeltaRound, q, k, v, g, beta, states, chunk_size, pa
     initial = torch.stack([zero if key is None else states[key] for key in round_.initial_state])
     wanted = sorted({chunks for _, chunks, _ in round_.saved_states if chunks is not None})
     o, chunk_states = chunk_gated_delta_rule_torch(
-        take(q), take(k), take(v), take(g), take(beta), initial, chunk_size, state_chunks=wanted)
+        take(q), take(k), take(v), take(g), take(beta), initial, chunk_size, state_chunks=wanted, delta=delta)
     for slot, chunks, key in round_.saved_states:
         states[key] = chunk_states["final" if chunks is None else chunks][slot]
     o = o.transpose(1, 2)  # [n, padded, H, V]

@@ -1,0 +1,83 @@
+"""Tree forward for Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid): the input projection once per unique
+token, the depthwise causal conv over each token's ancestors, the state-space-duality scan over the prefix forest on
+the mixer's own chunk grid, then its gated RMSNorm and output projection.
+
+Mamba-2's scan is the gated delta rule's chunk machinery without the delta correction: the state ``h [heads, N, P]``
+follows ``h = exp(dt A) h + B (dt x)^T`` and ``y = h^T C + D x``, i.e. gated linear attention with ``q = C``,
+``k = B`` (``n_groups`` key heads), ``v = dt x``, log decay ``g = dt A`` (``tree_gated_delta_rule(delta=False)``).
+``dt`` is ``softplus(dt + dt_bias)`` clamped to the mixer's ``time_step_limit``, in the projection's dtype, and the
+rest in fp32, as transformers' own scan computes them. Planner pieces (hand-offs below a branch point) are refused:
+a Mamba-2 mixer runs whole trees only, for now.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import TreeMetadata, tree_causal_conv1d, tree_gated_delta_rule
+from ..kernels.tree_conv1d import ops as conv_ops
+from .core import TREE_KWARG, PatchedForward
+
+__all__ = ["tree_mamba2_factory", "tree_mamba2_forward"]
+
+_CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
+
+
+def tree_mamba2_factory(module: torch.nn.Module) -> dict:
+    """``{"forward": ...}`` for one Mamba-2 mixer (a :class:`~.core.PatchedForward`)."""
+    return {"forward": PatchedForward(module, module.forward, _mamba2_call)}
+
+
+def _mamba2_call(module, original_forward, *args, **kwargs):
+    tree = kwargs.pop(TREE_KWARG, None)
+    if tree is None:
+        return original_forward(*args, **kwargs)
+    if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
+        raise ValueError("tree execution computes a whole forest in one pass and cannot use a cache; "
+                         "call the model with use_cache=False")
+    return tree_mamba2_forward(module, args[0] if args else kwargs["hidden_states"], tree)
+
+
+def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata) -> torch.Tensor:
+    """``hidden_states [1, U, hidden]`` -> ``[1, U, hidden]`` over the forest in ``tree``."""
+    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != tree.num_tokens:
+        raise ValueError(f"tree execution expects one packed row of {tree.num_tokens} tokens, "
+                         f"got hidden_states {tuple(hidden_states.shape)}")
+    if tree.context is not None or tree.exports:
+        raise NotImplementedError(
+            f"{type(module).__name__}: Mamba-2 mixers run whole trees only; planner pieces with hand-offs are not "
+            "supported for them yet. Raise tree_token_budget above the largest microbatch's unique tokens (or leave "
+            "it None).")
+    dtype = hidden_states.dtype
+    U, H, P, G, N = tree.num_tokens, module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+    gate, xbc, dt = module.in_proj(hidden_states)[0].split([module.intermediate_size, module.conv_dim, H], dim=-1)
+    weight = module.conv1d.weight.squeeze(1)
+    xbc = tree_causal_conv1d(xbc, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
+                             activation=module.activation, fixups=tree.conv_fixups(weight.shape[1]),
+                             backend=conv_ops.bulk_backend(xbc))
+    x, B, C = torch.split(xbc, [module.intermediate_size, G * N, G * N], dim=-1)
+    low, high = module.time_step_limit
+    dt = torch.clamp(F.softplus(dt + module.dt_bias.to(dt.dtype)), min=low, max=high).float()  # [U, H]
+    x = x.float().reshape(U, H, P)
+    g = -torch.exp(module.A_log.float()) * dt
+    plan = tree.gdn_plan("torch", chunk_size=module.chunk_size)
+    y = tree_gated_delta_rule(C.float().reshape(U, G, N), B.float().reshape(U, G, N), x * dt[..., None], g,
+                              torch.ones_like(dt), plan, scale=1.0, backend="torch", delta=False)
+    y = (y + module.D.float()[:, None] * x).reshape(1, U, -1)
+    return module.out_proj(module.norm(y, gate.unsqueeze(0)).to(dtype))
+
+
+def _register() -> None:
+    from .core import TreeFamily, register_family
+
+    # (model type, attention class, Mamba-2 mixer class, load-balancing loss to weight)
+    for model_type, attention, mixer, moe in (("nemotron_h", "NemotronHAttention", "NemotronHMamba2Mixer", False),
+                                              ("bamba", "BambaAttention", "BambaMixer", False),
+                                              ("granitemoehybrid", "GraniteMoeHybridAttention",
+                                               "GraniteMoeHybridMambaLayer", True)):
+        register_family(TreeFamily(model_types=(model_type,), attention_classes=(attention,),
+                                   linear_classes={mixer: tree_mamba2_factory}, moe=moe))
+
+
+_register()
