@@ -99,6 +99,28 @@ def test_per_channel_gates_chunked_match_recurrence(decay):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["chunk_edges", "random_b", "fan_out", "single_tokens"])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_gated_linear_attention_without_delta(name, chunk_size):
+    """``delta=False`` (Mamba-2's scan: ``S = exp(g) S + k (beta v)^T``, q = C, k = B, v = dt x): the tree on a plan of
+    the mixer's chunk size against the token-by-token recurrence on every path, outputs and every input gradient,
+    fp64; and the chunked reference against the recurrence."""
+    torch.manual_seed(0)
+    packed = PrefixForest.from_sequences(FORESTS[name]).pack()
+    U = packed.num_tokens
+    q, k = (torch.randn(U, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(U, 4, 6, dtype=torch.float64, requires_grad=True)
+    g = (-torch.rand(U, 4, dtype=torch.float64) * 0.5).requires_grad_()
+    beta = torch.ones(U, 4, dtype=torch.float64, requires_grad=True)
+    plan = build_gated_delta_plan(packed, chunk_size=chunk_size)
+    out = tree_gated_delta_rule(q, k, v, g, beta, plan, scale=1.0, backend="torch", delta=False)
+    reference = tree_gated_delta_rule_reference(q, k, v, g, beta, packed, scale=1.0, recurrent=True, delta=False)
+    assert_paths_match(packed, out, reference, (q, k, v, g, beta), torch.float64)
+    chunked = tree_gated_delta_rule_reference(q, k, v, g, beta, packed, scale=1.0, chunk_size=chunk_size, delta=False)
+    for a, b in zip(chunked, reference):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
 def test_plan_replay_and_rounds():
     # forks at depths 64 (aligned: no replay), 65 (1 replayed token), 127 (63 replayed tokens); the base path
     # is every branch point's first child, so it continues its run and replays nothing
