@@ -124,7 +124,7 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
             short_conv_kernel_size=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             n_shared_experts=1, n_group=2, topk_group=1, num_mtp_layers=1, pad_token_id=0, eos_token_id=2)
         model = transformers.BailingHybridForCausalLM(config)
-    elif name in ("nemotron_h", "bamba", "granitemoehybrid"):  # Mamba-2 hybrids: 4 heads of 8, state 8, 2 groups,
+    elif name in ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "falcon_h1_no_norm"):  # Mamba-2 hybrids: 4 heads of 8, state 8, 2 groups,
         # chunks of 16 (the forks at 63-65 and 127-129 sit at its chunk edges too)
         mamba = dict(mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
                      mamba_expand=1, mamba_chunk_size=16)
@@ -134,6 +134,14 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
                 mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)
             model = transformers.NemotronHForCausalLM(config)
+        elif name.startswith("falcon_h1"):  # parallel Mamba-2 and attention in every layer, muP multipliers
+            config = transformers.FalconH1Config(
+                **{k: v for k, v in COMMON.items() if k != "head_dim"}, num_hidden_layers=2, **mamba,
+                mamba_d_ssm=32, mamba_rms_norm=name == "falcon_h1", ssm_in_multiplier=0.7, ssm_out_multiplier=1.3,
+                attention_in_multiplier=0.9, attention_out_multiplier=1.1, key_multiplier=0.8,
+                ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.9], mlp_multipliers=[1.2, 0.7], embedding_multiplier=2.0,
+                lm_head_multiplier=0.6)
+            model = transformers.FalconH1ForCausalLM(config)
         elif name == "bamba":
             config = transformers.BambaConfig(**COMMON, num_hidden_layers=3, attn_layer_indices=[1], **mamba)
             model = transformers.BambaForCausalLM(config)
@@ -156,4 +164,5 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
 
 
 FAMILIES = ["qwen3_next", "qwen3_next_moe", "qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "kimi_linear", "bailing_hybrid",
-            "olmo_hybrid", "nemotron_h", "bamba", "granitemoehybrid", "llama", "qwen2", "qwen3", "qwen3_moe"]
+            "olmo_hybrid", "nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "falcon_h1_no_norm", "llama", "qwen2",
+            "qwen3", "qwen3_moe"]

@@ -134,7 +134,8 @@ def test_window_arguments_are_checked():
 
 @pytest.mark.parametrize("family", ["mistral_sliding", "phi3", "olmo2", "gemma2", "gemma3_text", "cohere2",
                                     "granite", "gpt_oss", "glm4_moe", "mixtral", "deepseek_v3", "kimi_linear",
-                                    "bailing_hybrid", "olmo_hybrid", "nemotron_h", "bamba", "granitemoehybrid"])
+                                    "bailing_hybrid", "olmo_hybrid", "nemotron_h", "bamba", "granitemoehybrid",
+                                    "falcon_h1"])
 def test_tree_grpo_trainer_matches_grpo_trainer(tmp_path, family):
     """Each family through TreeGRPOTrainer and GRPOTrainer (sliding-window layers at window 8, shorter than the
     rows): one microbatch's loss and every gradient, then two optimizer steps to the same parameters."""

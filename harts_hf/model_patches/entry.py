@@ -75,12 +75,15 @@ def text_config(model):
 
 def logit_transform(model) -> dict:
     """What the model's forward does to the LM head's output before returning logits, as ``chunked_logprobs``
-    arguments: a multiplier (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``) and the final-logit
-    softcapping (Gemma 2). :func:`check_logit_transform` verifies it against the model's own forward."""
+    arguments: a multiplier (Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``, Falcon-H1's
+    ``lm_head_multiplier``) and the final-logit softcapping (Gemma 2). :func:`check_logit_transform` verifies it
+    against the model's own forward."""
     config = text_config(model)
     scale = getattr(model, "logit_scale", None)
     if getattr(config, "logits_scaling", None):
         scale = 1.0 / config.logits_scaling
+    if getattr(config, "lm_head_multiplier", None) is not None:
+        scale = config.lm_head_multiplier
     return {"logit_scale": None if scale is None or scale == 1 else float(scale),
             "logit_softcap": getattr(config, "final_logit_softcapping", None)}
 

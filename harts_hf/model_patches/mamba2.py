@@ -1,5 +1,5 @@
-"""Tree forward for Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid): the input projection once per unique
-token, the depthwise causal conv over each token's ancestors, the state-space-duality scan over the prefix forest on
+"""Tree forward for Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid, Falcon-H1 with its multipliers and its
+optional gated norm): the input projection once per unique token, the depthwise causal conv over each token's ancestors, the state-space-duality scan over the prefix forest on
 the mixer's own chunk grid, then its gated RMSNorm and output projection.
 
 Mamba-2's scan is the gated delta rule's chunk machinery without the delta correction: the state ``h [heads, N, P]``
@@ -51,7 +51,13 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
             "it None).")
     dtype = hidden_states.dtype
     U, H, P, G, N = tree.num_tokens, module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
-    gate, xbc, dt = module.in_proj(hidden_states)[0].split([module.intermediate_size, module.conv_dim, H], dim=-1)
+    # Falcon-H1's multipliers: on the mixer's input and per section of the projection (its mup_vector buffer)
+    if getattr(module, "ssm_in_multiplier", None) is not None:
+        hidden_states = hidden_states * module.ssm_in_multiplier
+    projected = module.in_proj(hidden_states)
+    if getattr(module, "mup_vector", None) is not None:
+        projected = projected * module.mup_vector
+    gate, xbc, dt = projected[0].split([module.intermediate_size, module.conv_dim, H], dim=-1)
     weight = module.conv1d.weight.squeeze(1)
     xbc = tree_causal_conv1d(xbc, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
                              activation=module.activation, fixups=tree.conv_fixups(weight.shape[1]),
@@ -65,7 +71,11 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
     y = tree_gated_delta_rule(C.float().reshape(U, G, N), B.float().reshape(U, G, N), x * dt[..., None], g,
                               torch.ones_like(dt), plan, scale=1.0, backend="torch", delta=False)
     y = (y + module.D.float()[:, None] * x).reshape(1, U, -1)
-    return module.out_proj(module.norm(y, gate.unsqueeze(0)).to(dtype))
+    if getattr(module, "mamba_rms_norm", True):
+        y = module.norm(y, gate.unsqueeze(0))
+    else:  # Falcon-H1 without the gated norm: the gate alone
+        y = y * F.silu(gate.unsqueeze(0))
+    return module.out_proj(y.to(dtype))
 
 
 def _register() -> None:
@@ -75,7 +85,8 @@ def _register() -> None:
     for model_type, attention, mixer, moe in (("nemotron_h", "NemotronHAttention", "NemotronHMamba2Mixer", False),
                                               ("bamba", "BambaAttention", "BambaMixer", False),
                                               ("granitemoehybrid", "GraniteMoeHybridAttention",
-                                               "GraniteMoeHybridMambaLayer", True)):
+                                               "GraniteMoeHybridMambaLayer", True),
+                                              ("falcon_h1", "FalconH1Attention", "FalconH1Mixer", False)):
         register_family(TreeFamily(model_types=(model_type,), attention_classes=(attention,),
                                    linear_classes={mixer: tree_mamba2_factory}, moe=moe))
 
