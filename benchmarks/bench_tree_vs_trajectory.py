@@ -50,6 +50,14 @@ MODELS["ling3_shaped"] = dict(
     qk_nope_head_dim=128, v_head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_local_experts=32,
     num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, first_k_dense_replace=2, num_mtp_layers=0,
     vocab_size=157184)
+# Nemotron-H's layer kinds (Mamba-2, squared-ReLU MLP and a few attention blocks, transformers' NemotronHConfig
+# defaults for the mixer shapes: 64-dim heads, state 128, 8 groups, chunks of 128) at hidden 2048 over 24 blocks
+_NEMOTRON_BLOCKS = ["linear_attention", "mlp"] * 12
+_NEMOTRON_BLOCKS[6] = _NEMOTRON_BLOCKS[18] = "full_attention"
+MODELS["nemotron_h_shaped"] = dict(
+    family="nemotron_h", hidden_size=2048, layers_block_type=_NEMOTRON_BLOCKS, num_hidden_layers=24,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, intermediate_size=8192, mamba_num_heads=64,
+    mamba_head_dim=64, ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128, vocab_size=131072)
 MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped preset: MLPs of 9216 in every layer
     family="kimi_linear", hidden_size=2304, num_hidden_layers=12, num_attention_heads=32, num_key_value_heads=32,
     kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
@@ -81,7 +89,7 @@ def build_model(name: str, family: str, device, dtype):
     spec = dict(MODELS[name])
     family = spec.pop("family", family)
     layers = spec["num_hidden_layers"]
-    if family in ("qwen3_next", "qwen3_5"):
+    if family in ("qwen3_next", "qwen3_5"):  # the others name their layers' kinds themselves
         spec["layer_types"] = ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * (layers // 4)
     spec["max_position_embeddings"] = 1 << 20
     if family == "qwen3_next":
@@ -91,6 +99,8 @@ def build_model(name: str, family: str, device, dtype):
         model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**spec))
     elif family == "bailing_hybrid":
         model = transformers.BailingHybridForCausalLM(transformers.BailingHybridConfig(**spec, pad_token_id=0))
+    elif family == "nemotron_h":
+        model = transformers.NemotronHForCausalLM(transformers.NemotronHConfig(**spec))
     elif family == "kimi_linear":
         model = transformers.KimiLinearForCausalLM(transformers.KimiLinearConfig(**spec, pad_token_id=0,
                                                                                  bos_token_id=1, eos_token_id=2))

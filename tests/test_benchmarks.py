@@ -363,5 +363,10 @@ def test_kimi_delta_attention_presets_and_latent_attention_flops():
             model = build_model(name, "qwen3_next", torch.device("meta"), torch.bfloat16)
         assert model.config.layer_types.count("full_attention") == attention_layers
         assert flop_rates(model)["per_pair"] == 3 * 2 * 32 * (192 + 128) * attention_layers
+    with torch.device("meta"):
+        nemotron = build_model("nemotron_h_shaped", "qwen3_next", torch.device("meta"), torch.bfloat16)
+    kinds = [type(layer.mixer).__name__ for layer in nemotron.model.layers]
+    assert kinds.count("NemotronHAttention") == 2 and kinds.count("NemotronHMamba2Mixer") == 10
+    assert flop_rates(nemotron)["per_pair"] == 3 * 2 * 16 * (128 + 128) * 2
     rates = flop_rates(build("deepseek_v3"))  # 4 heads, q/k 16 + 8, v 12, both layers attention
     assert rates["per_pair"] == 3 * 2 * 4 * (24 + 12) * 2
