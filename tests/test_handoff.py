@@ -148,7 +148,7 @@ def longest_run(sequences) -> int:
 
 # ---------------------------------------------------------------------------- model level
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear", "bailing_hybrid", "olmo_hybrid",
-                                    "llama"])
+                                    "nemotron_h", "bamba", "falcon_h1", "llama"])
 def test_forced_splits_match_tree_and_reference(family):
     model = build(family)
     sequences = handoff_sequences()
@@ -401,13 +401,6 @@ def test_kernels_with_context_match_the_whole_forest(per_channel_gates):
                     torch.testing.assert_close(handed, _state_at(gq, gk, gv, g, beta, path), rtol=1e-9, atol=1e-9)
 
 
-def test_mamba2_mixers_refuse_planner_pieces():
-    """Mamba-2 mixers run whole trees only (no hand-offs yet): forced pieces raise naming the fix."""
-    model = build("bamba")
-    with pytest.raises(NotImplementedError, match="BambaMixer: Mamba-2 mixers run whole trees only.*tree_token_budget"):
-        check_plan(model, handoff_sequences(seed=2), 140, reference=False)
-
-
 def _root_path(packed, token: int) -> torch.Tensor:
     path, current = [], int(packed.parent[token])
     while current >= 0:
@@ -560,7 +553,7 @@ def test_handoffs_across_replicas(tmp_path, replicas, recompute, port):
     assert sum(r["stats"]["grad_tokens"] for r in ranks) == the_plan.packed.num_tokens  # every token once
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear", "bailing_hybrid"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "kimi_linear", "bailing_hybrid", "nemotron_h"])
 def test_sibling_pieces_below_one_branch_token(family):
     """A GRPO-like batch (one prompt, 20 completions) cut at budget 300: the completions below the prompt's last
     token share pieces (several roots, one context: replayed GDN rows and conv window per root, attention context

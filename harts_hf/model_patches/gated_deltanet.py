@@ -22,7 +22,8 @@ from ..kernels.context import GDN_REPLAY_NAMES
 from ..kernels.tree_conv1d import ops as conv_ops
 from .core import TREE_KWARG, PatchedForward, layer_key, zero3_enabled
 
-__all__ = ["GATED_DELTANET", "MixerLayout", "gdn_gates", "make_tree_gdn_forward"]
+__all__ = ["GATED_DELTANET", "MixerLayout", "gdn_gates", "make_tree_gdn_forward", "tree_conv_with_handoffs",
+           "tree_recurrence_with_handoffs"]
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
 
@@ -84,47 +85,57 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
     mixed_qkv, z, beta, g = project(module, hidden_states)
     key_dim, value_dim, head_k_dim, head_v_dim = (getattr(module, getattr(layout, name))
                                                   for name in ("key_dim", "value_dim", "head_k_dim", "head_v_dim"))
-    weight = module.conv1d.weight.squeeze(1)  # [conv_dim, W]
-    handoff = tree.context is not None or bool(tree.exports)
-    layer = layer_key(module) if handoff else None
-    conv_context = None if tree.context is None else tree.context.get(layer, "conv")
-    if tree.exports:
-        _export_rows(tree, layer, {"conv": mixed_qkv}, {"conv": conv_context},
-                     lambda export: min(weight.shape[1] - 1, export.ancestor_tokens))
-    mixed_qkv = tree_causal_conv1d(mixed_qkv, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
-                                   activation=module.activation, context=conv_context,
-                                   fixups=tree.conv_fixups(weight.shape[1]),
-                                   backend=conv_ops.bulk_backend(mixed_qkv))
+    layer = layer_key(module) if tree.context is not None or tree.exports else None
+    mixed_qkv = tree_conv_with_handoffs(module, tree, layer, mixed_qkv)
     U = mixed_qkv.shape[0]
     query, key, value = torch.split(mixed_qkv, [key_dim, key_dim, value_dim], dim=-1)
     query = query.reshape(U, -1, head_k_dim)
     key = key.reshape(U, -1, head_k_dim)
     value = value.reshape(U, -1, head_v_dim)
     backend = tree.gdn_backend_for(query)
-    plan = tree.gdn_plan(backend)
-    if not handoff:
-        core = tree_gated_delta_rule(query, key, value, g, beta, plan, use_qk_l2norm_in_kernel=True, backend=backend)
-    else:
-        own = dict(zip(GDN_REPLAY_NAMES, (query, key, value, g, beta)))
-        replay = None
-        if tree.context is not None and plan.context_tokens:
-            replay = {name: tree.context.get(layer, name) for name in GDN_REPLAY_NAMES}
-        initial_state = None if tree.context is None else tree.context.get_optional(layer, "state")
-        core, states = tree_gated_delta_rule(
-            query, key, value, g, beta, plan, use_qk_l2norm_in_kernel=True, backend=backend,
-            initial_state=initial_state, context=None if replay is None else tuple(replay.values()),
-            output_requested_states=True)
-        for export, state in zip(tree.exports, states):
-            if state is not None:
-                export.record((layer, "state"), state)
-        _export_rows(tree, layer, own, replay or dict.fromkeys(GDN_REPLAY_NAMES),
-                     lambda export: export.ancestor_tokens % plan.chunk_size)
+    core = tree_recurrence_with_handoffs(tree, layer, (query, key, value, g, beta), tree.gdn_plan(backend),
+                                         backend=backend, use_qk_l2norm_in_kernel=True)
     # under ZeRO-3 a module call is a collective and the block count differs between processes: call the norm's
     # forward per block (its weight is an external parameter of this module, gathered once)
     norm = getattr(module, layout.norm)
     norm = norm.forward if zero3_enabled() else norm
     core = in_row_blocks(norm, core.reshape(-1, head_v_dim), z.reshape(-1, head_v_dim))
     return getattr(module, layout.out_proj)(core.reshape(1, U, -1))
+
+
+def tree_conv_with_handoffs(module, tree: TreeMetadata, layer: int | None, x: torch.Tensor) -> torch.Tensor:
+    """``module.conv1d`` (depthwise, causal) over every path of the forest for ``x [U, C]``, its activation
+    ``module.activation``; a planner piece reads its root's last ``W - 1`` ancestor rows from the hand-off context
+    and exports its own for the pieces below it (``layer``: the module's key; None without hand-offs)."""
+    weight = module.conv1d.weight.squeeze(1)  # [C, W]
+    conv_context = None if tree.context is None else tree.context.get(layer, "conv")
+    if tree.exports:
+        _export_rows(tree, layer, {"conv": x}, {"conv": conv_context},
+                     lambda export: min(weight.shape[1] - 1, export.ancestor_tokens))
+    return tree_causal_conv1d(x, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
+                              activation=module.activation, context=conv_context,
+                              fixups=tree.conv_fixups(weight.shape[1]), backend=conv_ops.bulk_backend(x))
+
+
+def tree_recurrence_with_handoffs(tree: TreeMetadata, layer: int | None, inputs: tuple, plan, **options):
+    """:func:`tree_gated_delta_rule` of ``inputs = (q, k, v, g, beta)`` on ``plan``; a planner piece starts from its
+    hand-off's state and replay rows and exports its own states and rows for the pieces below it (``layer``: the
+    module's key; None without hand-offs). ``options``: the kernel's keyword arguments."""
+    if layer is None:
+        return tree_gated_delta_rule(*inputs, plan, **options)
+    replay = None
+    if tree.context is not None and plan.context_tokens:
+        replay = {name: tree.context.get(layer, name) for name in GDN_REPLAY_NAMES}
+    initial_state = None if tree.context is None else tree.context.get_optional(layer, "state")
+    out, states = tree_gated_delta_rule(*inputs, plan, initial_state=initial_state,
+                                        context=None if replay is None else tuple(replay.values()),
+                                        output_requested_states=True, **options)
+    for export, state in zip(tree.exports, states):
+        if state is not None:
+            export.record((layer, "state"), state)
+    _export_rows(tree, layer, dict(zip(GDN_REPLAY_NAMES, inputs)), replay or dict.fromkeys(GDN_REPLAY_NAMES),
+                 lambda export: export.ancestor_tokens % plan.chunk_size)
+    return out
 
 
 def _export_rows(tree: TreeMetadata, layer: int, own: dict, context: dict, count) -> None:

@@ -6,8 +6,8 @@ Mamba-2's scan is the gated delta rule's chunk machinery without the delta corre
 follows ``h = exp(dt A) h + B (dt x)^T`` and ``y = h^T C + D x``, i.e. gated linear attention with ``q = C``,
 ``k = B`` (``n_groups`` key heads), ``v = dt x``, log decay ``g = dt A`` (``tree_gated_delta_rule(delta=False)``).
 ``dt`` is ``softplus(dt + dt_bias)`` clamped to the mixer's ``time_step_limit``, in the projection's dtype, and the
-rest in fp32, as transformers' own scan computes them. Planner pieces (hand-offs below a branch point) are refused:
-a Mamba-2 mixer runs whole trees only, for now.
+rest in fp32, as transformers' own scan computes them. Planner pieces take their root's conv rows, state and replay
+rows (on the mixer's chunk grid) from the hand-off, as the gated-delta-rule mixers do.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import TreeMetadata, tree_causal_conv1d, tree_gated_delta_rule
-from ..kernels.tree_conv1d import ops as conv_ops
-from .core import TREE_KWARG, PatchedForward
+from ..kernels import TreeMetadata
+from .core import TREE_KWARG, PatchedForward, layer_key
+from .gated_deltanet import tree_conv_with_handoffs, tree_recurrence_with_handoffs
 
 __all__ = ["tree_mamba2_factory", "tree_mamba2_forward"]
 
@@ -44,11 +44,6 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
     if hidden_states.shape[0] != 1 or hidden_states.shape[1] != tree.num_tokens:
         raise ValueError(f"tree execution expects one packed row of {tree.num_tokens} tokens, "
                          f"got hidden_states {tuple(hidden_states.shape)}")
-    if tree.context is not None or tree.exports:
-        raise NotImplementedError(
-            f"{type(module).__name__}: Mamba-2 mixers run whole trees only; planner pieces with hand-offs are not "
-            "supported for them yet. Raise tree_token_budget above the largest microbatch's unique tokens (or leave "
-            "it None).")
     dtype = hidden_states.dtype
     U, H, P, G, N = tree.num_tokens, module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
     # Falcon-H1's multipliers: on the mixer's input and per section of the projection (its mup_vector buffer)
@@ -58,18 +53,16 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
     if getattr(module, "mup_vector", None) is not None:
         projected = projected * module.mup_vector
     gate, xbc, dt = projected[0].split([module.intermediate_size, module.conv_dim, H], dim=-1)
-    weight = module.conv1d.weight.squeeze(1)
-    xbc = tree_causal_conv1d(xbc, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
-                             activation=module.activation, fixups=tree.conv_fixups(weight.shape[1]),
-                             backend=conv_ops.bulk_backend(xbc))
+    layer = layer_key(module) if tree.context is not None or tree.exports else None
+    xbc = tree_conv_with_handoffs(module, tree, layer, xbc)
     x, B, C = torch.split(xbc, [module.intermediate_size, G * N, G * N], dim=-1)
     low, high = module.time_step_limit
     dt = torch.clamp(F.softplus(dt + module.dt_bias.to(dt.dtype)), min=low, max=high).float()  # [U, H]
     x = x.float().reshape(U, H, P)
     g = -torch.exp(module.A_log.float()) * dt
-    plan = tree.gdn_plan("torch", chunk_size=module.chunk_size)
-    y = tree_gated_delta_rule(C.float().reshape(U, G, N), B.float().reshape(U, G, N), x * dt[..., None], g,
-                              torch.ones_like(dt), plan, scale=1.0, backend="torch", delta=False)
+    inputs = (C.float().reshape(U, G, N), B.float().reshape(U, G, N), x * dt[..., None], g, torch.ones_like(dt))
+    y = tree_recurrence_with_handoffs(tree, layer, inputs, tree.gdn_plan("torch", chunk_size=module.chunk_size),
+                                      scale=1.0, backend="torch", delta=False)
     y = (y + module.D.float()[:, None] * x).reshape(1, U, -1)
     if getattr(module, "mamba_rms_norm", True):
         y = module.norm(y, gate.unsqueeze(0))
