@@ -6,7 +6,7 @@ gradient equals training each root-to-leaf trajectory on its own.
 
 __version__ = "0.1.0"
 
-__all__ = ["TreeGRPOConfig", "TreeGRPOTrainer", "tree_logprobs"]
+__all__ = ["TreeGRPOConfig", "TreeGRPOTrainer", "TreeSFTConfig", "TreeSFTTrainer", "tree_logprobs"]
 
 
 def __getattr__(name):
@@ -15,7 +15,7 @@ def __getattr__(name):
         from .logprobs import tree_logprobs
 
         return tree_logprobs
-    if name in ("TreeGRPOConfig", "TreeGRPOTrainer"):
+    if name in ("TreeGRPOConfig", "TreeGRPOTrainer", "TreeSFTConfig", "TreeSFTTrainer"):
         from . import trainers
 
         return getattr(trainers, name)

@@ -101,11 +101,12 @@ def save_tiny_model(path, family: str, router_aux_loss_coef: float) -> str:
 
 
 def cpu_safe_trainer(trainer):
-    """A GRPOTrainer whose policy and reference models run their CPU forwards on transformers' PyTorch kernels
-    where transformers bound fla's Triton kernels (triton installed); TreeGRPOTrainer does this itself."""
+    """A GRPOTrainer (or SFTTrainer) whose policy and reference models run their CPU forwards on transformers'
+    PyTorch kernels where transformers bound fla's Triton kernels (triton installed); the tree trainers do this
+    themselves."""
     from harts_hf.model_patches import cpu_safe
 
-    for model in (trainer.model, trainer.ref_model):
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
         if model is not None:
             cpu_safe(model)
     return trainer

@@ -1,0 +1,117 @@
+"""TreeSFTTrainer against TRL's SFTTrainer (no packing) on the same batches: loss, every gradient, training steps,
+for language-modelling and prompt-completion datasets whose rows share prefixes; padding-free batches; refusals."""
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+from trl import SFTConfig, SFTTrainer
+
+from harts_hf import TreeSFTConfig, TreeSFTTrainer
+from harts_hf.trainers.sft import forest_rows
+from tests.trl_helpers import char_tokenizer, cpu_safe_trainer, save_tiny_model, worst_gradient_error
+
+BASE = dict(per_device_train_batch_size=6, learning_rate=1e-2, optim="sgd", bf16=False, use_cpu=True, report_to="none",
+            logging_steps=1, save_strategy="no", seed=0, max_length=None)
+SYSTEM = "you add numbers; answer with the sum only. "
+
+
+def text_dataset():  # rows sharing a long system prefix and, pairwise, their question
+    return Dataset.from_dict({"text": [f"{SYSTEM}{a}+{b}={a + b}" + (" done" if i % 2 else "") for i, (a, b) in
+                                       enumerate([(1, 2), (1, 2), (3, 4), (3, 4), (15, 27), (8, 8)] * 2)]})
+
+
+def completion_dataset():  # several completions of one prompt; the loss on completions only
+    prompts = [f"{SYSTEM}{a}+{b}=" for a, b in [(1, 2), (3, 4), (15, 27)] for _ in range(4)]
+    return Dataset.from_dict({"prompt": prompts, "completion": [f"{i}" * (1 + i % 3) for i in range(len(prompts))]})
+
+
+@pytest.fixture(scope="module")
+def saved_model(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next_sft"), "qwen3_next_moe", router_aux_loss_coef=0.01)
+
+
+def make_trainers(path, tmp_path, dataset, tree_args=(), **overrides):
+    tokenizer = char_tokenizer()
+    args = dict(BASE, output_dir=str(tmp_path), **overrides)
+    models = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) for _ in range(2)]
+    base = cpu_safe_trainer(SFTTrainer(models[0], args=SFTConfig(**args), train_dataset=dataset,
+                                       processing_class=tokenizer))
+    tree = TreeSFTTrainer(models[1], args=TreeSFTConfig(**dict(args, **dict(tree_args))), train_dataset=dataset,
+                          processing_class=tokenizer)
+    return base, tree
+
+
+def first_batch(trainer):
+    trainer.model.train()
+    torch.manual_seed(0)  # the same row shuffle for both trainers
+    return trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+
+
+def assert_same_loss_and_grads(base, tree, num_items_in_batch=None, tol=1e-5):
+    inputs_base, inputs_tree = first_batch(base), first_batch(tree)
+    if "position_ids" not in inputs_tree:  # the same padded batch (padding-free: the same rows, concatenated)
+        torch.testing.assert_close(inputs_tree["input_ids"], inputs_base["input_ids"])
+    loss_base = base.compute_loss(base.model, inputs_base, num_items_in_batch=num_items_in_batch)
+    loss_tree = tree.compute_loss(tree.model, inputs_tree, num_items_in_batch=num_items_in_batch)
+    torch.testing.assert_close(loss_tree, loss_base, rtol=tol, atol=tol)
+    loss_base.backward()
+    loss_tree.backward()
+    worst_gradient_error(base.model, tree.model, 100 * tol)
+    return inputs_tree
+
+
+@pytest.mark.parametrize("dataset", [text_dataset, completion_dataset], ids=["language_modeling", "prompt_completion"])
+@pytest.mark.parametrize("options, tree_only", [({}, {}), (dict(loss_type="dft"), {}), ({}, dict(padding_free=True))],
+                         ids=["nll", "dft", "padding_free"])
+def test_loss_and_gradients_match_sft_trainer(saved_model, tmp_path, dataset, options, tree_only):
+    """padding_free: the tree trainer gets padding-free rows (position_ids restarting per row), SFTTrainer padded ones
+    (transformers' Qwen3-Next cannot keep packed rows apart on the CPU)."""
+    base, tree = make_trainers(saved_model, tmp_path, dataset(), tree_args=tree_only, **options)
+    inputs = assert_same_loss_and_grads(base, tree)
+    rows, masks = forest_rows(inputs)
+    from harts_hf.trees import PrefixForest
+
+    stats = PrefixForest.from_sequences(rows).pack().stats()
+    assert stats["R_tok"] > 1.5  # the rows share their system prefix: the forest computes it once
+    assert sum(int(m.sum()) for m in masks) > 0
+
+
+def test_num_items_in_batch_normalisation(saved_model, tmp_path):
+    base, tree = make_trainers(saved_model, tmp_path, completion_dataset())
+    for trainer in (base, tree):  # set by the training loop: the aux loss is averaged over accumulation steps
+        trainer.current_gradient_accumulation_steps = 2
+    assert_same_loss_and_grads(base, tree, num_items_in_batch=torch.tensor(37))
+
+
+def test_training_steps_give_the_same_parameters(saved_model, tmp_path):
+    base, tree = make_trainers(saved_model, tmp_path, text_dataset(), max_steps=2, per_device_train_batch_size=3,
+                               gradient_accumulation_steps=2)
+    start = {name: p.detach().clone() for name, p in base.model.named_parameters()}
+    for trainer in (base, tree):
+        torch.manual_seed(0)
+        trainer.train()
+    for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
+        step = (a.detach() - start[name]).norm()
+        assert (b - a).norm() <= 1e-5 * a.norm() + 1e-3 * step, name
+    logged = [entry for entry in tree.state.log_history if "tree/R_tok" in entry]
+    assert logged and logged[0]["tree/R_tok"] > 1
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(label_smoothing_factor=0.1), ["label_smoothing_factor=0.1", "use_tree=False"]),
+    (dict(tree_gdn_backend="cuda"), ["tree_gdn_backend"]),
+    (dict(tree_head_chunk_size=0), ["tree_head_chunk_size"]),
+])
+def test_contradictory_config_is_refused(tmp_path, fields, words):
+    with pytest.raises((ValueError, TypeError)) as info:
+        TreeSFTConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", **fields)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_rewritten_labels_are_refused():
+    inputs = {"input_ids": torch.tensor([[3, 4, 5]]), "attention_mask": torch.ones(1, 3, dtype=torch.long),
+              "labels": torch.tensor([[4, 5, -100]])}
+    with pytest.raises(ValueError, match="labels differ from input_ids"):
+        forest_rows(inputs)
