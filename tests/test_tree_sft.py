@@ -26,6 +26,13 @@ def completion_dataset():  # several completions of one prompt; the loss on comp
     return Dataset.from_dict({"prompt": prompts, "completion": [f"{i}" * (1 + i % 3) for i in range(len(prompts))]})
 
 
+def conversational_dataset():  # chat-formatted prompt-completion rows: a shared system turn, the loss on the answer
+    system = {"role": "system", "content": SYSTEM}
+    prompts = [[system, {"role": "user", "content": f"{a}+{b}="}] for a, b in [(1, 2), (3, 4), (5, 6)] for _ in range(4)]
+    return Dataset.from_dict({"prompt": prompts,
+                              "completion": [[{"role": "assistant", "content": f"{i}"}] for i in range(len(prompts))]})
+
+
 @pytest.fixture(scope="module")
 def saved_model(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next_sft"), "qwen3_next_moe", router_aux_loss_coef=0.01)
@@ -61,7 +68,8 @@ def assert_same_loss_and_grads(base, tree, num_items_in_batch=None, tol=1e-5):
     return inputs_tree
 
 
-@pytest.mark.parametrize("dataset", [text_dataset, completion_dataset], ids=["language_modeling", "prompt_completion"])
+@pytest.mark.parametrize("dataset", [text_dataset, completion_dataset, conversational_dataset],
+                         ids=["language_modeling", "prompt_completion", "conversational"])
 @pytest.mark.parametrize("options, tree_only", [({}, {}), (dict(loss_type="dft"), {}), ({}, dict(padding_free=True))],
                          ids=["nll", "dft", "padding_free"])
 def test_loss_and_gradients_match_sft_trainer(saved_model, tmp_path, dataset, options, tree_only):
