@@ -8,7 +8,8 @@ involved are deterministic):
   kept (a selective-checkpointing policy, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``), so the
   rerun skips the attention itself, the costliest op to recompute per byte kept (one attention output per attention
   layer: ``tokens x heads x head_dim`` in bf16 plus fp32 statistics). Needs non-reentrant checkpointing; under the
-  reentrant kind it is not applied.
+  reentrant kind it is not applied, nor under DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed
+  region are collectives the selective-checkpointing cache refuses to meet in the backward's rerun).
 - :func:`store_layer_activations`: ``count`` decoder layers leave checkpointing altogether (softmax-attention
   layers first, then the others spread evenly) and keep everything their backward needs.
 
@@ -23,6 +24,7 @@ import inspect
 import torch
 
 from .._checks import check_bool, check_int
+from .core import zero3_enabled
 
 __all__ = ["checkpointed_layers", "keep_attention_outputs", "store_layer_activations"]
 
@@ -103,12 +105,13 @@ def _apply(model: torch.nn.Module) -> None:
     layers = _decoder_layers(model)
     if not _checkpointing_on(model, layers):
         return
+    keep_attention = settings.keep_attention and not zero3_enabled()
     for module in model.modules():
         function = getattr(module, "_gradient_checkpointing_func", None)
         if function is None:
             continue
         original = getattr(function, _ORIGINAL, function)
-        if settings.keep_attention and _non_reentrant(original):
+        if keep_attention and _non_reentrant(original):
             function = functools.partial(original, context_fn=_attention_contexts)
             setattr(function, _ORIGINAL, original)
         else:
