@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 
-__all__ = ["check_bool", "check_int", "check_number"]
+__all__ = ["check_bool", "check_int", "check_number", "trainer_args"]
 
 
 def check_int(value, name: str, *, minimum: int = 1, allow_none: bool = False) -> int | None:
@@ -39,3 +39,15 @@ def check_bool(value, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r} of type {type(value).__name__}")
     return value
+
+
+def trainer_args(args, config_class: type, model, trainer: str, base: str):
+    """A tree trainer's ``args``: ``config_class`` defaults named after the model when None; anything but a
+    ``config_class`` (e.g. TRL's own config, ``base``) is refused naming the class it needs."""
+    if args is None:
+        name = model if isinstance(model, str) else model.config._name_or_path
+        return config_class(f"{name.split('/')[-1]}-{trainer.removesuffix('Trainer')}")
+    if not isinstance(args, config_class):
+        raise TypeError(f"args is a {type(args).__name__}; {trainer} needs a {config_class.__name__} (it has every "
+                        f"{base} field plus the tree switches).")
+    return args

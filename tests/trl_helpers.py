@@ -111,3 +111,17 @@ def cpu_safe_trainer(trainer):
             cpu_safe(model)
     return trainer
 
+
+
+def assert_same_training(base, tree) -> None:
+    """Train both trainers with the same seed; every parameter of ``tree`` ends where ``base``'s does, up to fp32
+    noise on the parameter and on the step it took."""
+    import torch
+
+    start = {name: p.detach().clone() for name, p in base.model.named_parameters()}
+    for trainer in (base, tree):
+        torch.manual_seed(0)  # the same row shuffles in both runs
+        trainer.train()
+    for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
+        step = (a.detach() - start[name]).norm()
+        assert (b - a).norm() <= 1e-5 * a.norm() + 1e-3 * step, name

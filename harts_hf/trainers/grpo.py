@@ -20,6 +20,7 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
+from .._checks import trainer_args
 from ..logprobs import run_tree_forward, unwrap_model
 from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs, store_layer_activations
 from ..model_patches.core import _PATCH_MARK
@@ -58,12 +59,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = TreeGRPOConfig(f"{name.split('/')[-1]}-TreeGRPO")
-        elif not isinstance(args, TreeGRPOConfig):
-            raise TypeError(f"args is a {type(args).__name__}; TreeGRPOTrainer needs a TreeGRPOConfig "
-                            "(it has every GRPOConfig field plus the tree switches).")
+        args = trainer_args(args, TreeGRPOConfig, model, "TreeGRPOTrainer", "GRPOConfig")
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          reward_processing_classes=reward_processing_classes, callbacks=callbacks,

@@ -14,7 +14,7 @@ import torch
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
-from .._checks import check_bool, check_int
+from .._checks import check_bool, check_int, trainer_args
 from ..logprobs import tree_logprobs, unwrap_model
 from ..model_patches import apply_tree_patches, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
@@ -73,12 +73,7 @@ class TreeSFTTrainer(SFTTrainer):
     prefix computed once. Takes SFTTrainer's arguments."""
 
     def __init__(self, model, args: TreeSFTConfig | None = None, *posargs, compute_loss_func=None, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else model.config._name_or_path
-            args = TreeSFTConfig(f"{name.split('/')[-1]}-TreeSFT")
-        elif not isinstance(args, TreeSFTConfig):
-            raise TypeError(f"args is a {type(args).__name__}; TreeSFTTrainer needs a TreeSFTConfig (it has every "
-                            "SFTConfig field plus the tree switches).")
+        args = trainer_args(args, TreeSFTConfig, model, "TreeSFTTrainer", "SFTConfig")
         if args.use_tree and compute_loss_func is not None:
             raise ValueError("TreeSFTTrainer: compute_loss_func receives the full logits, which tree execution does "
                              "not build; pass compute_loss_func=None or set use_tree=False.")
