@@ -23,7 +23,7 @@ from ..kernels.tree_conv1d import ops as conv_ops
 from .core import TREE_KWARG, PatchedForward, layer_key, zero3_enabled
 
 __all__ = ["GATED_DELTANET", "MixerLayout", "gdn_gates", "make_tree_gdn_forward", "tree_conv_with_handoffs",
-           "tree_recurrence_with_handoffs"]
+           "tree_mixer_call", "tree_recurrence_with_handoffs"]
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
 
@@ -65,7 +65,9 @@ def make_tree_gdn_forward(project: Callable, layout: MixerLayout = GATED_DELTANE
     return factory
 
 
-def _gdn_call(project: Callable, layout: MixerLayout, module, original_forward, *args, **kwargs):
+def tree_mixer_call(tree_forward: Callable, module, original_forward, *args, **kwargs):
+    """A recurrent mixer's patched call: its own forward without a ``harts_tree`` argument, else
+    ``tree_forward(module, hidden_states [1, U, hidden], tree)`` (no cache; one packed row of the forest)."""
     tree = kwargs.pop(TREE_KWARG, None)
     if tree is None:
         return original_forward(*args, **kwargs)
@@ -73,15 +75,20 @@ def _gdn_call(project: Callable, layout: MixerLayout, module, original_forward, 
     if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
         raise ValueError("tree execution computes a whole forest in one pass and cannot use a cache; "
                          "call the model with use_cache=False")
-    return tree_gdn_forward(module, hidden_states, tree, project, layout)
+    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != tree.num_tokens:
+        raise ValueError(f"tree execution expects one packed row of {tree.num_tokens} tokens, "
+                         f"got hidden_states {tuple(hidden_states.shape)}")
+    return tree_forward(module, hidden_states, tree)
+
+
+def _gdn_call(project: Callable, layout: MixerLayout, module, original_forward, *args, **kwargs):
+    forward = functools.partial(tree_gdn_forward, project=project, layout=layout)
+    return tree_mixer_call(forward, module, original_forward, *args, **kwargs)
 
 
 def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, project: Callable,
                      layout: MixerLayout = GATED_DELTANET) -> torch.Tensor:
     """``hidden_states [1, U, hidden]`` -> ``[1, U, hidden]`` over the forest in ``tree``."""
-    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != tree.num_tokens:
-        raise ValueError(f"tree execution expects one packed row of {tree.num_tokens} tokens, "
-                         f"got hidden_states {tuple(hidden_states.shape)}")
     mixed_qkv, z, beta, g = project(module, hidden_states)
     key_dim, value_dim, head_k_dim, head_v_dim = (getattr(module, getattr(layout, name))
                                                   for name in ("key_dim", "value_dim", "head_k_dim", "head_v_dim"))

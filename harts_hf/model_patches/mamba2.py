@@ -1,6 +1,7 @@
 """Tree forward for Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid, Falcon-H1 with its multipliers and its
-optional gated norm): the input projection once per unique token, the depthwise causal conv over each token's ancestors, the state-space-duality scan over the prefix forest on
-the mixer's own chunk grid, then its gated RMSNorm and output projection.
+optional gated norm): the input projection once per unique token, the depthwise causal conv over each token's
+ancestors, the state-space-duality scan over the prefix forest on the mixer's own chunk grid, then its gated RMSNorm
+and output projection.
 
 Mamba-2's scan is the gated delta rule's chunk machinery without the delta correction: the state ``h [heads, N, P]``
 follows ``h = exp(dt A) h + B (dt x)^T`` and ``y = h^T C + D x``, i.e. gated linear attention with ``q = C``,
@@ -12,38 +13,25 @@ rows (on the mixer's chunk grid) from the hand-off, as the gated-delta-rule mixe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from ..kernels import TreeMetadata
-from .core import TREE_KWARG, PatchedForward, layer_key
-from .gated_deltanet import tree_conv_with_handoffs, tree_recurrence_with_handoffs
+from .core import PatchedForward, layer_key
+from .gated_deltanet import tree_conv_with_handoffs, tree_mixer_call, tree_recurrence_with_handoffs
 
 __all__ = ["tree_mamba2_factory", "tree_mamba2_forward"]
-
-_CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
 
 
 def tree_mamba2_factory(module: torch.nn.Module) -> dict:
     """``{"forward": ...}`` for one Mamba-2 mixer (a :class:`~.core.PatchedForward`)."""
-    return {"forward": PatchedForward(module, module.forward, _mamba2_call)}
-
-
-def _mamba2_call(module, original_forward, *args, **kwargs):
-    tree = kwargs.pop(TREE_KWARG, None)
-    if tree is None:
-        return original_forward(*args, **kwargs)
-    if any(kwargs.get(name) is not None for name in _CACHE_KWARGS):
-        raise ValueError("tree execution computes a whole forest in one pass and cannot use a cache; "
-                         "call the model with use_cache=False")
-    return tree_mamba2_forward(module, args[0] if args else kwargs["hidden_states"], tree)
+    return {"forward": PatchedForward(module, module.forward, functools.partial(tree_mixer_call, tree_mamba2_forward))}
 
 
 def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata) -> torch.Tensor:
     """``hidden_states [1, U, hidden]`` -> ``[1, U, hidden]`` over the forest in ``tree``."""
-    if hidden_states.shape[0] != 1 or hidden_states.shape[1] != tree.num_tokens:
-        raise ValueError(f"tree execution expects one packed row of {tree.num_tokens} tokens, "
-                         f"got hidden_states {tuple(hidden_states.shape)}")
     dtype = hidden_states.dtype
     U, H, P, G, N = tree.num_tokens, module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
     # Falcon-H1's multipliers: on the mixer's input and per section of the projection (its mup_vector buffer)

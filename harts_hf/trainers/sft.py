@@ -18,13 +18,13 @@ from .._checks import check_bool, check_int, trainer_args
 from ..logprobs import tree_logprobs, unwrap_model
 from ..model_patches import apply_tree_patches, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
+from .config import _ATTENTION_BACKENDS, _GDN_BACKENDS
 
 __all__ = ["TreeSFTConfig", "TreeSFTTrainer"]
 
 logger = logging.get_logger(__name__)
 
-_BACKENDS = {"tree_gdn_backend": ("auto", "torch", "fla"),
-             "tree_attention_backend": ("auto", "sdpa", "runs", "varlen", "cudnn")}
+_BACKENDS = {"tree_gdn_backend": _GDN_BACKENDS, "tree_attention_backend": _ATTENTION_BACKENDS}
 _LOSS_TYPES = ("nll", "dft")
 
 

@@ -123,9 +123,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     q, k, v, context_k, context_v = autocast_inputs(q, k, v, context_k, context_v)
     U, HQ, D = q.shape
     if k.shape[0] != U or v.shape[0] != U or k.shape[1] != v.shape[1] or k.shape[2] != D or HQ % k.shape[1]:
-        raise ValueError(f"tree_attention: expected q [U, HQ, D], k [U, HKV, D] and v [U, HKV, Dv] with HQ % HKV == "
-                         f"0; got "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(f"tree_attention: expected q [U, HQ, D], k [U, HKV, D] and v [U, HKV, Dv] with "
+                         f"HQ % HKV == 0; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if subtree_end.shape != (U,):
         raise ValueError(f"tree_attention: subtree_end must be [U={U}], got {tuple(subtree_end.shape)}")
     if (context_k is None) != (context_v is None):

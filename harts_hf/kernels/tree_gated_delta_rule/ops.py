@@ -96,12 +96,13 @@ def tree_gated_delta_rule(
             _log_once("harts_hf: Mamba-2 mixers on trees run the PyTorch chunked scan on CUDA (exact, slow); fla's "
                       "kernels are not wired in for them yet")
         backend = "torch"
-    if resolve_backend(backend, q, "tree_gated_delta_rule") == "fla" and g.dim() == 3:  # per-channel gates (KDA)
+    backend = resolve_backend(backend, q, "tree_gated_delta_rule")
+    if backend == "fla" and g.dim() == 3:  # per-channel gates (KDA)
         from .fla_kda import tree_kda_fla
 
         return tree_kda_fla(q, k, v, g, beta, plan, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             initial_state=initial_state, output_requested_states=output_requested_states)
-    if resolve_backend(backend, q, "tree_gated_delta_rule") == "fla":
+    if backend == "fla":
         from .fla_backend import tree_gated_delta_rule_fla
 
         return tree_gated_delta_rule_fla(q, k, v, g, beta, plan, scale=scale,
