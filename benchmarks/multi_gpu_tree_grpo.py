@@ -82,12 +82,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tree_vs_trajectory import MODELS, build_model  # noqa: E402
 
 PRESETS = {"tiny": "tiny", "2b": "qwen3_next_2b"}  # --preset -> bench_tree_vs_trajectory.MODELS
+WORKLOADS = ("swe", "grpo", "distinct")
 SPECIAL = ("<pad>", "<eos>")  # the last two ids of the model's vocabulary; workload tokens stay below them
 
 
 # ---------------------------------------------------------------------------------------------- rollouts
 class WorkloadRollouts:
-    """A TRL ``rollout_func`` that returns `swe` workload trajectories instead of generating.
+    """A TRL ``rollout_func`` that returns workload trajectories (`swe` by default) instead of generating.
 
     Step ``s`` of training is ``make_workload("swe", scale, seed=seed + s, num_tasks=tasks_per_step)``: its tasks
     share the system prompt, each task's rollouts share the task's issue, and within a rollout thinking is dropped
@@ -102,18 +103,30 @@ class WorkloadRollouts:
     siblings share their long agentic histories inside the completions, as multi-turn rollouts do. The workload's
     loss mask becomes TRL's ``env_mask``: observations (tool output) carry no loss, thinking and actions do.
     Token ids are drawn below ``vocab_size - 2``; the last two ids are the tokenizer's pad and EOS.
+
+    ``workload="grpo"``: a task is one prompt group of the `grpo` preset (shared system prompt, then the group's
+    prompt). ``workload="distinct"``: the no-sharing control; each task is ``rows_per_task`` (default 8) unrelated
+    sequences of the `distinct` preset after ONE shared token (TRL needs a prompt per group), so the forest shares
+    one token per group and the tree has nothing else to share.
     """
 
     def __init__(self, steps: int, tasks_per_step: int, scale: float, vocab_size: int, seed: int = 0,
-                 rows_per_task: int | None = None, overrides: dict | None = None):
+                 rows_per_task: int | None = None, overrides: dict | None = None, workload: str = "swe"):
         from harts_hf.workloads import make_workload
 
+        if workload not in WORKLOADS:
+            raise ValueError(f"workload={workload!r}: expected one of {', '.join(WORKLOADS)}")
+        if workload == "distinct":
+            rows_per_task = rows_per_task or 8
         self.tasks: dict[str, tuple[list[int], list[list[int]], list[list[int]]]] = {}
         per_step = []
         for step in range(steps):
-            workload = make_workload("swe", scale=scale, seed=seed + step, num_tasks=tasks_per_step,
-                                     vocab_size=vocab_size - len(SPECIAL), **(overrides or {}))
-            per_step.append(_split_by_task(workload))
+            count = dict(num_tasks=tasks_per_step) if workload == "swe" else \
+                dict(num_prompts=tasks_per_step * (rows_per_task if workload == "distinct" else 1))
+            generated = make_workload(workload, scale=scale, seed=seed + step, vocab_size=vocab_size - len(SPECIAL),
+                                      **{**count, **(overrides or {})})
+            per_step.append(_split_by_task(generated) if workload != "distinct"
+                            else _distinct_groups(generated, rows_per_task))
             if len(per_step[-1]) != tasks_per_step:
                 raise ValueError(f"step {step}: found {len(per_step[-1])} tasks, expected {tasks_per_step}")
         counts = [len(rows) for tasks in per_step for rows in tasks]
@@ -157,6 +170,12 @@ def _split_by_task(workload) -> list[list[tuple[list[int], list[bool]]]]:
     for sequence, mask in zip(workload.sequences, workload.loss_masks):
         tasks.setdefault(sequence[system], []).append((sequence, mask))
     return list(tasks.values())
+
+
+def _distinct_groups(workload, size: int) -> list[list[tuple[list[int], list[bool]]]]:
+    """Consecutive groups of ``size`` of the workload's sequences, each after one shared token (id 0, no loss)."""
+    rows = [([0, *sequence], [False, *mask]) for sequence, mask in zip(workload.sequences, workload.loss_masks)]
+    return [rows[start:start + size] for start in range(0, len(rows), size)]
 
 
 def _prompt_and_completions(rows) -> tuple[list[int], list[list[int]], list[list[int]]]:
@@ -375,10 +394,13 @@ def print_table(summary: dict) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model (default: %(default)s)")
-    parser.add_argument("--scale", type=float, default=0.002, help="swe token-length scale (default: %(default)s)")
+    parser.add_argument("--workload", default="swe", choices=WORKLOADS,
+                        help="rollout preset: swe (agentic trees), grpo (prompt groups) or distinct (the no-sharing "
+                             "control; --rows-per-task default 8) (default: %(default)s)")
+    parser.add_argument("--scale", type=float, default=0.002, help="token-length scale (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--tasks-per-step", type=int, default=4,
-                        help="swe tasks (prompt groups) per optimizer step, over all processes (default: %(default)s)")
+                        help="tasks (prompt groups) per optimizer step, over all processes (default: %(default)s)")
     parser.add_argument("--rows-per-task", type=int, default=None,
                         help="sequences per task = num_generations (default: the smallest task's count)")
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: %(default)s)")
@@ -411,7 +433,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-balance", dest="balance", action="store_false",
                         help="tree_balance_replicas=False: TRL's split of rows over processes")
     parser.add_argument("--workload-override", action="append", default=[], metavar="KEY=VALUE",
-                        help="swe generator parameter, e.g. turns=6 (repeatable; lengths in full-size tokens)")
+                        help="workload generator parameter, e.g. turns=6 (repeatable; lengths in full-size tokens)")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of throughput (default: %(default)s)")
     parser.add_argument("--learning-rate", type=float, default=1e-5, help="(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
@@ -451,7 +473,7 @@ def main(argv=None):
     spec = MODELS[PRESETS[args.preset]]
     overrides = {key: json.loads(value) for key, value in (item.split("=", 1) for item in args.workload_override)}
     rollouts = WorkloadRollouts(args.steps, args.tasks_per_step, args.scale, spec["vocab_size"], seed=args.seed,
-                                rows_per_task=args.rows_per_task, overrides=overrides)
+                                rows_per_task=args.rows_per_task, overrides=overrides, workload=args.workload)
     torch.manual_seed(args.seed)  # the same initial weights in every run on the same kind of device
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     model = build_model(PRESETS[args.preset], "qwen3_next", device, torch.float32)  # fp32 weights, bf16 autocast

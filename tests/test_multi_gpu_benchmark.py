@@ -92,3 +92,34 @@ def test_trl_trainer_on_the_same_rollouts_matches_the_tree_trainer(tmp_path):
     first, second = summary["compare"]["steps"]
     assert first["loss_rel_diff"] < 1e-5 and first["grad_norm_rel_diff"] < 1e-5, first
     assert second["loss_rel_diff"] < 1e-4 and second["grad_norm_rel_diff"] < 1e-4, second
+
+
+def test_grpo_and_distinct_rollouts_make_prompt_groups():
+    """--workload grpo: one task per prompt group (the group's shared system prompt + prompt is TRL's prompt);
+    --workload distinct: groups of 8 unrelated sequences after one shared token (the no-sharing control)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import multi_gpu_tree_grpo as bench
+
+    grpo = bench.WorkloadRollouts(2, 3, 0.01, 1000, workload="grpo")
+    assert len(grpo.tasks) == 6 and grpo.rows_per_task == 8
+    distinct = bench.WorkloadRollouts(2, 3, 0.01, 1000, workload="distinct")
+    assert len(distinct.tasks) == 6 and distinct.rows_per_task == 8
+    for prompt, completions, masks in distinct.tasks.values():
+        assert prompt == [0] and len(completions) == 8 and all(map(len, completions))
+        assert len({tuple(c[:3]) for c in completions}) == 8  # nothing shared past the one token
+        assert all(len(m) == len(c) and any(m) for m, c in zip(masks, completions))
+
+
+def test_trl_trainer_on_distinct_rows_matches_the_tree_trainer(tmp_path):
+    """The no-sharing control under both trainers: TRL's GRPOTrainer and TreeGRPOTrainer train the same distinct
+    rows to the same loss and grad_norm."""
+    args = ["--preset", "tiny", "--workload", "distinct", "--scale", "0.004", "--steps", "2", "--tasks-per-step", "2"]
+    tree, trl = tmp_path / "tree", tmp_path / "trl"
+    run([sys.executable, str(SCRIPT), *args, "--out", str(tree)])
+    run([sys.executable, str(SCRIPT), *args, "--trainer", "trl", "--grad-accum", "2", "--out", str(trl),
+         "--compare", str(tree / "summary.json")])
+    reference = json.loads((tree / "summary.json").read_text())
+    # 2 groups of 8 rows per step; all 16 rows start with the same prompt token, the one token computed once
+    assert all(sum(r["path_tokens"]) - sum(r["unique_tokens"]) == 2 * 8 - 1 for r in reference["steps"])
+    for entry in json.loads((trl / "summary.json").read_text())["compare"]["steps"]:
+        assert entry["loss_rel_diff"] < 1e-4 and entry["grad_norm_rel_diff"] < 1e-4, entry
