@@ -9,6 +9,7 @@ from trl import GRPOConfig, GRPOTrainer
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
 from harts_hf.model_patches import checkpointed_layers
 from tests.trl_helpers import (
+    assert_same_training,
     char_tokenizer,
     cpu_safe_trainer,
     length_reward,
@@ -29,15 +30,27 @@ def saved_model(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next"), "qwen3_next_moe", router_aux_loss_coef=0.01)
 
 
-def make_trainers(path, tmp_path, tree_args=(), **overrides):
+def make_trainers(path, tmp_path, tree_args=(), peft_config=None, **overrides):
+    """TRL's GRPOTrainer and TreeGRPOTrainer on two copies of the model; ``peft_config``: a function returning a
+    PEFT config, given to both (LoRA B initialised to the same random values in both, so adapters act)."""
     tokenizer = char_tokenizer()
     args = dict(BASE_ARGS, output_dir=str(tmp_path), **overrides)
     dataset = prompt_dataset(8)
     models = [patch_generate(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer) for _ in range(2)]
+    peft = {} if peft_config is None else {"peft_config": peft_config()}
     base = cpu_safe_trainer(GRPOTrainer(models[0], reward_funcs=length_reward, args=GRPOConfig(**args),
-                                        train_dataset=dataset, processing_class=tokenizer))
+                                        train_dataset=dataset, processing_class=tokenizer, **peft))
+    peft = {} if peft_config is None else {"peft_config": peft_config()}
     tree = TreeGRPOTrainer(models[1], reward_funcs=length_reward, train_dataset=dataset, processing_class=tokenizer,
-                           args=TreeGRPOConfig(**args, tree_keep_groups_together=False, **dict(tree_args)))
+                           args=TreeGRPOConfig(**args, tree_keep_groups_together=False, **dict(tree_args)), **peft)
+    if peft_config is not None:
+        generator = torch.Generator().manual_seed(1)
+        for (name, a), (other, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
+            assert name == other
+            if "lora_B" in name:
+                value = 0.1 * torch.randn(a.shape, generator=generator)
+                a.data.copy_(value)
+                b.data.copy_(value)
     return base, tree
 
 
@@ -99,6 +112,31 @@ def test_options_match_grpo_trainer(saved_model, tmp_path, options):
     for key, value in tree_only.items():
         setattr(tree.args, key, value)
     assert_same_loss_and_grads(base, tree)
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    # Gated DeltaNet's fused projections and output projection, the attention projections
+    return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                      target_modules=["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "v_proj", "o_proj"])
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_lora_matches_grpo_trainer(saved_model, tmp_path, beta):
+    """PEFT LoRA (``peft_config``): the loss and every adapter gradient are GRPOTrainer's; with beta > 0 TRL's
+    reference log-probs come from the same model with its adapters disabled, through the tree as well."""
+    base, tree = make_trainers(saved_model, tmp_path, peft_config=lora_config, beta=beta)
+    assert type(tree.model).__name__ == "PeftModel"
+    assert_same_loss_and_grads(base, tree)
+    trained = [name for name, p in tree.model.named_parameters() if p.grad is not None]
+    assert trained and all("lora_" in name for name in trained)
+
+
+def test_lora_training_steps_give_the_same_adapters(saved_model, tmp_path):
+    base, tree = make_trainers(saved_model, tmp_path, peft_config=lora_config, max_steps=2,
+                               per_device_train_batch_size=6, gradient_accumulation_steps=2)
+    assert_same_training(base, tree)
 
 
 def test_stored_layers_match_grpo_trainer(saved_model, tmp_path):

@@ -62,8 +62,9 @@ def serve_tree_requests(model, original_forward, *args, **kwargs):
     request = kwargs.pop(TREE_REQUEST_KWARG, None)
     if request is None:
         return original_forward(*args, **kwargs)
-    if args or kwargs:
-        raise ValueError(f"a tree request takes no other inputs; got {len(args)} positional and {sorted(kwargs)}")
+    given = sorted(name for name, value in kwargs.items() if value is not None)  # wrappers (PEFT) pass Nones on
+    if args or given:
+        raise ValueError(f"a tree request takes no other inputs; got {len(args)} positional and {given}")
     return run_tree_request(model, request)
 
 
