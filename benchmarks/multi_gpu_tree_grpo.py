@@ -365,7 +365,7 @@ def compare(summary: dict, reference: dict) -> dict:
 
 def print_table(summary: dict) -> None:
     print(f"\n{summary['world_size']} process(es) on {summary['device']}, preset {summary['config']['preset']}, "
-          f"swe scale {summary['config']['scale']}, {summary['config']['tasks_per_step']} tasks x "
+          f"{summary['config'].get('workload', 'swe')} scale {summary['config']['scale']}, {summary['config']['tasks_per_step']} tasks x "
           f"{summary['config']['rows_per_task']} rows per step")
     print("| step | step s per rank | forward s per rank | max/mean step | max/mean fwd | path tok | unique tok | "
           "loss | grad_norm | imbalance before | after |")
