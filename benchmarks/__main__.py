@@ -26,6 +26,8 @@ COMMANDS = {
     "multi-gpu": ("multi_gpu_tree_grpo", "TreeGRPOTrainer under accelerate on several GPUs: throughput, imbalance, "
                                          "parity with one GPU"),
     "calibrate": ("calibrate_cost_model", "fit the planner's cost model to tree timings on this GPU"),
+    "refit": ("refit_cost_model", "refit the planner's cost model to committed full-size `step` results, each "
+              "workload held out in turn (CPU)"),
     "planner": ("bench_planner", "planner quality against trajectory-level baselines (CPU)"),
     "forests": ("bench_trees", "prefix forest build and pack time on ~1M path tokens (CPU)"),
     "workloads": ("bench_workloads", "every workload preset's forest statistics and build time (CPU)"),

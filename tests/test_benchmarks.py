@@ -370,3 +370,24 @@ def test_kimi_delta_attention_presets_and_latent_attention_flops():
     assert flop_rates(nemotron)["per_pair"] == 3 * 2 * 16 * (128 + 128) * 2
     rates = flop_rates(build("deepseek_v3"))  # 4 heads, q/k 16 + 8, v 12, both layers attention
     assert rates["per_pair"] == 3 * 2 * 4 * (24 + 12) * 2
+
+
+def test_cost_model_refit_rebuilds_the_measured_forests(tmp_path):
+    """`python -m benchmarks refit` on committed H200 results (CPU): the packed calls it rebuilds are the probe's
+    (it raises otherwise), every forest gets the refit's, the held-out fit's and the defaults' errors, and the
+    library's defaults are that refit's coefficients (to the digits written in harts_hf/planner/cost.py)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import refit_cost_model
+
+    from harts_hf.planner import FEATURES, CostModel
+
+    results = ROOT / "benchmarks" / "results" / "2026-12-01"
+    workloads = {"tau": "plan_memory_probe_tau_fused_headline.json", "grpo": "plan_memory_probe_grpo_fused_headline.json",
+                 "distinct": "plan_memory_probe_distinct.json"}
+    refit, table = refit_cost_model.main([f"{w}={results / name}" for w, name in workloads.items()]
+                                         + ["--out", str(tmp_path / "refit.json")])
+    assert {row["name"] for row in table} >= {"tau tree", "tau packed call 10", "grpo tree", "distinct tree"}
+    assert all(set(row["errors"]) == {"refit", "held_out", "default"} for row in table)
+    for name in FEATURES:
+        assert math.isclose(getattr(CostModel(), name), getattr(refit, name), rel_tol=5e-3, abs_tol=1e-12), name
+    assert json.loads((tmp_path / "refit.json").read_text())["coefficients"].keys() == set(FEATURES)

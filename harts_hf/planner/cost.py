@@ -2,9 +2,11 @@
 
 Features per piece: unique tokens, attention pairs (sum of depth + 1), replayed tokens, gated-delta-rule
 rounds, leaves (sequence ends), and a constant per microbatch. Coefficients are fitted by non-negative
-least squares from measured timings (``CostModel.fit``, ``benchmarks/calibrate_cost_model.py``); the defaults
-are that script's fit on one H200 for the ~2B Qwen3-Next preset (bf16, gradient checkpointing, 2026-11-30;
-BENCHMARKS.md), in seconds. Calibrate on the GPU and model you train (``TreeGRPOConfig.tree_cost_model``).
+least squares from measured timings (``CostModel.fit``; ``python -m benchmarks calibrate`` on a GPU, ``python -m
+benchmarks refit`` from committed results). The defaults, in seconds, are the refit to full-size forests of 12k to
+177k tokens on one H200 (the 2.3B Qwen3-Next preset, bf16 autocast, fused kernels, checkpointing with kept attention
+outputs; the trees and packed calls of `tau`, `grpo` and `distinct`, 2026-12-01; BENCHMARKS.md, "Planner cost
+model"). Calibrate on the GPU and model you train (``TreeGRPOConfig.tree_cost_model``).
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ FEATURES = ("unique_tokens", "attention_pairs", "replay_tokens", "rounds", "leav
 class CostModel:
     """``cost = sum(coefficient * feature)``; coefficients are seconds per unit of each feature."""
 
-    unique_tokens: float = 2.26e-5
-    attention_pairs: float = 2.10e-8
-    replay_tokens: float = 0.0  # the fit gave replay, rounds and leaves no cost of their own on the H200
-    rounds: float = 0.0
-    leaves: float = 0.0
-    microbatches: float = 0.377  # fixed cost of one forward+backward call (host work, launches)
+    unique_tokens: float = 4.20e-5
+    attention_pairs: float = 1.11e-9
+    replay_tokens: float = 7.47e-5
+    rounds: float = 4.59e-3
+    leaves: float = 0.0  # the fit gave leaves no cost of their own on the H200
+    microbatches: float = 0.522  # fixed cost of one forward+backward call (host work, launches)
 
     def __post_init__(self):
         for name in FEATURES:

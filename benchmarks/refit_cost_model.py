@@ -1,0 +1,101 @@
+"""Refit the planner's cost model to committed full-size H200 measurements, and test it on held-out forests.
+
+    python -m benchmarks refit tau=benchmarks/results/2026-12-01/plan_memory_probe_tau_fused_headline.json \
+        grpo=benchmarks/results/2026-12-01/plan_memory_probe_grpo_fused_headline.json \
+        distinct=benchmarks/results/2026-12-01/plan_memory_probe_distinct.json --out refit.json
+
+Runs on the CPU: each ``WORKLOAD=PROBE_JSON`` names a ``plan_memory_probe.py --scale 1.0 --packed-groups 0`` result of
+that workload preset. Its forests are rebuilt from the preset (the probe's seed 0 and vocabulary): the tree (one
+piece, its measured seconds) and every call of the packed per-trajectory path (consecutive trajectories, each its
+own tree, as the probe ran them; each call's measured seconds). Every forest's features are the planner's own
+(``harts_hf.planner.plan`` over the forest as one piece, plus its one microbatch), so the fit prices what the planner
+prices. The coefficients are fitted by non-negative least squares on every forest; the table gives each forest's
+measured seconds and the relative error of three predictions: the refit's, a fit on the OTHER workloads only (the
+forest held out: leave-one-workload-out), and the library's current defaults (``CostModel()``). ``--out`` writes
+the coefficients and the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from bench_tree_vs_trajectory import MODELS  # noqa: E402
+from plan_memory_probe import consecutive_groups, task_sequences  # noqa: E402
+
+
+def forest_features(sequences, separate: bool) -> dict:
+    """The planner's features of ``sequences`` as one piece in one microbatch (``separate``: every sequence its own
+    tree, as the packed per-trajectory path computes them)."""
+    from harts_hf.planner import plan
+    from harts_hf.trees import PrefixForest
+
+    groups = list(range(len(sequences))) if separate else None
+    packed = PrefixForest.from_sequences(sequences, groups=groups).pack()
+    pieces = plan(packed, num_replicas=1, token_budget=packed.num_tokens).pieces
+    features = {key: sum(p.features[key] for p in pieces) for key in pieces[0].features}
+    features["rounds"] = max(p.features["rounds"] for p in pieces)
+    features["microbatches"] = 1
+    return features
+
+
+def samples_of(workload: str, path: str, model: str = "qwen3_next_2b") -> list[dict]:
+    """The tree and packed-call samples of one probe result: ``{name, features, seconds}``."""
+    rows = json.loads(Path(path).read_text())
+    sequences = task_sequences(1.0, MODELS[model]["vocab_size"], workload=workload)
+    samples = []
+    trees = [r for r in rows if r.get("pieces") == 1 and r.get("keep_attention", "on") == "on"
+             and not r.get("stored_layers")]
+    if trees:
+        samples.append(dict(name=f"{workload} tree", features=forest_features(sequences, separate=False),
+                            seconds=trees[0]["seconds"]))
+    packed = next((r["packed_groups"] for r in rows if "packed_groups" in r), None)
+    if packed is not None:
+        groups = list(consecutive_groups(sequences, packed["max_tokens"]))
+        if [len(g) for g in groups] != [g["trajectories"] for g in packed["groups"]]:
+            raise ValueError(f"{path}: the rebuilt packed calls do not match the probe's (another seed or scale?)")
+        for k, (group, measured) in enumerate(zip(groups, packed["groups"])):
+            samples.append(dict(name=f"{workload} packed call {k}", features=forest_features(group, separate=True),
+                                seconds=measured["seconds"]))
+    return samples
+
+
+def main(argv=None):
+    from harts_hf.planner import FEATURES, CostModel
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("results", nargs="+", metavar="WORKLOAD=PROBE_JSON")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    by_workload = {workload: samples_of(workload, path) for workload, path in
+                   (item.split("=", 1) for item in args.results)}
+    fit = lambda samples: CostModel.fit([s["features"] for s in samples], [s["seconds"] for s in samples])  # noqa: E731
+    everything = [s for samples in by_workload.values() for s in samples]
+    refit, default = fit(everything), CostModel()
+    table = []
+    print(f"{'forest':24s} {'unique':>7s} {'pairs':>9s} {'replay':>6s} {'rounds':>6s} {'measured':>8s} {'refit':>7s} "
+          f"{'held out':>8s} {'default':>8s}")
+    for workload, samples in by_workload.items():
+        others = fit([s for w, group in by_workload.items() if w != workload for s in group]) \
+            if len(by_workload) > 1 else None
+        for s in samples:
+            f, measured = s["features"], s["seconds"]
+            errors = {name: model.cost(f) / measured - 1 for name, model in
+                      (("refit", refit), ("held_out", others), ("default", default)) if model is not None}
+            table.append(dict(s, errors=errors))
+            print(f"{s['name']:24s} {f['unique_tokens']:7d} {f['attention_pairs']:9.3g} {f['replay_tokens']:6d} "
+                  f"{f['rounds']:6d} {measured:8.3f} " + " ".join(f"{errors.get(k, float('nan')):+8.1%}"
+                                                                for k in ("refit", "held_out", "default")))
+    coefficients = {name: getattr(refit, name) for name in FEATURES}
+    print("refit (seconds per unit):", {k: float(f"{v:.4g}") for k, v in coefficients.items()})
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(coefficients=coefficients, samples=table), indent=1))
+    return refit, table
+
+
+if __name__ == "__main__":
+    main()
