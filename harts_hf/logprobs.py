@@ -29,7 +29,8 @@ class TreeLogprobs:
     ``logprobs[i]``: ``[len(s_i) - 1]`` log-probs of tokens 1.. of sequence i (0 where not computed, see
     ``only_loss_tokens``); ``entropies[i]`` likewise (or None); ``aux_loss``: the MoE load-balancing loss
     weighted as over all trajectories (or None); ``token_logprobs [U]`` per packed token (0 at roots);
-    ``packed``; ``stats`` (forest + plan statistics).
+    ``packed``; ``stats`` (forest + plan statistics); with ``compute_top1``, ``is_top1[i]``: ``[len(s_i) - 1]``
+    bool, whether each token is the argmax of its predicted distribution (False where not computed).
     """
 
     logprobs: list[torch.Tensor]
@@ -39,6 +40,7 @@ class TreeLogprobs:
     token_entropies: torch.Tensor | None
     packed: PackedForest
     stats: dict
+    is_top1: list[torch.Tensor] | None = None
 
 
 def unwrap_model(model):
@@ -80,7 +82,7 @@ def check_tree_inputs(model, packed: PackedForest) -> None:
 def tree_logprobs(model, sequences=None, *, compute_entropy: bool = False, temperature: float = 1.0,
                   loss_masks=None, only_loss_tokens: bool = False, return_aux_loss: bool = False,
                   forest: PrefixForest | None = None, gdn_backend: str = "auto", attention_backend: str = "auto",
-                  float32_head: bool = False, head_chunk_size: int = 4096) -> TreeLogprobs:
+                  float32_head: bool = False, head_chunk_size: int = 4096, compute_top1: bool = False) -> TreeLogprobs:
     """Log-probs of every sequence's tokens 1.. given their prefix, from one forward over the prefix forest.
 
     Args:
@@ -96,6 +98,7 @@ def tree_logprobs(model, sequences=None, *, compute_entropy: bool = False, tempe
         forest: a prebuilt :class:`PrefixForest` (then ``sequences`` and ``loss_masks`` are not used).
         gdn_backend / attention_backend: kernel choice (``"auto"`` picks fast paths on CUDA only).
         float32_head / head_chunk_size: LM head in fp32; rows per LM-head chunk.
+        compute_top1: also whether each token is its distribution's argmax (SFT's token accuracy).
 
     Returns:
         :class:`TreeLogprobs`; differentiable w.r.t. the model's parameters.
@@ -115,19 +118,25 @@ def tree_logprobs(model, sequences=None, *, compute_entropy: bool = False, tempe
     tree, token_logprobs, token_entropies, output = run_tree_forward(
         model, forest, base.get_input_embeddings().weight.device, only_loss_tokens=only_loss_tokens,
         compute_entropy=compute_entropy, temperature=temperature, aux_loss=return_aux_loss, gdn_backend=gdn_backend,
-        attention_backend=attention_backend, float32_head=float32_head, chunk_size=head_chunk_size)
+        attention_backend=attention_backend, float32_head=float32_head, chunk_size=head_chunk_size,
+        compute_top1=compute_top1)
     packed = tree.packed
     per_sequence = [x[1:] for x in packed.gather_sequences(token_logprobs)]
     entropies = [x[1:] for x in packed.gather_sequences(token_entropies)] if compute_entropy else None
-    return TreeLogprobs(per_sequence, entropies, output.aux_loss, token_logprobs, token_entropies, packed, tree.stats())
+    top1 = None
+    if compute_top1:
+        top1 = [x[1:] for x in packed.gather_sequences(output.is_top1)]
+    return TreeLogprobs(per_sequence, entropies, output.aux_loss, token_logprobs, token_entropies, packed, tree.stats(),
+                        top1)
 
 
 def run_tree_forward(model, forest: PrefixForest, device, *, only_loss_tokens: bool, compute_entropy: bool,
                      temperature: float, aux_loss: bool, gdn_backend: str, attention_backend: str,
-                     float32_head: bool, chunk_size: int):
+                     float32_head: bool, chunk_size: int, compute_top1: bool = False):
     """One tree request through ``model`` (already patched): returns ``(tree, token_logprobs [U],
     token_entropies [U] or None, output)``, per-token values 0 where nothing was predicted (roots, and tokens
-    without loss when ``only_loss_tokens``)."""
+    without loss when ``only_loss_tokens``); with ``compute_top1``, ``output.is_top1 [U]`` per packed token too
+    (False there)."""
     packed = forest.pack()
     check_tree_inputs(unwrap_model(model), packed)
     tree = TreeMetadata(packed, device, gdn_backend=gdn_backend, attention_backend=attention_backend)
@@ -137,8 +146,11 @@ def run_tree_forward(model, forest: PrefixForest, device, *, only_loss_tokens: b
         predicted &= packed.loss_mask
     targets = torch.nonzero(predicted).squeeze(1)
     request = TreeRequest(tree, targets, temperature=temperature, compute_entropy=compute_entropy,
-                          aux_loss=aux_loss, float32_head=float32_head, chunk_size=chunk_size)
+                          aux_loss=aux_loss, float32_head=float32_head, chunk_size=chunk_size, compute_top1=compute_top1)
     output = model(**{TREE_REQUEST_KWARG: request})
+    if compute_top1:  # per packed token, as the values returned
+        output.is_top1 = torch.zeros(packed.num_tokens, dtype=torch.bool, device=targets.device).index_copy(
+            0, targets, output.is_top1)
 
     def per_token(values):
         return values.new_zeros(packed.num_tokens).index_copy(0, targets, values)

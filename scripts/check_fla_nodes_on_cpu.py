@@ -474,6 +474,20 @@ def check_token_ops() -> float:
               f"entropies {entropies:.1e}, worst parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
         assert values < 1e-5 and entropies < 1e-5 and grads[worst] < 1e-4, (family, values, entropies, worst)
         worst_all = max(worst_all, values, entropies)
+    # whether each label is its row's argmax, over two vocabulary blocks: planted argmaxes, ties before the label
+    # (not the first maximum: False, as torch.argmax) and after it (True)
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(48, 5000, generator=generator)
+    labels = torch.randint(0, 5000, (48,), generator=generator)
+    labels[:16] = logits[:16].argmax(-1)
+    for row in range(16, 32):
+        labels[row] = 4500 if row < 24 else 100
+        logits[row, labels[row]] = logits[row].max() + 1
+        logits[row, 4100 if row < 24 else 4900] = logits[row, labels[row]]  # an earlier tie, then a later one
+    _, _, top1 = logprob_stats.logprob_entropy(logits, labels, 0.7, backend="triton", return_top1=True)
+    expected = logits.argmax(-1) == labels
+    assert torch.equal(top1, expected) and 16 < int(expected.sum()) < 48, (top1, expected)
+    print(f"fused top-1 flags == torch.argmax on {len(labels)} rows ({int(expected.sum())} top-1, ties included)")
     return worst_all
 
 

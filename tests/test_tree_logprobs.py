@@ -215,3 +215,23 @@ def test_row_blocks_backward_is_one_concatenation():
     names = [event.name for event in prof.events()]
     assert "aten::slice_backward" not in names
     torch.testing.assert_close(x.grad, (2 * out * torch.sigmoid(gate)).detach())
+
+
+def test_top1_flags_are_the_per_sequence_argmax():
+    """compute_top1: whether each token is its predicted distribution's argmax. Sequences continued greedily by the
+    model itself (every generated token is an argmax) fork off one shared prompt, so both values occur."""
+    model = build("qwen3_next")
+    prompt = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    sequences = []
+    with torch.no_grad(), torch_reference_kernels():
+        for k in range(3):
+            ids = torch.cat([prompt, torch.tensor([[k]])], dim=1)
+            for _ in range(6):
+                ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+            sequences.append(ids[0].tolist())
+        expected = [model(torch.tensor([s])).logits[0, :-1].argmax(-1) == torch.tensor(s[1:]) for s in sequences]
+    out = tree_logprobs(model, sequences, compute_top1=True)
+    for got, want in zip(out.is_top1, expected):
+        assert torch.equal(got, want)
+    flags = torch.cat(expected)
+    assert flags[-6:].all() and not flags.all()

@@ -71,6 +71,8 @@ def assert_same_loss_and_grads(base, tree, num_items_in_batch=None, tol=1e-5):
     loss_base.backward()
     loss_tree.backward()
     worst_gradient_error(base.model, tree.model, 100 * tol)
+    for metric in ("entropy", "mean_token_accuracy"):  # SFTTrainer's metrics of the batch, logged by both
+        assert tree._metrics["train"][metric][-1] == pytest.approx(base._metrics["train"][metric][-1], rel=tol), metric
     return inputs_tree
 
 
@@ -123,3 +125,20 @@ def test_rewritten_labels_are_refused():
               "labels": torch.tensor([[4, 5, -100]])}
     with pytest.raises(ValueError, match="labels differ from input_ids"):
         forest_rows(inputs)
+
+
+def test_token_accuracy_matches_sft_trainer(saved_model, tmp_path):
+    """mean_token_accuracy (the label is its distribution's argmax) in tree mode: SFTTrainer's value. The LM head is
+    set so that the space character wins wherever the final hidden row leans toward the batch's mean row, so the
+    accuracy is neither 0 nor 1 (a random tiny model predicts no label)."""
+    base, tree = make_trainers(saved_model, tmp_path, text_dataset())
+    inputs = first_batch(base)
+    space = base.processing_class.convert_tokens_to_ids(" ")
+    with torch.no_grad():
+        hidden = base.model.model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
+        mean = hidden[inputs["attention_mask"].bool()].mean(0)
+        for model in (base.model, tree.model):
+            model.lm_head.weight.zero_()
+            model.lm_head.weight[space] = 10 * mean / mean.square().sum()
+    assert_same_loss_and_grads(base, tree)
+    assert 0 < tree._metrics["train"]["mean_token_accuracy"][-1] < 1

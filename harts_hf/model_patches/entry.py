@@ -32,7 +32,8 @@ class TreeRequest:
     (each predicted from its parent's hidden row); ``temperature``; ``compute_entropy``; ``aux_loss``: return
     the MoE load-balancing loss weighted by multiplicity; ``float32_head``: LM head in fp32; ``chunk_size``:
     rows per LM-head chunk; ``entropy_grad``: entropies with gradient (False when the loss does not use them, see
-    :func:`harts_hf.kernels.chunked_logprobs.chunked_logprobs`).
+    :func:`harts_hf.kernels.chunked_logprobs.chunked_logprobs`); ``compute_top1``: also whether each target is its
+    row's argmax (SFT's token accuracy).
     """
 
     tree: TreeMetadata
@@ -43,17 +44,20 @@ class TreeRequest:
     float32_head: bool = False
     chunk_size: int = 4096
     entropy_grad: bool = True
+    compute_top1: bool = False
 
 
 @dataclass
 class TreeForwardOutput(ModelOutput):
     """``logprobs [n]`` and ``entropies [n]`` (fp32) of the requested targets; with ``aux_loss`` requested, the
-    multiplicity-weighted load-balancing loss and the per-layer ``router_logits [U, experts]``."""
+    multiplicity-weighted load-balancing loss and the per-layer ``router_logits [U, experts]``; with
+    ``compute_top1``, ``is_top1 [n]`` (bool)."""
 
     logprobs: torch.Tensor | None = None
     entropies: torch.Tensor | None = None
     aux_loss: torch.Tensor | None = None
     router_logits: tuple | None = None
+    is_top1: torch.Tensor | None = None
 
 
 def serve_tree_requests(model, original_forward, *args, **kwargs):
@@ -131,15 +135,17 @@ def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
         hidden_rows = torch.cat([hidden_rows, tree.context.hidden().to(hidden_rows.dtype).unsqueeze(0)])
         parents = torch.where(parents >= 0, parents, packed.num_tokens)
     hidden = hidden_rows.index_select(0, parents)
-    logprobs, entropies = chunked_logprobs(
+    logprobs, entropies, *top1 = chunked_logprobs(
         model.get_output_embeddings(), hidden, packed.input_ids[request.targets], temperature=request.temperature,
         chunk_size=request.chunk_size, compute_entropy=request.compute_entropy, float32_head=request.float32_head,
-        entropy_grad=request.entropy_grad, functional_head=zero3_enabled(), **logit_transform(model))
+        entropy_grad=request.entropy_grad, functional_head=zero3_enabled(), compute_top1=request.compute_top1,
+        **logit_transform(model))
     aux_loss = router_logits = None
     if request.aux_loss:
         router_logits = tuple(outputs.router_logits)
         aux_loss = load_balancing_loss(model, router_logits, packed.multiplicity)
-    return TreeForwardOutput(logprobs=logprobs, entropies=entropies, aux_loss=aux_loss, router_logits=router_logits)
+    return TreeForwardOutput(logprobs=logprobs, entropies=entropies, aux_loss=aux_loss, router_logits=router_logits,
+                             is_top1=top1[0] if top1 else None)
 
 
 def load_balancing_loss(model, router_logits, weights: torch.Tensor) -> torch.Tensor:

@@ -95,11 +95,12 @@ class TreeSFTTrainer(SFTTrainer):
         out = tree_logprobs(model, rows, loss_masks=masks, only_loss_tokens=True, compute_entropy=True,
                             return_aux_loss=self.aux_loss_enabled, gdn_backend=self.args.tree_gdn_backend,
                             attention_backend=self.args.tree_attention_backend,
-                            head_chunk_size=self.args.tree_head_chunk_size)
+                            head_chunk_size=self.args.tree_head_chunk_size, compute_top1=True)
         device = out.token_logprobs.device
         chosen = [mask[1:].to(device) for mask in masks]
         log_probs = torch.cat([lp[m] for lp, m in zip(out.logprobs, chosen)])
         entropies = torch.cat([e[m] for e, m in zip(out.entropies, chosen)])
+        correct = torch.cat([t[m] for t, m in zip(out.is_top1, chosen)])
         per_token_loss = -log_probs
         if self.args.loss_type == "dft":  # DFT: each token's loss weighted by its probability (no gradient)
             per_token_loss = per_token_loss * log_probs.exp().detach()
@@ -113,7 +114,9 @@ class TreeSFTTrainer(SFTTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss.detach()).mean().item())
         num_valid = self.accelerator.gather_for_metrics(torch.tensor(log_probs.numel(), device=device)).sum()
         entropy_sum = self.accelerator.gather_for_metrics(entropies.detach().sum()).sum()
+        num_correct = self.accelerator.gather_for_metrics(correct.sum()).sum()
         self._metrics[mode]["entropy"].append((entropy_sum / num_valid).item() if num_valid > 0 else 0.0)
+        self._metrics[mode]["mean_token_accuracy"].append((num_correct / num_valid).item() if num_valid > 0 else 0.0)
         stats = out.stats
         for key in ("R_tok", "unique_tokens", "path_tokens"):
             if key in stats:

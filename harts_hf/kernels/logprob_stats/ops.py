@@ -42,16 +42,18 @@ class _LogprobEntropy(torch.autograd.Function):
         logits = logits if logits.stride(-1) == 1 else logits.contiguous()
         N, V = logits.shape
         lse, logprobs, entropies = (torch.empty(N, device=logits.device, dtype=torch.float32) for _ in range(3))
+        top1 = torch.empty(N, device=logits.device, dtype=torch.int8)
         if N:
-            _triton.stats_kernel[(N,)](logits, labels, lse, logprobs, entropies, logits.stride(0), V,
+            _triton.stats_kernel[(N,)](logits, labels, lse, logprobs, entropies, top1, logits.stride(0), V,
                                        1.0 / temperature, BV=_BLOCK, num_warps=_NUM_WARPS)
         ctx.save_for_backward(logits, labels, lse, entropies)
         ctx.temperature = temperature
-        ctx.mark_non_differentiable(lse)
-        return logprobs, entropies, lse
+        top1 = top1.bool()
+        ctx.mark_non_differentiable(lse, top1)
+        return logprobs, entropies, lse, top1
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropies, _grad_lse):
+    def backward(ctx, grad_logprobs, grad_entropies, _grad_lse, _grad_top1):
         from . import _triton
 
         logits, labels, lse, entropies = ctx.saved_tensors
@@ -70,14 +72,16 @@ class _LogprobEntropy(torch.autograd.Function):
 
 
 def logprob_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *,
-                    backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    backend: str | None = None, return_top1: bool = False) -> tuple[torch.Tensor, ...]:
     """``logits [N, V]`` (fp32/bf16/fp16), ``labels [N]`` long -> fp32 ``logprobs [N]`` and ``entropies [N]`` of
-    ``softmax(logits / temperature)``, differentiable in ``logits`` through both outputs. ``backend``: see
+    ``softmax(logits / temperature)``, differentiable in ``logits`` through both outputs; with ``return_top1`` also
+    ``top1 [N]`` bool: the label is the row's argmax (its first maximum, as ``torch.argmax``). ``backend``: see
     :data:`BACKEND`. A label outside ``[0, V)`` gives a NaN log-prob on the fused path (the reference raises)."""
     if logits.dim() != 2 or labels.shape != logits.shape[:1]:
         raise ValueError(f"logprob_entropy: logits must be [N, V] and labels [N]; got logits {tuple(logits.shape)}, "
                          f"labels {tuple(labels.shape)}")
     if logprob_stats_backend(logits, backend) == "torch":
-        return logprob_entropy_reference(logits, labels, temperature)
-    logprobs, entropies, _ = _LogprobEntropy.apply(logits, labels, float(temperature))
-    return logprobs, entropies
+        picked, entropy = logprob_entropy_reference(logits, labels, temperature)
+        return (picked, entropy, logits.argmax(-1) == labels) if return_top1 else (picked, entropy)
+    logprobs, entropies, _, top1 = _LogprobEntropy.apply(logits, labels, float(temperature))
+    return (logprobs, entropies, top1) if return_top1 else (logprobs, entropies)
