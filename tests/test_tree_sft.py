@@ -44,14 +44,24 @@ def saved_model(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next_sft"), "qwen3_next_moe", router_aux_loss_coef=0.01)
 
 
-def make_trainers(path, tmp_path, dataset, tree_args=(), **overrides):
+def make_trainers(path, tmp_path, dataset, tree_args=(), peft_config=None, **overrides):
+    """SFTTrainer and TreeSFTTrainer on two copies of the model; ``peft_config``: a function returning a PEFT config
+    for both (LoRA B set to the same random values in both, so the adapters act)."""
     tokenizer = char_tokenizer()
     args = dict(BASE, output_dir=str(tmp_path), **overrides)
     models = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32) for _ in range(2)]
+    peft = (lambda: {}) if peft_config is None else (lambda: {"peft_config": peft_config()})
     base = cpu_safe_trainer(SFTTrainer(models[0], args=SFTConfig(**args), train_dataset=dataset,
-                                       processing_class=tokenizer))
+                                       processing_class=tokenizer, **peft()))
     tree = TreeSFTTrainer(models[1], args=TreeSFTConfig(**dict(args, **dict(tree_args))), train_dataset=dataset,
-                          processing_class=tokenizer)
+                          processing_class=tokenizer, **peft())
+    if peft_config is not None:
+        generator = torch.Generator().manual_seed(1)
+        for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
+            if "lora_B" in name:
+                value = 0.1 * torch.randn(a.shape, generator=generator)
+                a.data.copy_(value)
+                b.data.copy_(value)
     return base, tree
 
 
@@ -142,3 +152,51 @@ def test_token_accuracy_matches_sft_trainer(saved_model, tmp_path):
             model.lm_head.weight[space] = 10 * mean / mean.square().sum()
     assert_same_loss_and_grads(base, tree)
     assert 0 < tree._metrics["train"]["mean_token_accuracy"][-1] < 1
+
+
+def test_lora_matches_sft_trainer(saved_model, tmp_path):
+    """PEFT LoRA (``peft_config``) on the Gated DeltaNet and attention projections: SFTTrainer's loss and adapter
+    gradients, and two training steps to the same adapters."""
+    from tests.test_tree_grpo import lora_config
+
+    base, tree = make_trainers(saved_model, tmp_path, completion_dataset(), peft_config=lora_config)
+    assert type(tree.model).__name__ == "PeftModel"
+    assert_same_loss_and_grads(base, tree)
+    assert all("lora_" in name for name, p in tree.model.named_parameters() if p.grad is not None)
+    base, tree = make_trainers(saved_model, tmp_path, text_dataset(), peft_config=lora_config, max_steps=2,
+                               per_device_train_batch_size=3, gradient_accumulation_steps=2)
+    assert_same_training(base, tree)
+
+
+GENERATION_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ message['content'] }}"
+    "<|im_end|>{% endif %}\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def multi_turn_dataset():  # conversations growing turn by turn: each row's earlier turns are another row's prefix
+    system = {"role": "system", "content": SYSTEM}
+    rows = []
+    for a, b in [(1, 2), (3, 4), (15, 27)]:
+        turns = [system, {"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": f"{a + b}"}]
+        rows.append(list(turns))
+        turns += [{"role": "user", "content": "times 2?"}, {"role": "assistant", "content": f"{2 * (a + b)}"}]
+        rows.append(list(turns))
+    return Dataset.from_dict({"messages": rows})
+
+
+def test_assistant_only_loss_matches_sft_trainer(saved_model, tmp_path):
+    """assistant_only_loss=True with a chat template that marks the assistant's text ({% generation %}): the loss
+    on the assistant turns only, over multi-turn conversations that share their earlier turns."""
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = GENERATION_TEMPLATE
+    args = dict(BASE, output_dir=str(tmp_path), assistant_only_loss=True)
+    models = [AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32) for _ in range(2)]
+    base = cpu_safe_trainer(SFTTrainer(models[0], args=SFTConfig(**args), train_dataset=multi_turn_dataset(),
+                                       processing_class=tokenizer))
+    tree = TreeSFTTrainer(models[1], args=TreeSFTConfig(**args), train_dataset=multi_turn_dataset(),
+                          processing_class=tokenizer)
+    inputs = assert_same_loss_and_grads(base, tree)
+    rows, masks = forest_rows(inputs)
+    carried = sum(int(m.sum()) for m in masks)
+    assert 0 < carried < sum(map(len, rows)) / 4  # the assistants' answers only

@@ -1,0 +1,44 @@
+"""Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo), and as one
+plain process for the reference over the same global batch.
+
+Trains TreeSFTTrainer (MoE Qwen3-Next with its load-balancing loss, rows sharing a system prefix) for two optimizer
+steps of two accumulated microbatches and writes each rank's final parameters and world size to OUT_DIR/rank<k>.pt.
+The global batch is 6 rows per microbatch whatever the number of processes (``per_device_train_batch_size`` 6 / N).
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from harts_hf import TreeSFTConfig, TreeSFTTrainer  # noqa: E402
+from tests.models import build  # noqa: E402
+from tests.test_tree_sft import BASE, text_dataset  # noqa: E402
+from tests.trl_helpers import char_tokenizer  # noqa: E402
+
+
+def main(out_dir: str):
+    state = PartialState()
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args = TreeSFTConfig(**dict(BASE, output_dir=out_dir, per_device_train_batch_size=6 // world_size,
+                                gradient_accumulation_steps=2, max_steps=2, router_aux_loss_coef=0.01))
+    trainer = TreeSFTTrainer(build("qwen3_next_moe", seed=0), args=args, train_dataset=text_dataset(),
+                             processing_class=char_tokenizer())
+    trainer.train()
+    params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    torch.save({"world_size": state.num_processes, "params": params, "logged": logged},
+               Path(out_dir) / f"rank{state.process_index}.pt")
+    trainer.accelerator.end_training()  # destroys the process group: gloo left to the interpreter's exit can abort
+    return trainer
+
+
+if __name__ == "__main__":
+    trainer = main(sys.argv[1])
+    sys.stdout.flush()  # exit without freeing the DDP reducer (see tests/scripts/two_process_tree_grpo.py)
+    sys.stderr.flush()
+    os._exit(0)
