@@ -98,3 +98,25 @@ def test_deepspeed_zero3_forward_only_pieces_like_one_process(tmp_path):
     assert min(row["tree"]["tree/pieces"] for row in summary["steps"]) > 2
     for step in summary["compare"]["steps"]:
         assert step["loss_rel_diff"] < 1e-5 and step["grad_norm_rel_diff"] < 1e-5, step
+
+
+@pytest.mark.parametrize("stage, port", [(2, "29551"), (3, "29552")])
+def test_deepspeed_zero_tree_sft_trains_like_one_process(tmp_path, stage, port):
+    """TreeSFTTrainer under DeepSpeed ZeRO-2/3 on 2 processes (3 rows each) and as one process (6 rows): the same
+    logged loss and grad_norm at both steps (the MoE load-balancing loss is a per-process mean, as in SFTTrainer:
+    hence the 1e-3 on grad_norm)."""
+    import torch
+
+    script = ROOT / "tests" / "scripts" / "two_process_tree_sft.py"
+    config = ROOT / "examples" / f"accelerate_deepspeed_zero{stage}.yaml"
+    (tmp_path / "one").mkdir()
+    run([sys.executable, str(script), str(tmp_path / "one")])
+    (tmp_path / "two").mkdir()
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", port,
+         str(script), str(tmp_path / "two")])
+    single, rank = (torch.load(tmp_path / name / "rank0.pt", weights_only=False) for name in ("one", "two"))
+    assert rank["world_size"] == 2 and single["world_size"] == 1
+    assert len(single["logged"]) == len(rank["logged"]) == 2
+    for ours, reference in zip(rank["logged"], single["logged"]):
+        assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-4)
+        assert ours["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-3)

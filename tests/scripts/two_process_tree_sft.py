@@ -1,5 +1,6 @@
-"""Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo), and as one
-plain process for the reference over the same global batch.
+"""Run by tests/test_distributed.py under `accelerate launch --multi_gpu --num_processes 2` on CPU (gloo), by
+tests/test_deepspeed.py under the repository's DeepSpeed ZeRO-2/3 configs, and as one plain process for the
+reference over the same global batch.
 
 Trains TreeSFTTrainer (MoE Qwen3-Next with its load-balancing loss, rows sharing a system prefix) for two optimizer
 steps of two accumulated microbatches and writes each rank's final parameters and world size to OUT_DIR/rank<k>.pt.
@@ -29,7 +30,10 @@ def main(out_dir: str):
     trainer = TreeSFTTrainer(build("qwen3_next_moe", seed=0), args=args, train_dataset=text_dataset(),
                              processing_class=char_tokenizer())
     trainer.train()
-    params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    from harts_hf.model_patches.core import zero3_enabled
+
+    # under DeepSpeed ZeRO-3 each process holds a shard of every parameter: the logged loss / grad_norm compare
+    params = {} if zero3_enabled() else {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     torch.save({"world_size": state.num_processes, "params": params, "logged": logged},
                Path(out_dir) / f"rank{state.process_index}.pt")
