@@ -1,7 +1,8 @@
 """The obviously-right baseline: run the model on every sequence alone and read off its log-probs.
 
-``torch_reference_kernels()`` makes transformers' Qwen3-Next / Qwen3.5 / Kimi Linear / OLMo Hybrid / Ling 3 layers use their
-pure-PyTorch kernels even when fla / causal-conv1d (and triton) are importable, so CPU references never reach Triton.
+``torch_reference_kernels()`` makes transformers' Qwen3-Next / Qwen3.5 / Kimi Linear / OLMo Hybrid / Ling 3 and
+Mamba-2 hybrid layers use their pure-PyTorch kernels even when fla / causal-conv1d / mamba-ssm (and triton) are
+importable, so CPU references never reach Triton.
 """
 
 from __future__ import annotations
@@ -20,8 +21,38 @@ _KERNEL_MODULES = (
     "transformers.models.kimi_linear.modeling_kimi_linear",
     "transformers.models.olmo_hybrid.modeling_olmo_hybrid",
     "transformers.models.bailing_hybrid.modeling_bailing_hybrid",
+    "transformers.models.nemotron_h.modeling_nemotron_h",
+    "transformers.models.bamba.modeling_bamba",
+    "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+    "transformers.models.falcon_h1.modeling_falcon_h1",
 )
 _CHUNKED_RECURRENCES = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")  # fp32 inside transformers
+_MAMBA2_SCANS = ("mamba2_chunk_scan",)  # Mamba-2's chunked scan, fp32 inside transformers
+
+
+def _mamba2_scan_in_input_dtype(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
+                                dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, z=None,
+                                **kwargs):
+    """transformers' ``mamba2_chunk_scan`` contract (``hidden_states [b, t, h, p]``, ``dt [b, t, h]`` before its
+    bias and softplus, ``A [h]``, ``B``, ``C [b, t, g, n]``), computed in the input dtype token by token:
+    ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T``, ``y_t = S_t C_t + D x_t``."""
+    if initial_states is not None or return_final_states or z is not None:
+        raise ValueError("the fp64 reference scan runs whole sequences from a zero state, without a gate, only")
+    dtype = hidden_states.dtype
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    dt = torch.nn.functional.softplus(dt) if dt_softplus else dt
+    dt = dt.clamp(*dt_limit).to(dtype)
+    heads = hidden_states.shape[2]
+    B, C = (t.to(dtype).repeat_interleave(heads // t.shape[2], dim=2) for t in (B, C))
+    state = hidden_states.new_zeros(*hidden_states.shape[:1], heads, hidden_states.shape[-1], B.shape[-1])
+    outputs = []
+    for t in range(hidden_states.shape[1]):
+        decay = torch.exp(dt[:, t] * A.to(dtype))[..., None, None]
+        state = state * decay + (dt[:, t, :, None] * hidden_states[:, t])[..., None] * B[:, t, :, None, :]
+        outputs.append((state * C[:, t, :, None, :]).sum(-1))
+    y = torch.stack(outputs, dim=1)
+    return y if D is None else y + D.to(dtype)[:, None] * hidden_states
 
 
 def _chunk_gated_delta_rule_in_input_dtype(query, key, value, g, beta, chunk_size=64, initial_state=None,
@@ -58,10 +89,11 @@ def torch_reference_kernels(float64_recurrence: bool = False):
             for function, original in kernel_fallbacks(module).items():
                 saved.append((module, function, getattr(module, function)))
                 setattr(module, function, original)
-            for function in _CHUNKED_RECURRENCES if float64_recurrence else ():
+            for function in _CHUNKED_RECURRENCES + _MAMBA2_SCANS if float64_recurrence else ():
                 if hasattr(module, function):
                     saved.append((module, function, getattr(module, function)))
-                    setattr(module, function, _chunk_gated_delta_rule_in_input_dtype)
+                    setattr(module, function, _mamba2_scan_in_input_dtype if function in _MAMBA2_SCANS
+                            else _chunk_gated_delta_rule_in_input_dtype)
         yield
     finally:
         for module, function, current in reversed(saved):

@@ -124,13 +124,14 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
             short_conv_kernel_size=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
             n_shared_experts=1, n_group=2, topk_group=1, num_mtp_layers=1, pad_token_id=0, eos_token_id=2)
         model = transformers.BailingHybridForCausalLM(config)
-    elif name in ("nemotron_h", "bamba", "granitemoehybrid", "falcon_h1", "falcon_h1_no_norm"):  # Mamba-2 hybrids: 4 heads of 8, state 8, 2 groups,
+    elif name in ("nemotron_h", "nemotron_h_dense", "bamba", "granitemoehybrid", "falcon_h1", "falcon_h1_no_norm"):  # Mamba-2 hybrids: 4 heads of 8, state 8, 2 groups,
         # chunks of 16 (the forks at 63-65 and 127-129 sit at its chunk edges too)
         mamba = dict(mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=2, mamba_d_conv=4,
                      mamba_expand=1, mamba_chunk_size=16)
-        if name == "nemotron_h":
+        if name.startswith("nemotron_h"):  # dense: an MLP block for the MoE one (grouped expert matmuls have no fp64)
+            blocks = ["mamba", "attention", "mlp" if name.endswith("dense") else "moe", "mamba", "mlp"]
             config = transformers.NemotronHConfig(
-                **COMMON, layers_block_type=["mamba", "attention", "moe", "mamba", "mlp"], mamba_num_heads=4,
+                **COMMON, layers_block_type=blocks, mamba_num_heads=4,
                 mamba_head_dim=8, ssm_state_size=8, n_groups=2, conv_kernel=4, chunk_size=16, n_routed_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16)
             model = transformers.NemotronHForCausalLM(config)

@@ -45,13 +45,15 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
     xbc = tree_conv_with_handoffs(module, tree, layer, xbc)
     x, B, C = torch.split(xbc, [module.intermediate_size, G * N, G * N], dim=-1)
     low, high = module.time_step_limit
-    dt = torch.clamp(F.softplus(dt + module.dt_bias.to(dt.dtype)), min=low, max=high).float()  # [U, H]
-    x = x.float().reshape(U, H, P)
-    g = -torch.exp(module.A_log.float()) * dt
-    inputs = (C.float().reshape(U, G, N), B.float().reshape(U, G, N), x * dt[..., None], g, torch.ones_like(dt))
+    compute = torch.promote_types(dtype, torch.float32)  # the scan in fp32 as transformers runs it; fp64 stays fp64
+    dt = torch.clamp(F.softplus(dt + module.dt_bias.to(dt.dtype)), min=low, max=high).to(compute)  # [U, H]
+    x = x.to(compute).reshape(U, H, P)
+    g = -torch.exp(module.A_log.float()).to(compute) * dt  # A as transformers' forward makes it (in fp32)
+    inputs = (C.to(compute).reshape(U, G, N), B.to(compute).reshape(U, G, N), x * dt[..., None], g,
+              torch.ones_like(dt))
     y = tree_recurrence_with_handoffs(tree, layer, inputs, tree.gdn_plan("torch", chunk_size=module.chunk_size),
                                       scale=1.0, backend="torch", delta=False)
-    y = (y + module.D.float()[:, None] * x).reshape(1, U, -1)
+    y = (y + module.D.to(compute)[:, None] * x).reshape(1, U, -1)
     if getattr(module, "mamba_rms_norm", True):
         y = module.norm(y, gate.unsqueeze(0))
     else:  # Falcon-H1 without the gated norm: the gate alone
