@@ -103,57 +103,59 @@ def check_value_blocks() -> float:
     return worst
 
 
-def check_kda() -> float:
-    """Kimi Delta Attention (per-channel gates) through fla's ``chunk_kda`` once per round (:mod:`.fla_kda`) vs the
-    fp32 torch backend: the whole forest of forks at chunk offsets 0, 1, 63, 64, 65, 127-129 (several rounds), and a
-    planner piece below a branch point (handed-in state, context rows, requested states); outputs, states and every
-    input gradient."""
+def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int = 64) -> float:
+    """One of the per-round fla nodes vs the fp32 torch backend: Kimi Delta Attention (per-channel gates, fla's
+    ``chunk_kda``, :mod:`.fla_kda`) or gated linear attention (``delta=False``, per-head gates, fla's
+    ``chunk_simple_gla`` on the plan's chunk grid, :mod:`.fla_simple_gla`). The whole forest of forks at chunk
+    offsets 0, 1, 63, 64, 65, 127-129 (several rounds), and a planner piece below a branch point (handed-in state,
+    context rows, requested states); outputs, states and every input gradient."""
     import torch
 
     from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
     from harts_hf.trees import PrefixForest
     from tests.forests import chunk_edge_sequences
 
+    H, HV, K, V = 1, 2, 16, 16
+
+    def inputs(rows):
+        gate = -torch.rand(rows, HV, K) * 0.3 if per_channel else -torch.rand(rows, HV) * 0.3
+        return [t.requires_grad_() for t in (torch.randn(rows, H, K), torch.randn(rows, H, K),
+                                             torch.randn(rows, HV, V), gate, torch.rand(rows, HV))]
+
+    options = dict(use_qk_l2norm_in_kernel=delta, delta=delta)
     packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
     torch.manual_seed(2)
-    U, H, HV, K, V = packed.num_tokens, 1, 2, 16, 16
-    leaves = [t.requires_grad_() for t in (torch.randn(U, H, K), torch.randn(U, H, K), torch.randn(U, HV, V),
-                                           -torch.rand(U, HV, K) * 0.3, torch.rand(U, HV))]
-    worst = 0.0
+    leaves = inputs(packed.num_tokens)
     outs = {}
     for backend in ("torch", "fla"):
-        the_plan = build_gated_delta_plan(packed, final_states_only=backend == "fla")
-        out = tree_gated_delta_rule(*leaves, the_plan, backend=backend, use_qk_l2norm_in_kernel=True)
+        the_plan = build_gated_delta_plan(packed, final_states_only=backend == "fla", chunk_size=chunk_size)
+        out = tree_gated_delta_rule(*leaves, the_plan, backend=backend, **options)
         outs[backend] = (out.detach(), torch.autograd.grad(out.square().sum(), leaves))
     errors = [rel(outs["fla"][0], outs["torch"][0])] + [rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])]
-    print(f"KDA, fla chunk_kda per round vs torch ({U} tokens, {len(the_plan.rounds)} rounds): out {errors[0]:.1e} "
-          f"grads {max(errors[1:]):.1e}", flush=True)
-    worst = max(worst, *errors)
+    print(f"{label}, fla per round vs torch ({packed.num_tokens} tokens, {len(the_plan.rounds)} rounds, chunks of "
+          f"{chunk_size}): out {errors[0]:.1e} grads {max(errors[1:]):.1e}", flush=True)
+    worst = max(errors)
     # a piece below a branch token at depth 69: roots at depth 70, the state after 64 tokens, 6 replayed rows
     common = [1 + i % 5 for i in range(70)]
     whole = PrefixForest.from_sequences([common + [7] * 80, common + [8] * 9 + [9] * 60, common + [6] * 5]).pack()
     starts = whole.cu_seqlens[:-1].tolist()
     sub = whole.select([s for s, first in enumerate(starts) if int(whole.position_ids[first]) >= 70])
-    depth, rows = 70, 6
+    depth, rows = 70, 70 % chunk_size
     state = (torch.randn(HV, K, V) * 0.1).requires_grad_()
-    context = [t.requires_grad_() for t in (torch.randn(rows, H, K), torch.randn(rows, H, K), torch.randn(rows, HV, V),
-                                            -torch.rand(rows, HV, K) * 0.3, torch.rand(rows, HV))]
-    piece = [t.requires_grad_() for t in (torch.randn(sub.num_tokens, H, K), torch.randn(sub.num_tokens, H, K),
-                                          torch.randn(sub.num_tokens, HV, V), -torch.rand(sub.num_tokens, HV, K) * 0.3,
-                                          torch.rand(sub.num_tokens, HV))]
+    context, piece = inputs(rows), inputs(sub.num_tokens)
     outs = {}
     for backend in ("torch", "fla"):
-        the_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=[5, 60])
-        out, states = tree_gated_delta_rule(*piece, the_plan, backend=backend, use_qk_l2norm_in_kernel=True,
-                                            initial_state=state, context=tuple(context),
-                                            output_requested_states=True)
+        the_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=[5, 60],
+                                          chunk_size=chunk_size)
+        out, states = tree_gated_delta_rule(*piece, the_plan, backend=backend, initial_state=state,
+                                            context=tuple(context), output_requested_states=True, **options)
         total = out.square().sum() + sum(s.square().sum() for s in states if s is not None)
         outs[backend] = ([out.detach()] + [s.detach() for s in states if s is not None],
                          torch.autograd.grad(total, piece + context + [state]))
     errors = [rel(a, b) for a, b in zip(outs["fla"][0], outs["torch"][0])] + \
         [rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])]
-    print(f"KDA piece (root at depth {depth}, {rows} replayed rows, handed-in state, 2 requested states): out/states "
-          f"{max(errors[:3]):.1e} grads {max(errors[3:]):.1e}", flush=True)
+    print(f"{label} piece (root at depth {depth}, {rows} replayed rows, handed-in state, 2 requested states): "
+          f"out/states {max(errors[:3]):.1e} grads {max(errors[3:]):.1e}", flush=True)
     return max(worst, *errors)
 
 
@@ -258,8 +260,11 @@ def main() -> None:
         worst = max(worst, report(f"piece {piece.index} (depth {d0}, {len(branches)} requested states)",
                                   run_all(run, leaves)))
     worst = max(worst, check_conv())
-    worst = max(worst, check_kda())
-    worst = max(worst, check_kda_model())
+    worst = max(worst, check_round_node("KDA", per_channel=True, delta=True))
+    worst = max(worst, check_round_node("gated linear attention (Mamba-2)", per_channel=False, delta=False,
+                                        chunk_size=32))
+    worst = max(worst, check_model_backends("bailing_hybrid", "Ling 3"))
+    worst = max(worst, check_model_backends("nemotron_h", "Nemotron-H"))
     worst = max(worst, check_model())
     worst = max(worst, check_token_ops())
     assert worst < 1e-5, f"fla nodes differ from the fp32 torch backend by {worst:.1e}"
@@ -407,17 +412,17 @@ def check_model() -> float:
     return worst_values
 
 
-def check_kda_model() -> float:
-    """A tiny Ling 3 (bailing_hybrid: Kimi Delta Attention with the safe gate, gated latent attention, experts)
-    through the patched model: tree log-probs and every parameter gradient with the fla backend (chunk_kda per
-    round) against the torch backend."""
+def check_model_backends(family: str, label: str) -> float:
+    """A tiny patched model through its fla node (Ling 3: Kimi Delta Attention with the safe gate, gated latent
+    attention, experts, ``chunk_kda`` per round; Nemotron-H: Mamba-2 blocks, ``chunk_simple_gla`` per round on its
+    16-token chunks): tree log-probs and every parameter gradient with the fla backend against the torch backend."""
     import torch
 
     from harts_hf import tree_logprobs
     from tests.forests import chunk_edge_sequences
     from tests.models import VOCAB, build
 
-    model = build("bailing_hybrid")
+    model = build(family)
     sequences = chunk_edge_sequences(vocab=VOCAB, base_len=140)  # forks at 0, 1, 63-65, 127-129 still
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     results = {}
@@ -430,9 +435,9 @@ def check_kda_model() -> float:
     grads = {n: rel(a, b) for n, a, b in zip(names, results["fla"][1], results["torch"][1])
              if b is not None and b.norm() > 0}
     worst = max(grads, key=grads.get)
-    print(f"model (tiny Ling 3, {len(sequences)} sequences, forks at chunk edges): fla vs torch backend: log-probs {values:.1e}, worst "
-          f"parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
-    assert values < 1e-5 and grads[worst] < 1e-4, (values, worst, grads[worst])
+    print(f"model (tiny {label}, {len(sequences)} sequences, forks at chunk edges): fla vs torch backend: log-probs "
+          f"{values:.1e}, worst parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
+    assert values < 1e-5 and grads[worst] < 1e-4, (family, values, worst, grads[worst])
     return values
 
 

@@ -51,8 +51,9 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
     g = -torch.exp(module.A_log.float()).to(compute) * dt  # A as transformers' forward makes it (in fp32)
     inputs = (C.to(compute).reshape(U, G, N), B.to(compute).reshape(U, G, N), x * dt[..., None], g,
               torch.ones_like(dt))
-    y = tree_recurrence_with_handoffs(tree, layer, inputs, tree.gdn_plan("torch", chunk_size=module.chunk_size),
-                                      scale=1.0, backend="torch", delta=False)
+    backend = tree.gdn_backend_for(x)
+    y = tree_recurrence_with_handoffs(tree, layer, inputs, tree.gdn_plan(backend, chunk_size=module.chunk_size),
+                                      scale=1.0, backend=backend, delta=False)
     y = (y + module.D.to(compute)[:, None] * x).reshape(1, U, -1)
     if getattr(module, "mamba_rms_norm", True):
         y = module.norm(y, gate.unsqueeze(0))

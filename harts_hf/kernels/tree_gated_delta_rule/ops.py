@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .._backend import _log_once, resolve_backend
+from .._backend import resolve_backend
 from .chunked import chunk_gated_delta_rule_torch, prepare_inputs
 from .plan import CONTEXT_STATE, GatedDeltaPlan, GatedDeltaRound
 
@@ -51,8 +51,8 @@ def tree_gated_delta_rule(
             ``C * (d0 // C) .. d0 - 1``, oldest first; shapes as above with ``R`` rows), or None when there are none.
         output_requested_states: also return the states of the plan's ``state_requests``.
         delta: False drops the delta rule's correction (``S = exp(g) S + k (beta v)^T``: gated linear attention, the
-            form Mamba-2's state-space duality takes with ``q = C``, ``k = B``, ``v = dt x``, ``g = dt A``); the
-            "torch" backend only for now ("auto" takes it on CUDA too, logged once).
+            form Mamba-2's state-space duality takes with ``q = C``, ``k = B``, ``v = dt x``, ``g = dt A``); on the
+            "fla" backend fla's ``chunk_simple_gla`` per round (:mod:`.fla_simple_gla`).
 
     Returns:
         ``o [U, HV, V]`` in ``q.dtype``; with ``output_requested_states``, ``(o, states)``: one ``[HV, K, V]`` fp32
@@ -88,15 +88,14 @@ def tree_gated_delta_rule(
         raise ValueError("tree_gated_delta_rule: the forest's root starts past a chunk boundary of its path; pass "
                          "initial_state, the state on its root path at that boundary (from its source's hand-off)")
     scale = K ** -0.5 if scale is None else scale
-    if not delta:
-        if backend == "fla":
-            raise ValueError("tree_gated_delta_rule: delta=False (gated linear attention, Mamba-2) has no fla tree node "
-                             "yet; pass backend='torch' or 'auto'")
-        if q.is_cuda:
-            _log_once("harts_hf: Mamba-2 mixers on trees run the PyTorch chunked scan on CUDA (exact, slow); fla's "
-                      "kernels are not wired in for them yet")
-        backend = "torch"
+    if not delta and g.dim() == 3:
+        raise ValueError("tree_gated_delta_rule: delta=False takes one gate per head, g [U, HV]")
     backend = resolve_backend(backend, q, "tree_gated_delta_rule")
+    if backend == "fla" and not delta:  # gated linear attention (Mamba-2)
+        from .fla_simple_gla import tree_simple_gla_fla
+
+        return tree_simple_gla_fla(q, k, v, g, beta, plan, scale=scale, initial_state=initial_state,
+                                   output_requested_states=output_requested_states)
     if backend == "fla" and g.dim() == 3:  # per-channel gates (KDA)
         from .fla_kda import tree_kda_fla
 
