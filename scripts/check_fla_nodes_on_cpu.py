@@ -117,10 +117,10 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
 
     H, HV, K, V = 1, 2, 16, 16
 
-    def inputs(rows):
+    def inputs(rows):  # q, k, v, g, beta drawn in that order
+        q, k, v = torch.randn(rows, H, K), torch.randn(rows, H, K), torch.randn(rows, HV, V)
         gate = -torch.rand(rows, HV, K) * 0.3 if per_channel else -torch.rand(rows, HV) * 0.3
-        return [t.requires_grad_() for t in (torch.randn(rows, H, K), torch.randn(rows, H, K),
-                                             torch.randn(rows, HV, V), gate, torch.rand(rows, HV))]
+        return [t.requires_grad_() for t in (q, k, v, gate, torch.rand(rows, HV))]
 
     options = dict(use_qk_l2norm_in_kernel=delta, delta=delta)
     packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
