@@ -16,7 +16,7 @@ from trl import SFTConfig, SFTTrainer
 
 from .._checks import check_bool, check_int, trainer_args
 from ..logprobs import tree_logprobs, unwrap_model
-from ..model_patches import apply_tree_patches, keep_attention_outputs
+from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from .config import _ATTENTION_BACKENDS, _GDN_BACKENDS
 
@@ -79,8 +79,10 @@ class TreeSFTTrainer(SFTTrainer):
                              "not build; pass compute_loss_func=None or set use_tree=False.")
         super().__init__(model, args, *posargs, compute_loss_func=compute_loss_func, **kwargs)
         self._tree_handles = []
-        if args.use_tree:
-            base = unwrap_model(self.model)
+        base = unwrap_model(self.model)
+        if not args.use_tree:  # SFTTrainer's path; still no CPU tensor reaches a Triton kernel
+            self._tree_handles.append(cpu_safe(base))
+        else:
             if getattr(base, _PATCH_MARK, None) is None:
                 self._tree_handles.append(apply_tree_patches(base))
             if args.tree_keep_attention_outputs:
