@@ -46,15 +46,16 @@ class TreeLogprobs:
 def unwrap_model(model):
     """The transformers model inside DDP / DeepSpeed / compile wrappers and PEFT's ``PeftModel`` (its adapter
     layers stay in the model: only the wrapper's forwarding is skipped)."""
-    while not hasattr(model, "get_decoder") or callable(getattr(type(model), "get_base_model", None)):
+    while True:
         if callable(getattr(type(model), "get_base_model", None)):  # PEFT: PeftModel -> its tuner's model
             model = model.get_base_model()
             continue
+        if hasattr(model, "get_decoder"):
+            return model
         inner = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if inner is None:
             raise TypeError(f"tree execution needs a transformers causal LM, got {type(model).__name__}")
         model = inner
-    return model
 
 
 def _ensure_patched(model):
