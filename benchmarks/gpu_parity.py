@@ -116,8 +116,9 @@ def per_trajectory(model, sequences, weights):
     """Each trajectory alone through the unpatched forward (transformers' fla kernels): log-probs + grads."""
     model.zero_grad(set_to_none=True)
     logprobs = []
+    device = model.get_input_embeddings().weight.device
     for sequence, weight in zip(sequences, weights):
-        ids = torch.tensor(sequence, device="cuda").unsqueeze(0)
+        ids = torch.tensor(sequence, device=device).unsqueeze(0)
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
         logits = model.lm_head(hidden).float()
         lp = logits.log_softmax(-1).gather(-1, ids[0, 1:, None])[:, 0]
@@ -140,16 +141,25 @@ def tree_path(model, sequences, weights, share=True):
         {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}, out.stats
 
 
-def model_parity(results: dict, scale: float, save=lambda: None, model=None, timing: bool = True) -> None:
+GATE_PARAMETERS = ("A_log", "dt_bias", "D")
+"""Names (last component) of the recurrent layers' decay / step parameters, reported one by one."""
+
+
+def model_parity(results: dict, scale: float, save=lambda: None, model=None, timing: bool = True,
+                 sequences=None) -> None:
+    """Log-probs and gradients of the tree and of the per-trajectory paths (one sequence per forward; the packed
+    call) against an fp32 copy run per trajectory with transformers' pure-torch kernels. ``sequences``: the
+    batch (default: the ``swe`` workload at ``scale``). Runs on the model's device (CPU for a smoke run)."""
     from harts_hf.workloads import make_workload
 
     model = build_model() if model is None else model
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    workload = make_workload("swe", scale=scale, seed=0)
-    sequences = workload.sequences
-    generator = torch.Generator(device="cuda").manual_seed(0)
-    weights = [torch.randn(len(s) - 1, device="cuda", generator=generator) for s in sequences]
+    if sequences is None:
+        sequences = make_workload("swe", scale=scale, seed=0).sequences
+    device = model.get_input_embeddings().weight.device
+    generator = torch.Generator(device=device).manual_seed(0)
+    weights = [torch.randn(len(s) - 1, device=device, generator=generator) for s in sequences]
     stage = results.setdefault("model_stages", [])
     base_a, grads_a = per_trajectory(model, sequences, weights)
     base_b, grads_b = per_trajectory(model, sequences, weights)
@@ -189,8 +199,10 @@ def model_parity(results: dict, scale: float, save=lambda: None, model=None, tim
                                           "packed_per_trajectory": quantiles(1 - cosines(grads_p, grads_r))},
         "grad_one_minus_cosine_tree_vs_baseline": quantiles(1 - cosines(grads_t, grads_a)),
         "grad_one_minus_cosine_rerun": quantiles(1 - cosines(grads_b, grads_a)),
+        "gate_parameters_vs_fp32": gate_parameter_errors(
+            {"tree": grads_t, "per_trajectory": grads_a, "packed_per_trajectory": grads_p}, grads_r),
     }
-    if not timing:
+    if not timing or device.type != "cuda":
         return
     # timing (fwd + bwd), warm
     timings = {}
@@ -209,6 +221,23 @@ def model_parity(results: dict, scale: float, save=lambda: None, model=None, tim
     timings["speedup_vs_per_trajectory"] = timings["per_trajectory"]["seconds"] / timings["tree"]["seconds"]
     timings["speedup_vs_packed"] = timings["packed_per_trajectory"]["seconds"] / timings["tree"]["seconds"]
     results["timing"] = timings
+
+
+def gate_parameter_errors(paths: dict, reference: dict) -> dict:
+    """Per path: the worst relative error (L2) and 1 - cosine over the layers of each gate parameter
+    (:data:`GATE_PARAMETERS`) of the model, against ``reference``'s gradients."""
+    report = {}
+    for path, grads in paths.items():
+        for kind in GATE_PARAMETERS:
+            names = [n for n in reference if n.rsplit(".", 1)[-1] == kind and n in grads]
+            if not names:
+                continue
+            rel = [((grads[n].float() - reference[n].float()).norm() / reference[n].float().norm().clamp(min=1e-30)).item()
+                   for n in names]
+            cos = [1 - torch.nn.functional.cosine_similarity(grads[n].flatten().float(), reference[n].flatten().float(),
+                                                             0).item() for n in names]
+            report.setdefault(path, {})[kind] = {"layers": len(names), "max_rel": max(rel), "max_one_minus_cosine": max(cos)}
+    return report
 
 
 def main():

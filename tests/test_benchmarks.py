@@ -391,3 +391,27 @@ def test_cost_model_refit_rebuilds_the_measured_forests(tmp_path):
     for name in FEATURES:
         assert math.isclose(getattr(CostModel(), name), getattr(refit, name), rel_tol=5e-3, abs_tol=1e-12), name
     assert json.loads((tmp_path / "refit.json").read_text())["coefficients"].keys() == set(FEATURES)
+
+
+@pytest.mark.parametrize("family", ["bailing_hybrid", "kimi_linear", "nemotron_h"])
+def test_gpu_parity_model_stage_on_cpu(family):
+    """The bf16 parity stage the H200 runs on the KDA and Mamba-2 presets, here on a tiny model of the family in
+    fp32 on the CPU: every path and the fp32 copy run, and (all in fp32) agree; the gate parameters are reported."""
+    import random
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_parity import model_parity
+
+    from tests.forests import random_tree_sequences
+    from tests.models import VOCAB, build
+
+    sequences = random_tree_sequences(random.Random(0), 6, vocab=VOCAB, max_tail=40)
+    results = {}
+    model_parity(results, 0.0, model=build(family), sequences=sequences)
+    parity = results["model_parity"]
+    for path in ("tree", "per_trajectory", "packed_per_trajectory"):
+        assert parity["logprob_absdiff_vs_fp32"][path]["max"] < 1e-4, (path, parity["logprob_absdiff_vs_fp32"])
+        assert parity["grad_one_minus_cosine_vs_fp32"][path]["max"] < 1e-6
+    gates = parity["gate_parameters_vs_fp32"]["tree"]
+    assert "A_log" in gates and all(entry["max_rel"] < 1e-3 for entry in gates.values()), gates
+    assert "timing" not in results  # timed on CUDA only
