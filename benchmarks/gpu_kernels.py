@@ -274,6 +274,74 @@ def timing(results: dict, workload: str, scale: float, ops=("gdn", "attention", 
         conv_timing(row, U, ancestors, backward)
     if "varlen_kernels" in ops:
         varlen_kernel_timing(row, packed, layout, stats, backward)
+    if "attention_features" in ops:
+        attention_features(row, sequences)
+
+
+ATTENTION_FEATURES = {  # name: (query heads, key/value heads, q/k head dim, v head dim, tree_attention options)
+    "window 256 (16/2 heads of 256)": (16, 2, 256, 256, dict(window=256)),
+    "latent attention (32 heads, q/k 192, v 128)": (32, 32, 192, 128, {}),
+    "softcap 50 (8/4 heads of 256)": (8, 4, 256, 256, dict(softcap=50.0)),
+    "sinks (64/8 heads of 64)": (64, 8, 64, 64, dict(sinks=True)),
+}
+"""The attention features of issue 24's families at their models' head shapes: Gemma / Mistral / GPT-OSS sliding
+windows, DeepSeek / Kimi / Ling latent attention (v narrower than q/k), Gemma 2 logit softcapping, GPT-OSS sinks."""
+
+
+def attention_features(row: dict, sequences, device="cuda", features=None, timing: bool = True) -> None:
+    """Each attention feature on the forest of ``sequences``: the tree (``tree_attention``'s ``auto`` backend in
+    bf16) and the per-trajectory path (the same kernel on every trajectory as its own tree, no sharing) against
+    the fp32 per-run path on the tree, output and every input gradient (relative Frobenius error; the loss weighs
+    each token by its multiplicity, as the trajectories' summed losses do), and each path's fwd+bwd seconds."""
+    from harts_hf.kernels import build_varlen_layout, tree_attention
+    from harts_hf.trees import PrefixForest
+
+    tree = PrefixForest.from_sequences(sequences).pack()
+    alone = PrefixForest.from_sequences(sequences, groups=list(range(len(sequences)))).pack()
+    source = torch.empty(alone.num_tokens, dtype=torch.long)
+    source[alone.sequence_token_index] = tree.sequence_token_index  # a trajectory's token -> its tree token
+    forests = {"tree": (tree, build_varlen_layout(tree).to(device), None),
+               "per_trajectory": (alone, build_varlen_layout(alone).to(device), source.to(device))}
+    half = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    for name, (HQ, HKV, D, DV, options) in (features or ATTENTION_FEATURES).items():
+        generator = torch.Generator(device=device).manual_seed(0)
+        make = lambda *shape: torch.randn(*shape, device=device, generator=generator)  # noqa: E731
+        leaves = [make(tree.num_tokens, HQ, D), make(tree.num_tokens, HKV, D), make(tree.num_tokens, HKV, DV)]
+        multiplicity = tree.multiplicity.to(device)
+        weight = make(tree.num_tokens, HQ, DV) * multiplicity[:, None, None]
+        kwargs = dict(options)
+        if kwargs.pop("sinks", False):
+            kwargs["sinks"] = make(HQ)
+
+        def call(path, inputs, backend="auto"):  # output [tokens of the path's forest, HQ, DV]
+            packed, layout, index = forests[path]
+            if index is not None:
+                inputs = [x[index] for x in inputs]
+            return tree_attention(*inputs, packed.subtree_end.to(device), backend=backend, layout=layout,
+                                  depth=packed.position_ids.to(device), **kwargs)
+
+        def run(path, dtype, backend="auto"):
+            """Output, and the gradients of the inputs on the tree's tokens (a trajectory's copies summed)."""
+            inputs = [x.to(dtype).requires_grad_() for x in leaves]
+            out = call(path, inputs, backend)
+            index = forests[path][2]
+            token_weight = weight if index is None else weight[index] / multiplicity[index][:, None, None]
+            return [out.detach()] + list(torch.autograd.grad((out.float() * token_weight).sum(), inputs))
+
+        reference = run("tree", torch.float32, backend="runs")
+        entry = row.setdefault("attention_features", {}).setdefault(name, {})
+        for path in ("tree", "per_trajectory"):
+            result = run(path, half)
+            index = forests[path][2]
+            expected = [reference[0] if index is None else reference[0][index]] + reference[1:]
+            entry[f"{path}_error_vs_fp32"] = dict(zip(("out", "dq", "dk", "dv"), map(rel, result, expected)))
+            if timing:
+                inputs = [x.to(half).requires_grad_() for x in leaves]
+                entry[f"{path}_s"] = bench(lambda path=path, inputs=inputs: call(path, inputs).float().square()
+                                           .mean().backward())
+        print(f"  {name}: " + "; ".join(f"{path} {entry.get(f'{path}_s', float('nan')) * 1e3:.1f} ms, error vs fp32 "
+                                       + ", ".join(f"{e:.1e}" for e in entry[f"{path}_error_vs_fp32"].values())
+                                       for path in ("tree", "per_trajectory")), flush=True)
 
 
 def varlen_kernel_timing(row, packed, layout, stats, backward) -> None:
@@ -604,9 +672,11 @@ def main():
     parser.add_argument("--workloads", nargs="*", default=["swe:0.1", "tau:0.1", "grpo:0.1"],
                         help="name:scale[:seed] (a second seed shows what a new forest of the same preset costs)")
     parser.add_argument("--ops", nargs="+", default=["gdn", "attention", "conv"],
-                        choices=["gdn", "attention", "conv", "token", "varlen_kernels"],
+                        choices=["gdn", "attention", "conv", "token", "varlen_kernels", "attention_features"],
                         help="which ops to time on each workload; token: the fused per-token kernels against their "
-                             "references, once at full-size tau's unique-token count")
+                             "references, once at full-size tau's unique-token count; attention_features: sliding "
+                             "window, latent-attention head dims, softcapping and sinks, tree and per-trajectory "
+                             "against fp32")
     parser.add_argument("--skip-parity", action="store_true", help="timing only")
     parser.add_argument("--profile", action="store_true",
                         help="also list the kernels of the tree GDN node, of the one varlen fla call and of the tree "

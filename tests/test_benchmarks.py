@@ -415,3 +415,26 @@ def test_gpu_parity_model_stage_on_cpu(family):
     gates = parity["gate_parameters_vs_fp32"]["tree"]
     assert "A_log" in gates and all(entry["max_rel"] < 1e-3 for entry in gates.values()), gates
     assert "timing" not in results  # timed on CUDA only
+
+
+def test_gpu_attention_features_stage_on_cpu():
+    """The attention-feature stage the H200 runs for issue 24's kernels, on the CPU in fp32 with small heads: the
+    tree and the per-trajectory path agree with the per-run reference (window, v narrower than q/k, softcap, sinks),
+    outputs and every input gradient with the trajectories' copies summed."""
+    import random
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from gpu_kernels import ATTENTION_FEATURES, attention_features
+
+    from tests.forests import random_tree_sequences
+
+    sequences = random_tree_sequences(random.Random(1), 8, vocab=5, max_tail=30)
+    small = {name: (4, 2, 8 + 4 * (d != dv), 8, dict(options, window=5) if "window" in options else options)
+             for name, (_, _, d, dv, options) in ATTENTION_FEATURES.items()}
+    row = {}
+    attention_features(row, sequences, device="cpu", features=small, timing=False)
+    assert set(row["attention_features"]) == set(ATTENTION_FEATURES)
+    for name, entry in row["attention_features"].items():
+        for path in ("tree", "per_trajectory"):
+            errors = entry[f"{path}_error_vs_fp32"]
+            assert set(errors) == {"out", "dq", "dk", "dv"} and max(errors.values()) < 1e-5, (name, path, errors)
