@@ -293,7 +293,7 @@ def attention_features(row: dict, sequences, device="cuda", features=None, timin
     bf16) and the per-trajectory path (the same kernel on every trajectory as its own tree, no sharing) against
     the fp32 per-run path on the tree, output and every input gradient (relative Frobenius error; the loss weighs
     each token by its multiplicity, as the trajectories' summed losses do), and each path's fwd+bwd seconds."""
-    from harts_hf.kernels import build_varlen_layout, tree_attention
+    from harts_hf.kernels import build_varlen_layout
     from harts_hf.trees import PrefixForest
 
     tree = PrefixForest.from_sequences(sequences).pack()
@@ -303,45 +303,57 @@ def attention_features(row: dict, sequences, device="cuda", features=None, timin
     forests = {"tree": (tree, build_varlen_layout(tree).to(device), None),
                "per_trajectory": (alone, build_varlen_layout(alone).to(device), source.to(device))}
     half = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    for name, (HQ, HKV, D, DV, options) in (features or ATTENTION_FEATURES).items():
-        generator = torch.Generator(device=device).manual_seed(0)
-        make = lambda *shape: torch.randn(*shape, device=device, generator=generator)  # noqa: E731
-        leaves = [make(tree.num_tokens, HQ, D), make(tree.num_tokens, HKV, D), make(tree.num_tokens, HKV, DV)]
-        multiplicity = tree.multiplicity.to(device)
-        weight = make(tree.num_tokens, HQ, DV) * multiplicity[:, None, None]
-        kwargs = dict(options)
-        if kwargs.pop("sinks", False):
-            kwargs["sinks"] = make(HQ)
-
-        def call(path, inputs, backend="auto"):  # output [tokens of the path's forest, HQ, DV]
-            packed, layout, index = forests[path]
-            if index is not None:
-                inputs = [x[index] for x in inputs]
-            return tree_attention(*inputs, packed.subtree_end.to(device), backend=backend, layout=layout,
-                                  depth=packed.position_ids.to(device), **kwargs)
-
-        def run(path, dtype, backend="auto"):
-            """Output, and the gradients of the inputs on the tree's tokens (a trajectory's copies summed)."""
-            inputs = [x.to(dtype).requires_grad_() for x in leaves]
-            out = call(path, inputs, backend)
-            index = forests[path][2]
-            token_weight = weight if index is None else weight[index] / multiplicity[index][:, None, None]
-            return [out.detach()] + list(torch.autograd.grad((out.float() * token_weight).sum(), inputs))
-
-        reference = run("tree", torch.float32, backend="runs")
+    for name, shape in (features or ATTENTION_FEATURES).items():
         entry = row.setdefault("attention_features", {}).setdefault(name, {})
-        for path in ("tree", "per_trajectory"):
-            result = run(path, half)
-            index = forests[path][2]
-            expected = [reference[0] if index is None else reference[0][index]] + reference[1:]
-            entry[f"{path}_error_vs_fp32"] = dict(zip(("out", "dq", "dk", "dv"), map(rel, result, expected)))
-            if timing:
-                inputs = [x.to(half).requires_grad_() for x in leaves]
-                entry[f"{path}_s"] = bench(lambda path=path, inputs=inputs: call(path, inputs).float().square()
-                                           .mean().backward())
+        _attention_feature(entry, forests, shape, device, half, timing)
         print(f"  {name}: " + "; ".join(f"{path} {entry.get(f'{path}_s', float('nan')) * 1e3:.1f} ms, error vs fp32 "
                                        + ", ".join(f"{e:.1e}" for e in entry[f"{path}_error_vs_fp32"].values())
-                                       for path in ("tree", "per_trajectory")), flush=True)
+                                       for path in forests), flush=True)
+
+
+def _attention_feature(entry: dict, forests: dict, shape: tuple, device, half, timing: bool) -> None:
+    """One row of :func:`attention_features` into ``entry``."""
+    from harts_hf.kernels import tree_attention
+
+    HQ, HKV, D, DV, options = shape
+    tree = forests["tree"][0]
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def make(*size):
+        return torch.randn(*size, device=device, generator=generator)
+
+    leaves = [make(tree.num_tokens, HQ, D), make(tree.num_tokens, HKV, D), make(tree.num_tokens, HKV, DV)]
+    multiplicity = tree.multiplicity.to(device)
+    weight = make(tree.num_tokens, HQ, DV) * multiplicity[:, None, None]
+    kwargs = dict(options)
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = make(HQ)
+
+    def call(path, inputs, backend="auto"):  # output [tokens of the path's forest, HQ, DV]
+        packed, layout, index = forests[path]
+        if index is not None:
+            inputs = [x[index] for x in inputs]
+        return tree_attention(*inputs, packed.subtree_end.to(device), backend=backend, layout=layout,
+                              depth=packed.position_ids.to(device), **kwargs)
+
+    def run(path, dtype, backend="auto"):
+        """Output, and the gradients of the inputs on the tree's tokens (a trajectory's copies summed)."""
+        inputs = [x.to(dtype).requires_grad_() for x in leaves]
+        out = call(path, inputs, backend)
+        index = forests[path][2]
+        token_weight = weight if index is None else weight[index] / multiplicity[index][:, None, None]
+        return [out.detach()] + list(torch.autograd.grad((out.float() * token_weight).sum(), inputs))
+
+    reference = run("tree", torch.float32, backend="runs")
+    for path in forests:
+        result = run(path, half)
+        index = forests[path][2]
+        expected = [reference[0] if index is None else reference[0][index]] + reference[1:]
+        entry[f"{path}_error_vs_fp32"] = dict(zip(("out", "dq", "dk", "dv"), map(rel, result, expected)))
+        if timing:
+            inputs = [x.to(half).requires_grad_() for x in leaves]
+            entry[f"{path}_s"] = bench(lambda path=path, inputs=inputs: call(path, inputs).float().square()
+                                       .mean().backward())
 
 
 def varlen_kernel_timing(row, packed, layout, stats, backward) -> None:
