@@ -25,6 +25,8 @@ COMMANDS = {
     "suite": ("gpu_suite", "everything the GPU run measures in one process (fla compiles once)"),
     "multi-gpu": ("multi_gpu_tree_grpo", "TreeGRPOTrainer under accelerate on several GPUs: throughput, imbalance, "
                                          "parity with one GPU"),
+    "sft": ("sft_step", "TreeSFTTrainer against TRL's SFTTrainer on an agentic workload's rows: seconds per step, "
+                        "loss, MFU, peak memory"),
     "calibrate": ("calibrate_cost_model", "fit the planner's cost model to tree timings on this GPU"),
     "refit": ("refit_cost_model", "refit the planner's cost model to committed full-size `step` results, each "
               "workload held out in turn (CPU)"),

@@ -438,3 +438,23 @@ def test_gpu_attention_features_stage_on_cpu():
         for path in ("tree", "per_trajectory"):
             errors = entry[f"{path}_error_vs_fp32"]
             assert set(errors) == {"out", "dq", "dk", "dv"} and max(errors.values()) < 1e-5, (name, path, errors)
+
+
+def test_sft_benchmark_trains_the_same_rows_with_both_trainers(tmp_path):
+    """`python -m benchmarks sft` on the CPU: TreeSFTTrainer (a step's rows as one forest) and TRL's SFTTrainer
+    (padded micro-batches of 4, gradient accumulation) train the same agent-trace rows to the same per-step loss;
+    token counts are exact, times only present."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from sft_step import main
+
+    common = ["--preset", "tiny", "--workload", "tau", "--scale", "0.005", "--steps", "2", "--batch", "4"]
+    tree = main(common + ["--trainer", "tree", "--out", str(tmp_path / "tree")])
+    trl = main(common + ["--trainer", "trl", "--out", str(tmp_path / "trl")])
+    assert json.loads((tmp_path / "tree" / "sft.json").read_text())["steps"] == json.loads(json.dumps(tree["steps"]))
+    assert (tmp_path / "trl" / "run.json").exists()
+    for a, b in zip(tree["steps"], trl["steps"], strict=True):
+        assert a["rows"] == b["rows"] and a["rows"] % 4 == 0 and a["path_tokens"] == b["path_tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["R_tok"] > 2 and a["tree"]["tree/R_tok"] == pytest.approx(a["R_tok"])
+        assert is_finite_nonnegative(a["seconds"]) and is_finite_nonnegative(b["seconds"])
+        assert a["flop_ratio"] > 2 and b["flop_ratio"] == 1.0

@@ -1,0 +1,174 @@
+"""TreeSFTTrainer against TRL's SFTTrainer on the rows of an agentic workload preset: seconds per optimizer step,
+loss, MFU, peak memory.
+
+    python -m benchmarks sft --preset 2b --workload tau --scale 1.0 --steps 3 --warmup 1 --trainer tree --out results/sft/tree
+    python -m benchmarks sft --preset 2b --workload tau --scale 1.0 --steps 3 --warmup 1 --trainer trl --batch 4 \
+        --out results/sft/trl
+    python -m benchmarks sft --preset tiny --workload tau --scale 0.01 --steps 2 --out /tmp/sft   # CPU smoke run
+
+Data: optimizer step ``s`` trains one instance of the preset (``make_workload(workload, scale, seed=s)``), every
+trajectory a row whose loss is on the tokens the preset marks (thinking and actions; observations and prompts carry
+none), as SFT on agent traces trains each assistant turn with its history: the presets drop earlier turns' thinking,
+so a conversation's rows fork where that thinking started, and all rows share the system prompt. Every step keeps
+the first ``R`` rows of its instance (``R``: the smallest instance's row count, rounded down to a multiple of
+``--batch`` for both trainers), so both trainers see the same
+micro-batches in the same order (no shuffling). The rows are handed to the trainers pre-tokenized
+(``input_ids``, ``assistant_masks``; TRL turns the mask into labels).
+
+- ``--trainer tree``: TreeSFTTrainer, the ``R`` rows of a step as one prefix forest (one micro-batch).
+- ``--trainer trl``: TRL's SFTTrainer, micro-batches of ``--batch`` rows padded to their longest, gradient
+  accumulation over the step's ``R / batch`` micro-batches. Not ``padding_free``: transformers' Gated DeltaNet layers
+  do not keep packed sequences apart, so packing would not train these rows.
+
+Both: fp32 weights, bf16 autocast and non-reentrant gradient checkpointing on CUDA (fp32 on the CPU), AdamW, the same
+learning rate; the per-step losses agree when both train the same rows. The MFU counts the model FLOPs of the work
+each trainer does (the tree's unique tokens, the rows' tokens for TRL; ``benchmarks/model_flops.py``) over the step's
+wall time; the FLOP ratio is the rows' work over the tree's. Writes ``OUT/sft.json`` (per step: seconds, peak GiB,
+loss, ``tree/*`` metrics; the mean over the steps after ``--warmup``) and ``OUT/run.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_tree_vs_trajectory import MODELS, build_model  # noqa: E402
+from model_flops import forest_throughput  # noqa: E402
+from multi_gpu_tree_grpo import PRESETS, SPECIAL, id_tokenizer  # noqa: E402
+from run_record import write_run_record  # noqa: E402
+
+WORKLOADS = ("tau", "swe", "coding_agent", "search")
+
+
+def step_rows(workload: str, scale: float, steps: int, vocab_size: int,
+              multiple: int = 1) -> list[list[tuple[list[int], list[int]]]]:
+    """Per optimizer step, the ``(input_ids, assistant_masks)`` rows of one instance of the preset (seed = step),
+    each step cut to the smallest instance's row count rounded down to a ``multiple`` (TRL's micro-batch)."""
+    from harts_hf.workloads import make_workload
+
+    instances = []
+    for step in range(steps):
+        generated = make_workload(workload, scale=scale, seed=step, vocab_size=vocab_size - len(SPECIAL))
+        instances.append([(list(map(int, sequence)), [int(bool(m)) for m in mask])
+                          for sequence, mask in zip(generated.sequences, generated.loss_masks)])
+    rows = min(map(len, instances)) // multiple * multiple
+    return [instance[:rows] for instance in instances]
+
+
+def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], device: torch.device):
+    """TreeSFTTrainer or TRL's SFTTrainer over ``rows`` in order, one optimizer step per instance."""
+    from datasets import Dataset
+    from torch.utils.data import SequentialSampler
+    from trl import SFTConfig, SFTTrainer
+
+    from harts_hf import TreeSFTConfig, TreeSFTTrainer
+
+    per_step = len(rows[0])
+    batch = per_step if args.trainer == "tree" else args.batch
+    flat = [row for step in rows for row in step]
+    dataset = Dataset.from_dict({"input_ids": [ids for ids, _ in flat], "assistant_masks": [m for _, m in flat]})
+    on_cuda = device.type == "cuda"
+    common = dict(output_dir=str(Path(args.out) / "trainer"), per_device_train_batch_size=batch,
+                  gradient_accumulation_steps=per_step // batch, max_steps=len(rows), learning_rate=1e-5,
+                  logging_steps=1, save_strategy="no", report_to="none", max_length=None, bf16=on_cuda,
+                  use_cpu=not on_cuda, gradient_checkpointing=True,
+                  gradient_checkpointing_kwargs={"use_reentrant": False}, dataloader_num_workers=0, seed=0)
+    config, trainer_class = (TreeSFTConfig, TreeSFTTrainer) if args.trainer == "tree" else (SFTConfig, SFTTrainer)
+
+    class InOrder(trainer_class):  # the rows in dataset order: micro-batch k of every run holds the same rows
+        def _get_train_sampler(self, *unused, **kwargs):
+            return SequentialSampler(self.train_dataset)
+
+    tokenizer = id_tokenizer(model.config.vocab_size)
+    return InOrder(model=model, args=config(**common), train_dataset=dataset, processing_class=tokenizer)
+
+
+def step_timer(trainer, records: list):
+    """Callback: wall time (CUDA-synchronised) and peak memory of every optimizer step."""
+    from transformers import TrainerCallback
+
+    device = trainer.accelerator.device
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    class StepTimer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            synchronize()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            synchronize()
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            records.append(dict(step=state.global_step, seconds=time.perf_counter() - self.start, peak_gib=peak))
+
+    return StepTimer()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny", help="model: tiny or the 2.3B preset")
+    parser.add_argument("--workload", choices=WORKLOADS, default="tau")
+    parser.add_argument("--scale", type=float, default=0.01)
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps (one workload instance each)")
+    parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the mean (compilation)")
+    parser.add_argument("--trainer", choices=["tree", "trl"], default="tree")
+    parser.add_argument("--batch", type=int, default=4, help="TRL's micro-batch size (rows); the tree takes a step's "
+                                                             "rows as one micro-batch")
+    parser.add_argument("--out", default="results/sft")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.out)
+    write_run_record(out)
+    torch.manual_seed(0)
+    model = build_model(PRESETS[args.preset], "qwen3_next", device, torch.float32)
+    rows = step_rows(args.workload, args.scale, args.steps, MODELS[PRESETS[args.preset]]["vocab_size"], args.batch)
+    trainer = make_trainer(args, model, rows, device)
+    records: list[dict] = []
+    trainer.add_callback(step_timer(trainer, records))
+    trainer.train()
+    logged = {entry["step"]: entry for entry in trainer.state.log_history if "loss" in entry}
+
+    from harts_hf.trees import PrefixForest
+
+    steps = []
+    for record, instance in zip(records, rows):
+        stats = PrefixForest.from_sequences([ids for ids, _ in instance]).pack().stats()
+        log = logged.get(record["step"], {})
+        work = forest_throughput(model, record["seconds"], stats, tree=args.trainer == "tree")
+        steps.append(dict(record, loss=log.get("loss"), mean_token_accuracy=log.get("mean_token_accuracy"),
+                          tree={k: v for k, v in log.items() if k.startswith("tree/")},
+                          rows=len(instance), path_tokens=stats["path_tokens"], unique_tokens=stats["unique_tokens"],
+                          R_tok=stats["R_tok"], mfu=work["mfu"], flop_ratio=work["flop_ratio"]))
+    measured = [s for s in steps if s["step"] > args.warmup] or steps
+    result = dict(trainer=args.trainer, preset=args.preset, workload=args.workload, scale=args.scale,
+                  batch=len(rows[0]) if args.trainer == "tree" else args.batch, device=str(device), steps=steps,
+                  measured_steps=[s["step"] for s in measured],
+                  mean_step_s=sum(s["seconds"] for s in measured) / len(measured),
+                  mean_mfu=sum(s["mfu"] or 0.0 for s in measured) / len(measured))
+    (out / "sft.json").write_text(json.dumps(result, indent=1))
+    print(f"| {args.trainer} | {args.workload}@{args.scale} | rows/step {len(rows[0])} | "
+          f"mean step {result['mean_step_s']:.2f} s over steps {result['measured_steps']} | MFU {result['mean_mfu']:.3f} |")
+    for s in steps:
+        print(f"  step {s['step']}: {s['seconds']:.2f} s, loss {s['loss']}, R_tok {s['R_tok']:.2f}, "
+              f"peak {s['peak_gib']} GiB", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
