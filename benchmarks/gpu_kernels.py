@@ -35,13 +35,14 @@ SERIAL_BLOCKS: list[int] = []  # value blocks of the serial state pass to time (
 
 
 def bench(function, repeats: int = 5) -> float:
-    """Mean seconds of ``function()`` after one warm-up call."""
+    """Mean seconds of ``function()`` after one warm-up call (CUDA-synchronised where CUDA is in use)."""
+    synchronize = torch.cuda.synchronize if torch.cuda.is_initialized() else (lambda: None)
     function()
-    torch.cuda.synchronize()
+    synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
         function()
-    torch.cuda.synchronize()
+    synchronize()
     return (time.perf_counter() - start) / repeats
 
 
@@ -329,20 +330,22 @@ def _attention_feature(entry: dict, forests: dict, shape: tuple, device, half, t
     if kwargs.pop("sinks", False):
         kwargs["sinks"] = make(HQ)
 
-    def call(path, inputs, backend="auto"):  # output [tokens of the path's forest, HQ, DV]
-        packed, layout, index = forests[path]
-        if index is not None:
-            inputs = [x[index] for x in inputs]
+    def call(path, inputs, backend="auto"):  # inputs and output on the path's forest's tokens
+        packed, layout, _ = forests[path]
         return tree_attention(*inputs, packed.subtree_end.to(device), backend=backend, layout=layout,
                               depth=packed.position_ids.to(device), **kwargs)
 
     def run(path, dtype, backend="auto"):
-        """Output, and the gradients of the inputs on the tree's tokens (a trajectory's copies summed)."""
-        inputs = [x.to(dtype).requires_grad_() for x in leaves]
-        out = call(path, inputs, backend)
+        """Output, and the gradients of the inputs on the tree's tokens: a trajectory's copies are inputs of their
+        own, their gradients summed in fp32 (as a model's weight gradients sum over every position)."""
         index = forests[path][2]
+        inputs = [(x if index is None else x[index]).detach().to(dtype).requires_grad_() for x in leaves]
+        out = call(path, inputs, backend)
         token_weight = weight if index is None else weight[index] / multiplicity[index][:, None, None]
-        return [out.detach()] + list(torch.autograd.grad((out.float() * token_weight).sum(), inputs))
+        grads = torch.autograd.grad((out.float() * token_weight).sum(), inputs)
+        if index is not None:
+            grads = [torch.zeros_like(x).index_add_(0, index, g.float()) for x, g in zip(leaves, grads)]
+        return [out.detach()] + list(grads)
 
     reference = run("tree", torch.float32, backend="runs")
     for path in forests:
@@ -351,7 +354,7 @@ def _attention_feature(entry: dict, forests: dict, shape: tuple, device, half, t
         expected = [reference[0] if index is None else reference[0][index]] + reference[1:]
         entry[f"{path}_error_vs_fp32"] = dict(zip(("out", "dq", "dk", "dv"), map(rel, result, expected)))
         if timing:
-            inputs = [x.to(half).requires_grad_() for x in leaves]
+            inputs = [(x if index is None else x[index]).detach().to(half).requires_grad_() for x in leaves]
             entry[f"{path}_s"] = bench(lambda path=path, inputs=inputs: call(path, inputs).float().square()
                                        .mean().backward())
 

@@ -155,8 +155,8 @@ def model_parity(results: dict, scale: float, save=lambda: None, model=None, tim
     model = build_model() if model is None else model
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    if sequences is None:
-        sequences = make_workload("swe", scale=scale, seed=0).sequences
+    if sequences is None:  # token ids below the model's vocabulary (Nemotron-H's is smaller than the default)
+        sequences = make_workload("swe", scale=scale, seed=0, vocab_size=model.config.vocab_size).sequences
     device = model.get_input_embeddings().weight.device
     generator = torch.Generator(device=device).manual_seed(0)
     weights = [torch.randn(len(s) - 1, device=device, generator=generator) for s in sequences]

@@ -432,12 +432,13 @@ def test_gpu_attention_features_stage_on_cpu():
     small = {name: (4, 2, 8 + 4 * (d != dv), 8, dict(options, window=5) if "window" in options else options)
              for name, (_, _, d, dv, options) in ATTENTION_FEATURES.items()}
     row = {}
-    attention_features(row, sequences, device="cpu", features=small, timing=False)
+    attention_features(row, sequences, device="cpu", features=small)
     assert set(row["attention_features"]) == set(ATTENTION_FEATURES)
     for name, entry in row["attention_features"].items():
         for path in ("tree", "per_trajectory"):
             errors = entry[f"{path}_error_vs_fp32"]
             assert set(errors) == {"out", "dq", "dk", "dv"} and max(errors.values()) < 1e-5, (name, path, errors)
+            assert is_finite_nonnegative(entry[f"{path}_s"])  # timed (fwd+bwd repeated), its size unchecked
 
 
 def test_sft_benchmark_trains_the_same_rows_with_both_trainers(tmp_path):
