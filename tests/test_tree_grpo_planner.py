@@ -9,7 +9,14 @@ from transformers import AutoModelForCausalLM
 import harts_hf.trainers.grpo as grpo_module
 from harts_hf import TreeGRPOConfig, TreeGRPOTrainer
 from tests.test_tree_grpo import BASE_ARGS, make_trainers, prepared, saved_model  # noqa: F401 (fixture)
-from tests.trl_helpers import char_tokenizer, length_reward, patch_generate, prompt_dataset, worst_gradient_error
+from tests.trl_helpers import (
+    char_tokenizer,
+    length_reward,
+    patch_generate,
+    prompt_dataset,
+    record_executions,
+    worst_gradient_error,
+)
 
 BUDGET = dict(tree_token_budget=24)  # each group's tree (~60 unique tokens) is cut into several pieces
 NO_AUX = dict(router_aux_loss_coef=0.0)  # the MoE load-balancing loss is not split over pieces
@@ -18,16 +25,7 @@ NO_AUX = dict(router_aux_loss_coef=0.0)  # the MoE load-balancing loss is not sp
 @pytest.fixture
 def executions(monkeypatch):
     """Stats of every execute_plan call the trainer makes (with the plan's unique token count)."""
-    calls = []
-
-    def recording(model, the_plan, **kwargs):
-        result = execute_plan(model, the_plan, **kwargs)
-        calls.append(dict(result.stats, unique=the_plan.packed.num_tokens, training=kwargs.get("loss_fn") is not None))
-        return result
-
-    execute_plan = grpo_module.execute_plan
-    monkeypatch.setattr(grpo_module, "execute_plan", recording)
-    return calls
+    return record_executions(monkeypatch, grpo_module)
 
 
 def metrics_of(trainer) -> dict:

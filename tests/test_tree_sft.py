@@ -3,7 +3,6 @@ for language-modelling and prompt-completion datasets whose rows share prefixes;
 over tree_token_budget run as planner pieces (one process and DDP); tree_per_turn_rows (one row per assistant turn,
 against rows built from the chat template directly; Qwen3's template drops earlier thinking); refusals."""
 
-import inspect
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from tests.trl_helpers import (
     assert_same_training,
     char_tokenizer,
     cpu_safe_trainer,
+    record_executions,
     save_tiny_model,
     worst_gradient_error,
 )
@@ -238,16 +238,7 @@ def saved_llama(tmp_path_factory):
 @pytest.fixture
 def executions(monkeypatch):
     """Stats of every execute_plan call TreeSFTTrainer makes (with the plan's unique token count)."""
-    calls = []
-
-    def recording(model, the_plan, **kwargs):
-        result = execute_plan(model, the_plan, **kwargs)
-        calls.append(dict(result.stats, unique=the_plan.packed.num_tokens, training=kwargs.get("loss_fn") is not None))
-        return result
-
-    execute_plan = sft_module.execute_plan
-    monkeypatch.setattr(sft_module, "execute_plan", recording)
-    return calls
+    return record_executions(monkeypatch, sft_module)
 
 
 def three_trainers(path, tmp_path, dataset, tree_only=(), **overrides):
@@ -526,33 +517,3 @@ def test_per_turn_rows_refuse_a_substituted_training_template(tmp_path):
                        train_dataset=Dataset.from_dict({"messages": [thinking_conversation()]}))
     for word in ("tree_per_turn_rows=True", "assistant_only_loss=True", "assistant_only_loss=False", "generation"):
         assert word in str(info.value)
-
-
-def test_trl_contract_of_the_planned_and_per_turn_paths():
-    """What TreeSFTTrainer mirrors or relies on (trl 1.16, transformers 5): SFTTrainer's argument order (passed on
-    positionally), its loss formula and the template it substitutes for assistant_only_loss (self.chat_template), and
-    how Trainer.training_step and accelerator.backward scale compute_loss's value (each piece's loss is scaled so)."""
-    import accelerate
-    from transformers import Trainer
-
-    assert list(inspect.signature(SFTTrainer.__init__).parameters)[:8] == [
-        "self", "model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
-        "compute_loss_func"]
-    loss_source = inspect.getsource(SFTTrainer.compute_loss)
-    for text in ("per_token_loss = -outputs.log_probs",
-                 "per_token_loss = per_token_loss * outputs.log_probs.exp().detach()",
-                 "num_tokens = outputs.label_mask.sum() if num_items_in_batch is None else num_items_in_batch",
-                 "loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)",
-                 "loss = loss * (self.accelerator.num_processes // self.get_tp_size())"):
-        assert text in loss_source, text
-    assert "self.chat_template = get_training_chat_template(processing_class)" in inspect.getsource(SFTTrainer.__init__)
-    step_source = inspect.getsource(Trainer.training_step)
-    for text in ("loss_is_scaled_for_ga = self.loss_is_scaled_for_ga",
-                 "self.model_accepts_loss_kwargs and num_items_in_batch is not None",
-                 ") or self.compute_loss_func is not None",
-                 "loss = loss / self.current_gradient_accumulation_steps",
-                 "self.accelerator.backward(loss, **kwargs)"):
-        assert text in step_source, text
-    backward_source = inspect.getsource(accelerate.Accelerator.backward)
-    assert "loss = loss / self.gradient_accumulation_steps" in backward_source
-    assert "self.scaler.scale(loss).backward(**kwargs)" in backward_source

@@ -1,9 +1,9 @@
-"""Contract with TRL's private hooks that TreeGRPOTrainer overrides or relies on (trl>=1.16,<1.17)."""
+"""Contract with TRL's private hooks that TreeGRPOTrainer and TreeSFTTrainer override or rely on (trl>=1.16,<1.17)."""
 
 import inspect
 
 import trl
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, SFTTrainer
 from trl.trainer import utils as trl_utils
 
 
@@ -129,3 +129,35 @@ def test_tree_trainer_takes_grpo_trainers_arguments():
 
     assert parameters(TreeGRPOTrainer) == parameters(GRPOTrainer)
     assert inspect.signature(TreeGRPOTrainer.__init__).parameters["reward_funcs"].default is None
+
+
+def test_tree_sft_trainer_planned_and_per_turn_paths():
+    """What TreeSFTTrainer mirrors or relies on (trl 1.16, transformers 5): SFTTrainer's argument order (passed on
+    positionally), its loss formula and the template it substitutes for assistant_only_loss (self.chat_template), and
+    how Trainer.training_step and accelerator.backward scale compute_loss's value (each piece's loss is scaled so)."""
+    import accelerate
+    from transformers import Trainer
+
+    assert list(inspect.signature(SFTTrainer.__init__).parameters)[:8] == [
+        "self", "model", "args", "data_collator", "train_dataset", "eval_dataset", "processing_class",
+        "compute_loss_func"]
+    mirrored = {
+        SFTTrainer.compute_loss: ("per_token_loss = -outputs.log_probs",
+                                  "per_token_loss = per_token_loss * outputs.log_probs.exp().detach()",
+                                  "num_tokens = outputs.label_mask.sum() if num_items_in_batch is None else "
+                                  "num_items_in_batch",
+                                  "loss = per_token_loss.sum() / torch.as_tensor(num_tokens).clamp(min=1)",
+                                  "loss = loss * (self.accelerator.num_processes // self.get_tp_size())"),
+        SFTTrainer.__init__: ("self.chat_template = get_training_chat_template(processing_class)",),
+        Trainer.training_step: ("loss_is_scaled_for_ga = self.loss_is_scaled_for_ga",
+                                "self.model_accepts_loss_kwargs and num_items_in_batch is not None",
+                                ") or self.compute_loss_func is not None",
+                                "loss = loss / self.current_gradient_accumulation_steps",
+                                "self.accelerator.backward(loss, **kwargs)"),
+        accelerate.Accelerator.backward: ("loss = loss / self.gradient_accumulation_steps",
+                                          "self.scaler.scale(loss).backward(**kwargs)"),
+    }
+    for function, texts in mirrored.items():
+        source = inspect.getsource(function)
+        for text in texts:
+            assert text in source, (function.__qualname__, text)

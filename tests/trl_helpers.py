@@ -125,3 +125,18 @@ def assert_same_training(base, tree) -> None:
     for (name, a), (_, b) in zip(base.model.named_parameters(), tree.model.named_parameters()):
         step = (a.detach() - start[name]).norm()
         assert (b - a).norm() <= 1e-5 * a.norm() + 1e-3 * step, name
+
+
+def record_executions(monkeypatch, module) -> list[dict]:
+    """Replace ``module.execute_plan`` (a trainer module's) with one that also records each call's stats, the plan's
+    unique token count and whether it trained (a ``loss_fn``); returns the list it appends to."""
+    calls = []
+    execute_plan = module.execute_plan
+
+    def recording(model, the_plan, **kwargs):
+        result = execute_plan(model, the_plan, **kwargs)
+        calls.append(dict(result.stats, unique=the_plan.packed.num_tokens, training=kwargs.get("loss_fn") is not None))
+        return result
+
+    monkeypatch.setattr(module, "execute_plan", recording)
+    return calls
