@@ -97,6 +97,23 @@ def test_agentic_batch_balances_across_replicas():
     assert stats["imbalance"] < 1.05 and stats["duplicated_tokens"] == 0
 
 
+def test_placement_prices_each_microbatch():
+    """Replicas are balanced on what they run: their pieces packed into microbatches, each with the cost model's
+    fixed cost (0.52 s at the refit), not on the pieces' costs alone, which left a replica one microbatch longer
+    (max/mean 1.11 on this batch); the same batch also needs fewer slots."""
+    sequences = make_workload("tau", scale=0.1, seed=0, num_tasks=8).sequences
+    the_plan = plan(PrefixForest.from_sequences(sequences).pack(), num_replicas=4, token_budget=8192)
+    stats = the_plan.stats()
+    assert stats["imbalance"] < 1.001 and stats["duplicated_tokens"] == 0
+    assert max(len(slots) for slots in the_plan.replicas) == 3
+    costs = [sum(mb.cost for mb in slots) for slots in the_plan.replicas]
+    overhead = the_plan.cost_model.cost({"microbatches": 1})
+    for slots, cost in zip(the_plan.replicas, costs):  # a replica's cost: its pieces' and its microbatches'
+        used = [mb for mb in slots if mb.pieces]
+        pieces = sum(the_plan.pieces[i].cost for mb in used for i in mb.pieces)
+        assert cost == pytest.approx(pieces + overhead * len(used))
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(num_replicas=0, token_budget=10), ["num_replicas"]),
     (dict(num_replicas=1, token_budget=0), ["token_budget"]),

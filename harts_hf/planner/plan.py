@@ -300,8 +300,10 @@ def _piece_features(segments, lengths, depth0, parent, children, ends, chunk_siz
 
 def _place(pieces: list[Piece], num_replicas: int, token_budget: int, cost_model: CostModel,
            cross_replica: bool) -> list[list[Microbatch]]:
-    """Units (pieces, or whole trees) to replicas by longest-processing-time first; on each replica, pieces in
-    depth-first order packed into microbatches up to the budget; every replica padded to the same slot count."""
+    """Units (pieces, or whole trees) to replicas by longest-processing-time first, then a local search on the
+    units' costs and one on each replica's cost as it runs: its pieces in depth-first order packed into microbatches
+    up to the budget, each microbatch also paying the cost model's fixed cost; every replica padded to the same slot
+    count."""
     units: dict[int, list[Piece]] = {}
     for piece in pieces:
         units.setdefault(piece.index if cross_replica else piece.tree, []).append(piece)
@@ -312,10 +314,9 @@ def _place(pieces: list[Piece], num_replicas: int, token_budget: int, cost_model
         replica = min(range(num_replicas), key=lambda r: (loads[r], r))
         assigned[replica].append(unit)
         loads[replica] += sum(p.cost for p in units[unit])
-    _rebalance(assigned, loads, {u: sum(p.cost for p in units[u]) for u in units})
     overhead = cost_model.cost({"microbatches": 1})
-    replicas = []
-    for unit_list in assigned:
+
+    def replica_slots(unit_list: list[int]) -> list[Microbatch]:
         slots: list[Microbatch] = []
         for piece in sorted((p for u in unit_list for p in units[u]), key=lambda p: p.index):  # sources first
             if not slots or slots[-1].unique_tokens + piece.unique_tokens > token_budget:
@@ -323,41 +324,48 @@ def _place(pieces: list[Piece], num_replicas: int, token_budget: int, cost_model
             slots[-1].pieces.append(piece.index)
             slots[-1].unique_tokens += piece.unique_tokens
             slots[-1].cost += piece.cost
-        replicas.append(slots)
+        return slots
+
+    unit_cost = {u: sum(p.cost for p in units[u]) for u in units}
+    _rebalance(assigned, lambda unit_list: sum(unit_cost[u] for u in unit_list), unit_cost)  # the pieces' own costs
+    _rebalance(assigned, lambda unit_list: sum(slot.cost for slot in replica_slots(unit_list)), unit_cost)
+    replicas = [replica_slots(unit_list) for unit_list in assigned]
     num_slots = max(1, max(len(slots) for slots in replicas))
     for slots in replicas:
         slots.extend(Microbatch() for _ in range(num_slots - len(slots)))
     return replicas
 
 
-def _rebalance(assigned: list[list[int]], loads: list[float], cost: dict[int, float], rounds: int = 200) -> None:
-    """Local search after LPT: move a unit, or swap two, between the most and the least loaded replica while
-    that lowers the larger of the two loads (deterministic, in place)."""
+def _rebalance(assigned: list[list[int]], replica_cost, unit_cost: dict[int, float], rounds: int = 200) -> None:
+    """Local search after LPT: move a unit, or else swap two, between the most and the least loaded replica while
+    that lowers the larger of the two loads; ``replica_cost(units)`` is a replica's load, ``unit_cost`` each unit's
+    own (deterministic, in place)."""
+    loads = [replica_cost(unit_list) for unit_list in assigned]
     for _ in range(rounds):
         high = max(range(len(loads)), key=lambda r: (loads[r], -r))
         low = min(range(len(loads)), key=lambda r: (loads[r], r))
-        gap = loads[high] - loads[low]
-        if gap <= 0:
+        if loads[high] - loads[low] <= 0:
             return
-        best = None  # (new larger load, unit out of high, unit out of low or None)
-        for unit in assigned[high]:
-            delta = cost[unit]
-            if delta < gap:
-                best = min(best or (loads[high], unit, None), (max(loads[high] - delta, loads[low] + delta), unit, None))
-            for other in assigned[low]:
-                delta = cost[unit] - cost[other]
-                if 0 < delta < gap:
-                    candidate = (max(loads[high] - delta, loads[low] + delta), unit, other)
-                    best = min(best or (loads[high], unit, None), candidate)
-        if best is None or best[0] >= loads[high] - 1e-12:
+        best = None  # (new larger load, new high load, new low load, unit out of high, unit out of low or None)
+        for swaps in (False, True):  # swaps only where no move helps
+            for unit in assigned[high]:
+                for other in assigned[low] if swaps else [None]:
+                    if other is not None and not 0 < unit_cost[unit] - unit_cost[other] < loads[high] - loads[low]:
+                        continue  # a swap that does not narrow the gap in the units' own costs
+                    kept = [u for u in assigned[high] if u != unit] + ([] if other is None else [other])
+                    moved = [u for u in assigned[low] if u != other] + [unit]
+                    new_high, new_low = replica_cost(kept), replica_cost(moved)
+                    candidate = (max(new_high, new_low), new_high, new_low, unit, other)
+                    if candidate[0] < loads[high] - 1e-12 and (best is None or candidate[:1] < best[:1]):
+                        best = candidate
+            if best is not None:
+                break
+        if best is None:
             return
-        _, unit, other = best
+        _, new_high, new_low, unit, other = best
         assigned[high].remove(unit)
         assigned[low].append(unit)
-        loads[high] -= cost[unit]
-        loads[low] += cost[unit]
         if other is not None:
             assigned[low].remove(other)
             assigned[high].append(other)
-            loads[low] -= cost[other]
-            loads[high] += cost[other]
+        loads[high], loads[low] = new_high, new_low
