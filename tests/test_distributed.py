@@ -1,6 +1,7 @@
 """Real 2-process data-parallel runs on CPU (Accelerate over gloo): ranks stay in lock-step."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,12 +15,27 @@ SCRIPT = Path(__file__).parent / "scripts" / "two_process_tree_grpo.py"
 ENV = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
 
 
-def launch(out_dir: Path, mode: str | None, port: int, script: Path = SCRIPT) -> list[dict]:
+def launch(out_dir: Path, mode: str | None, port: int, script: Path = SCRIPT, timeout: float = 600) -> list[dict]:
+    """``script`` on 2 processes; a run still going after ``timeout`` seconds (a hang: ranks waiting in different
+    collectives) is stopped with its workers and fails the test."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
                str(port), str(script), str(out_dir), *([mode] if mode else [])]
-    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # torchrun's agent (this process) forwards SIGTERM to its workers, which run in sessions of their own
+            process.terminate()
+            try:
+                stdout, stderr = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                stdout, stderr = process.communicate()
+            pytest.fail(f"the 2-process run ({script.name} {mode}) did not finish in {timeout} s (hung in a "
+                        f"collective?)\n{stdout[-3000:]}{stderr[-3000:]}")
+    assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
     ranks = [torch.load(out_dir / f"rank{k}.pt", weights_only=False) for k in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2], "accelerate ran fewer than 2 processes"
     for name, value in ranks[0]["params"].items():
@@ -90,6 +106,31 @@ def test_two_processes_with_uneven_planner_pieces_match_one_process(tmp_path):
     print(f"\n[2 processes, planner] pieces per microbatch {ranks[0]['pieces']} vs {ranks[1]['pieces']}; "
           f"worst |2-proc - 1-proc| / |step| = {worst:.2e}")
     assert ranks[0]["logged"][0]["tree/handoffs"] > 0
+
+
+@pytest.mark.parametrize("mode, port", [("mixed", 29554), ("mixed_no_checkpointing", 29555),
+                                        ("mixed_sequence", 29556)])
+def test_two_processes_with_pieces_on_one_and_one_forward_on_the_other_match_one_process(tmp_path, mode, port):
+    """Process 0 runs every microbatch as planner pieces (a hand-off forward without gradient first), process 1 as
+    one tree forward, over 3 optimizer steps of 2 accumulated microbatches. DDP's forward issues collectives (with
+    gradient checkpointing, find_unused_parameters=False: a bucket rebuild in the first forward with gradient after
+    the first synchronised backward; Qwen3-Next's RoPE buffers: a broadcast in the first forward after a
+    synchronised one), which both processes must issue in the same order (else gloo fails on a size mismatch or
+    hangs): each step's loss and gradient norm equal one process's over the same global batch."""
+    ranks = launch(tmp_path / "two", mode, port, timeout=300)
+    single = run_one_process(tmp_path / "one", mode)
+    pairs = list(zip(ranks[0]["pieces"], ranks[1]["pieces"]))  # per microbatch; 1: it fit, one tree forward
+    assert len(pairs) == 6 and all(a > 1 and b == 1 for a, b in pairs), pairs
+    assert all(rank["find_unused_parameters"] is (mode == "mixed_no_checkpointing") for rank in ranks)
+    logged = [[{k: v for k, v in entry.items() if "time" not in k} for entry in rank["logged"]] for rank in ranks]
+    assert logged[0] == logged[1]  # the same steps, values and metrics on both processes (timings aside)
+    steps = [[(entry["loss"], entry["grad_norm"]) for entry in run["logged"]] for run in (ranks[0], single)]
+    assert len(steps[1]) == 3
+    for two, one in zip(*steps):
+        assert two == pytest.approx(one, rel=1e-4, abs=1e-6), steps
+    worst, _ = compare_final_parameters(ranks[0], single, value_tol=1e-5, step_tol=1e-3)
+    print(f"\n[2 processes, {mode}] pieces per microbatch {ranks[0]['pieces']} vs {ranks[1]['pieces']}; (loss, grad "
+          f"norm) per step {steps[0]} vs one process {steps[1]}; worst |2-proc - 1-proc| / |step| = {worst:.2e}")
 
 
 @pytest.mark.parametrize("mode, port", [("cross", 29520), ("cross_grpo", 29521)])

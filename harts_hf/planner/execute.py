@@ -22,12 +22,12 @@ import torch
 from .._checks import check_int, check_number
 from ..kernels import TreeContext, TreeExport, TreeMetadata
 from ..kernels.context import compact
-from ..logprobs import _ensure_patched, check_tree_inputs, unwrap_model
+from ..logprobs import _ensure_patched, check_tree_inputs, tree_logprobs, unwrap_model
 from ..model_patches.entry import TREE_REQUEST_KWARG, TreeRequest
 from .exchange import Exchange
 from .plan import Piece, Plan
 
-__all__ = ["PieceLogprobs", "PlanExecution", "engine_backward", "execute_plan"]
+__all__ = ["PieceLogprobs", "PlanExecution", "engine_backward", "execute_plan", "lead_forward"]
 
 
 @dataclass
@@ -187,6 +187,22 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
     if between_phases is not None:  # a forward-only pass is one phase of forwards: after it
         between_phases()
     return runner.result()
+
+
+def lead_forward(model, no_sync: Callable[[], AbstractContextManager], *, gdn_backend: str = "auto",
+                 attention_backend: str = "auto") -> None:
+    """DDP: a 2-token tree forward with gradient under ``no_sync``, its output dropped, run before a training
+    microbatch's pieces (:func:`execute_plan` with ``no_sync``) on every process where some process may run its
+    microbatch as one tree forward instead. DDP's forward issues collectives: once in training, in the first forward
+    with gradient after the first synchronised backward, a bucket rebuild (with ``find_unused_parameters=False``,
+    as under gradient checkpointing), then, in every forward after a synchronised one, the buffer broadcast (a model
+    with buffers, such as RoPE's ``inv_freq``). A one-forward process issues both in its forward, in that order;
+    pieces start with a hand-off forward without gradient, which would issue the broadcast before the rebuild (gloo:
+    "Received data size doesn't match expected size", or a hang). This forward issues them as the one-forward
+    process does; the pieces' forwards after it issue none until the last one outside ``no_sync``.
+    ``no_sync``: the DDP wrapper's (e.g. ``functools.partial(accelerator.no_sync, model)``); ``model``: the wrapper."""
+    with no_sync(), torch.enable_grad():
+        tree_logprobs(model, [[0, 0]], gdn_backend=gdn_backend, attention_backend=attention_backend)
 
 
 def engine_backward(engine) -> Callable[[list, list], None]:

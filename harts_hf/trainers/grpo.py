@@ -26,7 +26,7 @@ from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
 from ..planner import CostModel, Plan, imbalance, plan
-from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan
+from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
 from .config import TreeGRPOConfig
 from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
 from .replica_balance import (
@@ -200,7 +200,10 @@ class TreeGRPOTrainer(GRPOTrainer):
         hand-offs, so no token is computed with gradient twice. The gradients are accumulated here (scaled as
         ``accelerator.backward`` would scale TRL's loss); the returned loss is TRL's value as a detached leaf, on
         which Trainer's ``accelerator.backward`` reaches no parameter. TRL's own ``_compute_loss`` logs the
-        metrics on the pieces' log-probs. Everything else is TRL's ``compute_loss``."""
+        metrics on the pieces' log-probs (before the last piece's backward, as the one-forward path does). Under DDP
+        with several processes a :func:`~harts_hf.planner.execute.lead_forward` comes first, so DDP's forward
+        collectives come in the order of a process whose microbatch fits. Everything else is TRL's
+        ``compute_loss``."""
         if (return_outputs or not self.args.use_tree or self.args.tree_token_budget is None
                 or not torch.is_grad_enabled() or not self.model.training
                 or any(inputs.get(key) is not None for key in MULTIMODAL_KEYS)):
@@ -227,6 +230,9 @@ class TreeGRPOTrainer(GRPOTrainer):
         self.last_piece_padding = 0
         if deepspeed:
             options.update(self._pad_pieces(model, the_plan, backward))
+        elif self.accelerator.num_processes > 1:  # DDP's forward collectives in the one-forward order (lead_forward)
+            lead_forward(model, no_sync, gdn_backend=self.args.tree_gdn_backend,
+                         attention_backend=self.args.tree_attention_backend)
         if self._token_level_loss():
             loss_fn = _PieceLoss(self, layout, inputs, len(the_plan.pieces),
                                  on_last=lambda logps, entropies: self._replayed_loss(model, inputs, logps, entropies,

@@ -25,7 +25,7 @@ from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import TREE_REQUEST_KWARG
 from ..planner import Plan, plan
-from ..planner.execute import PieceLogprobs, execute_plan
+from ..planner.execute import PieceLogprobs, execute_plan, lead_forward
 from ..trees import PackedForest, PrefixForest
 from .config import _ATTENTION_BACKENDS, _GDN_BACKENDS
 
@@ -211,21 +211,11 @@ class TreeSFTTrainer(SFTTrainer):
                              on_last=lambda logprobs, entropies: summarise(logprobs.split(predicted),
                                                                            entropies.split(predicted)))
         no_sync = functools.partial(self.accelerator.no_sync, model)
-        if self.accelerator.num_processes > 1:
-            self._lead_forward(model, no_sync)
+        if self.accelerator.num_processes > 1:  # DDP's forward collectives in the one-forward order (lead_forward)
+            lead_forward(model, no_sync, gdn_backend=self.args.tree_gdn_backend,
+                         attention_backend=self.args.tree_attention_backend)
         execute_plan(recorder, the_plan, loss_fn=loss_fn, entropy_grad=False, no_sync=no_sync, **options)
         return loss_fn.summary.detach().requires_grad_()
-
-    def _lead_forward(self, model, no_sync) -> None:
-        """DDP: a 2-token tree forward with gradient under ``no_sync``, its output dropped, before the pieces. DDP's
-        forward issues collectives: once in training, in the first forward with gradient after the first
-        synchronised backward, a bucket rebuild, then (in every forward after a synchronised one) the buffer
-        broadcast. A process that runs its microbatch as one tree forward issues both in that forward, in that
-        order; the pieces start with a hand-off forward without gradient, which would issue the broadcast before the
-        rebuild. This forward issues them as the one-forward process does."""
-        with no_sync(), torch.enable_grad():
-            tree_logprobs(model, [[0, 0]], gdn_backend=self.args.tree_gdn_backend,
-                          attention_backend=self.args.tree_attention_backend)
 
     def _plan(self, packed: PackedForest) -> Plan:
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (or of the longest stretch

@@ -10,6 +10,14 @@ process). Mode ``balance``: TRL's split gives process 0 the two big trees of eve
 (``shuffle_dataset=False``; prompts marked "!" get a long draft); ``tree_balance_replicas`` moves whole groups;
 also records the first optimizer step's gradient and the prompts each process trains on; as one process it is
 the reference over the same global batch.
+Modes ``mixed``, ``mixed_no_checkpointing`` (gradient checkpointing on, TRL's default, or off) and
+``mixed_sequence`` (``mixed`` with GSPO's sequence-level importance sampling: the pieces first run forward only):
+three optimizer steps in which process 0's microbatches (prompts marked "!", a long draft; ``shuffle_dataset=False``,
+no balancing) always exceed ``tree_token_budget`` and run as planner pieces, and process 1's always fit (one tree
+forward), so the ranks' DDP forwards differ in every microbatch, the first after a synchronised backward included;
+each rank records its piece counts and its DDP wrapper's ``find_unused_parameters`` (False with checkpointing: DDP
+then rebuilds its buckets once, a collective in the first forward with gradient after the first synchronised
+backward).
 """
 
 import os
@@ -43,12 +51,22 @@ def main(out_dir: str, mode: str):
                   logging_steps=1, save_strategy="no", seed=0)
     pieces, held, gradients = [], [], {}
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # PartialState may not be initialised for 2 processes yet
-    if mode in ("planner", "cross", "cross_grpo"):
-        model = patch_generate(model, tokenizer, draft_width=lambda prompt: 30 if sum(prompt) % 2 else 10)
+    dataset = prompt_dataset(16)
+    if mode in ("planner", "cross", "cross_grpo") or mode.startswith("mixed"):
+        if mode.startswith("mixed"):  # process 0: the marked prompts (pieces); process 1: the others (one forward)
+            marker = tokenizer.convert_tokens_to_ids("!")
+            model = patch_generate(model, tokenizer, draft_width=lambda prompt: 40 if marker in prompt else 4)
+            dataset = Dataset.from_dict({"prompt": [("!" if i % 4 < 2 else "") + f"{i}+{i}=" for i in range(12)]})
+            common.update(max_steps=3, max_completion_length=50, shuffle_dataset=False, tree_balance_replicas=False,
+                          gradient_checkpointing=mode != "mixed_no_checkpointing")
+            if mode == "mixed_sequence":  # GSPO's sequence-level ratio: a forward-only pass over the pieces first
+                common.update(importance_sampling_level="sequence")
+        else:
+            model = patch_generate(model, tokenizer, draft_width=lambda prompt: 30 if sum(prompt) % 2 else 10)
         if mode == "cross_grpo":  # per-row normalisers over each process's own rows
             common["loss_type"] = "grpo"
         args = TreeGRPOConfig(**common, per_device_train_batch_size=12 // world_size,
-                              router_aux_loss_coef=0.0, tree_token_budget=30,
+                              router_aux_loss_coef=0.0, tree_token_budget=40 if mode.startswith("mixed") else 30,
                               tree_cross_replica_handoffs=mode.startswith("cross"))
         execute_plan = grpo_module.execute_plan
 
@@ -95,13 +113,15 @@ def main(out_dir: str, mode: str):
         args = TreeGRPOConfig(**common, per_device_train_batch_size=6, router_aux_loss_coef=0.01,
                               tree_keep_groups_together=mode == "groups")
     trainer = TreeGRPOTrainer(model, reward_funcs=length_reward, args=args,
-                              train_dataset=dataset if mode == "balance" else prompt_dataset(16),
+                              train_dataset=dataset,
                               processing_class=tokenizer, callbacks=[FirstGradient(gradients)])
     trainer.train()
     params = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     logged = [entry for entry in trainer.state.log_history if "tree/R_tok" in entry]
+    find_unused = getattr(trainer.model_wrapped, "find_unused_parameters", None)  # None: no DDP wrapper
     torch.save({"world_size": state.num_processes, "params": params, "logged": logged, "pieces": pieces,
-                "held": held, "gradients": gradients}, Path(out_dir) / f"rank{state.process_index}.pt")
+                "held": held, "gradients": gradients, "find_unused_parameters": find_unused},
+               Path(out_dir) / f"rank{state.process_index}.pt")
     trainer.accelerator.end_training()  # destroys the process group: gloo left to the interpreter's exit can abort
     return trainer  # kept alive until os._exit (see the end of this file)
 
