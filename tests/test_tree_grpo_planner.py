@@ -129,8 +129,10 @@ def test_fitted_cost_model_cuts_the_pieces(saved_model, tmp_path, monkeypatch): 
                        microbatches=0.0)
     fitted.save(tmp_path / "cost.json")
     used = []
-    planner = grpo_module.plan
-    monkeypatch.setattr(grpo_module, "plan", lambda *a, **k: used.append(k["cost_model"]) or planner(*a, **k))
+    import harts_hf.planner
+
+    planner = harts_hf.planner.plan
+    monkeypatch.setattr(harts_hf.planner, "plan", lambda *a, **k: used.append(k["cost_model"]) or planner(*a, **k))
     args = dict(BASE_ARGS, output_dir=str(tmp_path), **NO_AUX, **BUDGET, tree_cost_model=str(tmp_path / "cost.json"))
     tree = TreeGRPOTrainer(patch_generate(AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32),
                                           char_tokenizer()), reward_funcs=length_reward,

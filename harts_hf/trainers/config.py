@@ -172,3 +172,17 @@ class TreeGRPOConfig(GRPOConfig):
         if self.tree_cost_model is not None and not isinstance(self.tree_cost_model, str):
             raise TypeError(f"tree_cost_model must be a path to a JSON cost model or None, got "
                             f"{self.tree_cost_model!r} of type {type(self.tree_cost_model).__name__}")
+
+
+def budget_plan(packed, budget: int, logger, **options):
+    """:func:`harts_hf.planner.plan` of ``packed`` within ``tree_token_budget=budget``, or within the longest run
+    without a branch point when that is longer (pieces are cut only at branch points; warned once)."""
+    from ..planner import plan
+
+    longest = int((packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).max())
+    if longest > budget:
+        logger.warning_once(f"a run of {longest} tokens without a branch point exceeds tree_token_budget={budget}; "
+                            "pieces are cut only at branch points, so such a piece holds up to that many tokens")
+        budget = longest
+    return plan(packed, token_budget=budget, **options)
+

@@ -27,7 +27,7 @@ from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
 from ..planner import CostModel, Plan, imbalance, plan
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
-from .config import TreeGRPOConfig
+from .config import TreeGRPOConfig, budget_plan
 from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
 from .replica_balance import (
     MULTIMODAL_KEYS,
@@ -172,14 +172,8 @@ class TreeGRPOTrainer(GRPOTrainer):
     def _plan(self, layout: RowLayout, replicas: int = 1) -> Plan:
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points, on ``replicas`` replicas
         (with several, a tree's pieces may sit on different replicas)."""
-        packed = layout.forest.pack()
-        budget = self.args.tree_token_budget
-        longest = int((packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).max())
-        if longest > budget:
-            logger.warning_once(f"a run of {longest} tokens without a branch point exceeds tree_token_budget={budget}; "
-                                "pieces are cut only at branch points, so such a piece holds up to that many tokens")
-            budget = longest
-        return plan(packed, num_replicas=replicas, token_budget=budget, cost_model=self._cost_model)
+        return budget_plan(layout.forest.pack(), self.args.tree_token_budget, logger, num_replicas=replicas,
+                           cost_model=self._cost_model)
 
     def _execute_options(self) -> dict:
         return dict(temperature=self.temperature, gdn_backend=self.args.tree_gdn_backend,

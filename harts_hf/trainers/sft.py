@@ -24,10 +24,10 @@ from ..logprobs import tree_logprobs, unwrap_model
 from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import TREE_REQUEST_KWARG
-from ..planner import Plan, plan
+from ..planner import Plan
 from ..planner.execute import PieceLogprobs, execute_plan, lead_forward
 from ..trees import PackedForest, PrefixForest
-from .config import _ATTENTION_BACKENDS, _GDN_BACKENDS
+from .config import _ATTENTION_BACKENDS, _GDN_BACKENDS, budget_plan
 
 __all__ = ["TreeSFTConfig", "TreeSFTTrainer", "forest_rows", "per_turn_rows"]
 
@@ -220,13 +220,7 @@ class TreeSFTTrainer(SFTTrainer):
     def _plan(self, packed: PackedForest) -> Plan:
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (or of the longest stretch
         without one, when that is longer)."""
-        budget = self.args.tree_token_budget
-        longest = int((packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).max())
-        if longest > budget:
-            logger.warning_once(f"a run of {longest} tokens without a branch point exceeds tree_token_budget={budget}; "
-                                "pieces are cut only at branch points, so such a piece holds up to that many tokens")
-            budget = longest
-        return plan(packed, token_budget=budget)
+        return budget_plan(packed, self.args.tree_token_budget, logger)
 
     def _label_values(self, masks, logprobs, entropies, is_top1):
         """The label tokens' log-probs, entropies and argmax flags (flat, rows in order) from per-row values."""
