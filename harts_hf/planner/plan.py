@@ -300,10 +300,9 @@ def _piece_features(segments, lengths, depth0, parent, children, ends, chunk_siz
 
 def _place(pieces: list[Piece], num_replicas: int, token_budget: int, cost_model: CostModel,
            cross_replica: bool) -> list[list[Microbatch]]:
-    """Units (pieces, or whole trees) to replicas by longest-processing-time first, then a local search on the
-    units' costs and one on each replica's cost as it runs: its pieces in depth-first order packed into microbatches
-    up to the budget, each microbatch also paying the cost model's fixed cost; every replica padded to the same slot
-    count."""
+    """Units (pieces, or whole trees) to replicas by longest-processing-time first, then a local search on each
+    replica's cost as it runs: its pieces in depth-first order packed into microbatches up to the budget, each
+    microbatch also paying the cost model's fixed cost; every replica padded to the same slot count."""
     units: dict[int, list[Piece]] = {}
     for piece in pieces:
         units.setdefault(piece.index if cross_replica else piece.tree, []).append(piece)
@@ -327,8 +326,17 @@ def _place(pieces: list[Piece], num_replicas: int, token_budget: int, cost_model
         return slots
 
     unit_cost = {u: sum(p.cost for p in units[u]) for u in units}
-    _rebalance(assigned, lambda unit_list: sum(unit_cost[u] for u in unit_list), unit_cost)  # the pieces' own costs
-    _rebalance(assigned, lambda unit_list: sum(slot.cost for slot in replica_slots(unit_list)), unit_cost)
+
+    def running_cost(unit_list: list[int]) -> float:
+        return sum(slot.cost for slot in replica_slots(unit_list))
+
+    # the search on the running cost is local: start it from LPT and from LPT rebalanced on the units' own costs,
+    # keep the lower makespan (the first on a tie)
+    starts = [[list(units_of) for units_of in assigned] for _ in range(2)]
+    _rebalance(starts[1], lambda unit_list: sum(unit_cost[u] for u in unit_list), unit_cost)
+    for start in starts:
+        _rebalance(start, running_cost, unit_cost)
+    assigned = min(starts, key=lambda start: max(map(running_cost, start)))
     replicas = [replica_slots(unit_list) for unit_list in assigned]
     num_slots = max(1, max(len(slots) for slots in replicas))
     for slots in replicas:
