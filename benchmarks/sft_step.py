@@ -87,6 +87,10 @@ def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], dev
         def _get_train_sampler(self, *unused, **kwargs):
             return SequentialSampler(self.train_dataset)
 
+    if not on_cuda and args.trainer == "trl":  # SFTTrainer's plain forwards on CPU stay off Triton (CUDA torch)
+        from harts_hf.model_patches import cpu_safe
+
+        cpu_safe(model)
     tokenizer = id_tokenizer(model.config.vocab_size)
     return InOrder(model=model, args=config(**common), train_dataset=dataset, processing_class=tokenizer)
 
