@@ -364,7 +364,7 @@ def _rebalance(assigned: list[list[int]], replica_cost, unit_cost: dict[int, flo
                     moved = [u for u in assigned[low] if u != other] + [unit]
                     new_high, new_low = replica_cost(kept), replica_cost(moved)
                     candidate = (max(new_high, new_low), new_high, new_low, unit, other)
-                    if candidate[0] < loads[high] - 1e-12 and (best is None or candidate[:1] < best[:1]):
+                    if candidate[0] < loads[high] - 1e-12 and (best is None or candidate[0] < best[0]):
                         best = candidate
             if best is not None:
                 break
