@@ -150,13 +150,11 @@ def model_parity(results: dict, scale: float, save=lambda: None, model=None, tim
     """Log-probs and gradients of the tree and of the per-trajectory paths (one sequence per forward; the packed
     call) against an fp32 copy run per trajectory with transformers' pure-torch kernels. ``sequences``: the
     batch (default: the ``swe`` workload at ``scale``). Runs on the model's device (CPU for a smoke run)."""
-    from harts_hf.model_patches import apply_tree_patches
-    from harts_hf.model_patches.core import _PATCH_MARK
+    from harts_hf.logprobs import _ensure_patched
     from harts_hf.workloads import make_workload
 
     model = build_model() if model is None else model
-    if getattr(model, _PATCH_MARK, None) is None:  # patched before its first forward: plain CPU forwards stay off
-        apply_tree_patches(model)                   # Triton (torch's CUDA build), as tree_logprobs would patch it
+    _ensure_patched(model)  # before its first forward, as tree_logprobs would: plain CPU forwards stay off Triton
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     if sequences is None:  # token ids below the model's vocabulary (Nemotron-H's is smaller than the default)
