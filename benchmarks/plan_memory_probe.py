@@ -33,7 +33,7 @@ import json
 import pstats
 import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -144,7 +144,8 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     the tree conv and the gated delta rule inside, attention layers with the attention kernel inside, MLPs, the
     decoder layers' norms, the LM head, the rest), their sum, the wall time (the gap is host time the GPU waited
     for) and the tokens it ran (unique for the tree, path tokens for the others), so they compare per token; the top
-    kernels go to ``profile_<name>.txt``, and a cProfile of one more warm tree run (host time by Python function) to
+    kernels go to ``profile_<name>.txt`` (the tree's also by input shape and Python stack to
+    ``profile_tree_by_source.txt``), and a cProfile of one more warm tree run (host time by Python function) to
     ``profile_tree_host.txt``."""
     from gpu_suite import op_families
     from module_breakdown import attribute, labelled, table
@@ -165,7 +166,9 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
             second_run(model, packed, device, attention)  # compiles / autotunes its lengths
         for forest in batch if name == "loop" else []:  # the tree is warm from the timed runs
             run(model, forest, None, device, history=False, attention=attention)
-        with labelled(model), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sources = name == "tree"  # input shapes and Python stacks: which line each copy / gather comes from
+        with labelled(model), torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                                            record_shapes=sources, with_stack=sources) as prof:
             if name == "packed":
                 runs = [dict(seconds=timed_run(model, packed, device, attention), unique_tokens=sum(map(len, group)))]
             else:
@@ -173,6 +176,8 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
         wall, tokens = sum(r["seconds"] for r in runs), sum(r["unique_tokens"] for r in runs)
         events = prof.key_averages()
         (out / f"profile_{name}.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=50))
+        if sources:
+            (out / f"profile_{name}_by_source.txt").write_text(device_time_by_source(prof.events()))
         families, queue_full = op_families(events, on_cuda=True)
         parts = attribute(prof.events(), on_cuda=True)
         report[name] = dict(wall_seconds=wall, device_seconds=sum(families.values()), tokens=tokens,
@@ -191,6 +196,30 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
     (out / "profile_tree_host.txt").write_text(text.getvalue())
     return report
+
+
+def device_time_by_source(events, depth: int = 3, rows: int = 120) -> str:
+    """A table of device time by dispatcher op, input shapes and where it was called: the nearest ``depth`` Python
+    frames in harts_hf / transformers / fla, or for the backward (autograd's threads have no Python stack) the
+    autograd node that ran it. Kernels count towards the innermost op that launched them."""
+    totals = defaultdict(lambda: [0.0, 0])
+    for event in events:
+        if not event.name.startswith("aten::") or event.self_device_time_total <= 0:
+            continue
+        frames, parent, node = [], event.cpu_parent, None
+        while parent is not None and len(frames) < depth:
+            if ".py(" in parent.name and any(key in parent.name for key in OURS):
+                frames.append(parent.name.split("site-packages/")[-1])
+            elif node is None and not parent.name.startswith("aten::") and ".py(" not in parent.name:
+                node = parent.name
+            parent = parent.cpu_parent
+        key = (event.name, str(event.input_shapes)[:80], " < ".join(frames) or str(node))
+        totals[key][0] += event.self_device_time_total
+        totals[key][1] += 1
+    lines = ["device ms  calls  op  input shapes  called from"]
+    for (op, shapes, where), (micros, calls) in sorted(totals.items(), key=lambda item: -item[1][0])[:rows]:
+        lines.append(f"{micros / 1e3:9.2f} {calls:6d}  {op}  {shapes}  {where}")
+    return "\n".join(lines) + "\n"
 
 
 def _quantile_picks(sequences, count: int) -> list[int]:

@@ -40,10 +40,13 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 @functools.cache
 def _attention_ops() -> frozenset:
     """The dispatcher ops that compute softmax attention in the kernels tree attention calls (torch's varlen op,
-    SDPA's fused backends, flash / efficient attention forwards); each present in this torch build."""
+    harts_hf's FlashAttention-4 op, SDPA's fused backends, flash / efficient attention forwards); each present in
+    this torch build."""
     import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn)
 
-    names = [("torch_attn", "_varlen_attn")] + [("aten", name) for name in (
+    from ..kernels.tree_attention import fa4  # noqa: F401  (registers harts::fa4_varlen_fwd)
+
+    names = [("torch_attn", "_varlen_attn"), ("harts", "fa4_varlen_fwd")] + [("aten", name) for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
         "_flash_attention_forward", "_efficient_attention_forward")]

@@ -31,11 +31,11 @@ PAD_ROWS = 128  # per sequence, in flash's backward accumulator
 KERNEL = "torch"
 """The varlen kernel: ``"torch"`` (torch's ``varlen_attn``, FlashAttention-2 inside torch; the default), ``"fa4"``
 (FlashAttention-4's CuTe-DSL kernels, package ``flash-attn-4``, module ``flash_attn.cute``: wgmma kernels on Hopper,
-head dims up to 256, GQA, varlen, bottom-right causal) or ``"auto"``: fa4 where it imports on a GPU of compute
-capability 9.x or 10.x, else torch. Measured on the H200 (BENCHMARKS.md): fa4 runs full-size `tau`'s tree attention
-at 1.49x torch's rate with the same bf16 error against fp32, and the whole tree step 1.11x faster; it stays opt-in
-until its compilation over a training run's changing shapes is measured (the packed baseline's new shapes did not
-finish within the run's time limit)."""
+head dims up to 256, GQA, varlen, bottom-right causal; called through harts_hf's dispatcher ops, :mod:`.fa4`, so
+checkpointing can keep its outputs) or ``"auto"``: fa4 where it imports on a GPU of compute capability 9.x or 10.x,
+else torch. Measured on the H200 (BENCHMARKS.md, 2026-12-02): fa4 takes full-size `tau`'s tree step from 5.91 to
+5.32 s, the packed baseline's calls of changing lengths compiled nothing noticeable, and the no-sharing control ran
+level with it; it is opt-in because it is a separate install (``harts_hf[fa4]``, a beta release)."""
 
 
 @dataclass
@@ -147,13 +147,10 @@ def _varlen_call(kernel: str, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scali
                  window: int | None = None) -> torch.Tensor:
     """One bottom-right causal varlen attention call on ``kernel`` (``window``: keys less than ``window`` rows
     before the query's diagonal)."""
-    if kernel == "fa4":  # FlashAttention-4 spells "no limit" None
-        from flash_attn.cute import flash_attn_varlen_func
+    if kernel == "fa4":
+        from .fa4 import fa4_varlen
 
-        out = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                     max_seqlen_k=max_k, softmax_scale=scaling, causal=True,
-                                     window_size=(None, None) if window is None else (window - 1, 0))
-        return out[0] if isinstance(out, tuple) else out
+        return fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window)
     from torch.nn.attention.varlen import varlen_attn
 
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling,

@@ -1,0 +1,104 @@
+"""FlashAttention-4's varlen attention as two dispatcher ops, ``harts::fa4_varlen_fwd`` and ``harts::fa4_varlen_bwd``.
+
+``flash_attn.cute.flash_attn_varlen_func`` is an autograd function whose kernels launch outside torch's dispatcher,
+so a selective-checkpointing policy never sees them and the backward's rerun recomputes the attention.
+As dispatcher ops (``torch.library.custom_op``, autograd registered on the forward op) the forward is an op the
+policy can keep (:mod:`harts_hf.model_patches.checkpointing`), like torch's own ``varlen_attn``. The ops call the
+same two functions FlashAttention-4's autograd function calls (``_flash_attn_fwd`` / ``_flash_attn_bwd`` of
+``flash_attn.cute.interface``, 4.0.0b36); :func:`check_interface` checks their signatures before first use.
+
+Bottom-right causal always; ``window_left`` < 0 means no window (FlashAttention-4 spells it ``None``).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+__all__ = ["check_interface", "fa4_varlen"]
+
+_FWD_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+                 "window_size_left", "window_size_right", "return_lse")
+_BWD_KEYWORDS = ("softmax_scale", "causal", "softcap", "window_size_left", "window_size_right", "cu_seqlens_q",
+                 "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+
+
+@functools.cache
+def check_interface():
+    """FlashAttention-4's forward and backward functions, after checking they take every keyword used here."""
+    try:
+        from flash_attn.cute import interface
+    except ImportError as error:
+        raise ImportError("tree attention: KERNEL='fa4' needs FlashAttention-4: pip install flash-attn-4") from error
+    for name, keywords in (("_flash_attn_fwd", _FWD_KEYWORDS), ("_flash_attn_bwd", _BWD_KEYWORDS)):
+        function = getattr(interface, name, None)
+        missing = [] if function is None else [k for k in keywords if k not in inspect.signature(function).parameters]
+        if function is None or missing:
+            raise ImportError(f"tree attention: flash_attn.cute.interface.{name} "
+                              f"{'is missing' if function is None else 'lacks ' + ', '.join(missing)}; harts_hf's "
+                              "FlashAttention-4 path was written against flash-attn-4 4.0.0b36: install that version "
+                              "or set harts_hf.kernels.tree_attention.varlen.KERNEL = 'torch'")
+    return interface._flash_attn_fwd, interface._flash_attn_bwd
+
+
+def _window(window_left: int) -> int | None:
+    return None if window_left < 0 else window_left
+
+
+@torch.library.custom_op("harts::fa4_varlen_fwd", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+             max_k: int, scale: float, window_left: int) -> tuple[torch.Tensor, torch.Tensor]:
+    forward, _ = check_interface()
+    out, lse, *_ = forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                           softmax_scale=scale, causal=True, window_size_left=_window(window_left),
+                           window_size_right=None if window_left < 0 else 0, return_lse=True)
+    return out, lse
+
+
+@_forward.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left):
+    return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("harts::fa4_varlen_bwd", mutates_args=())
+def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
+              window_left: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _, backward = check_interface()
+    dq, dk, dv = backward(q, k, v, out, dout.contiguous(), lse, softmax_scale=scale, causal=True, softcap=0.0,
+                          window_size_left=_window(window_left), window_size_right=None if window_left < 0 else 0,
+                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)[:3]
+    return dq, dk, dv
+
+
+@_backward.register_fake
+def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, scale, window_left)
+
+
+def _autograd_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    if dout is None:  # the output fed nothing that needs a gradient
+        dout = torch.zeros_like(out)
+    dq, dk, dv = _backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+_forward.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def fa4_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
+               max_k: int, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+    """Bottom-right causal varlen attention on FlashAttention-4 (``window``: keys less than ``window`` rows before
+    the query's diagonal); q ``[Tq, HQ, D]``, k/v ``[Tk, HKV, D]`` -> ``[Tq, HQ, D]``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _forward(q, k, v, cu_q, cu_k, int(max_q), int(max_k), scale, -1 if window is None else window - 1)[0]
