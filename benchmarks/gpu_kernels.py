@@ -327,34 +327,40 @@ def _attention_feature(entry: dict, forests: dict, shape: tuple, device, half, t
     multiplicity = tree.multiplicity.to(device)
     weight = make(tree.num_tokens, HQ, DV) * multiplicity[:, None, None]
     kwargs = dict(options)
-    if kwargs.pop("sinks", False):
-        kwargs["sinks"] = make(HQ)
+    sinks = make(HQ) if kwargs.pop("sinks", False) else None  # a parameter: fp32 under autocast, as in a model
+    names = ("out", "dq", "dk", "dv") + (() if sinks is None else ("dsinks",))
 
     def call(path, inputs, backend="auto"):  # inputs and output on the path's forest's tokens
         packed, layout, _ = forests[path]
-        return tree_attention(*inputs, packed.subtree_end.to(device), backend=backend, layout=layout,
-                              depth=packed.position_ids.to(device), **kwargs)
+        q, k, v, *rest = inputs
+        return tree_attention(q, k, v, packed.subtree_end.to(device), backend=backend, layout=layout,
+                              depth=packed.position_ids.to(device), sinks=rest[0] if rest else None, **kwargs)
+
+    def inputs_of(path, dtype):
+        index = forests[path][2]
+        tokens = [(x if index is None else x[index]).detach().to(dtype).requires_grad_() for x in leaves]
+        return tokens + ([] if sinks is None else [sinks.detach().clone().requires_grad_()])
 
     def run(path, dtype, backend="auto"):
         """Output, and the gradients of the inputs on the tree's tokens: a trajectory's copies are inputs of their
         own, their gradients summed in fp32 (as a model's weight gradients sum over every position)."""
         index = forests[path][2]
-        inputs = [(x if index is None else x[index]).detach().to(dtype).requires_grad_() for x in leaves]
+        inputs = inputs_of(path, dtype)
         out = call(path, inputs, backend)
         token_weight = weight if index is None else weight[index] / multiplicity[index][:, None, None]
-        grads = torch.autograd.grad((out.float() * token_weight).sum(), inputs)
+        grads = list(torch.autograd.grad((out.float() * token_weight).sum(), inputs))
         if index is not None:
-            grads = [torch.zeros_like(x).index_add_(0, index, g.float()) for x, g in zip(leaves, grads)]
-        return [out.detach()] + list(grads)
+            grads[:3] = [torch.zeros_like(x).index_add_(0, index, g.float()) for x, g in zip(leaves, grads)]
+        return [out.detach()] + grads
 
     reference = run("tree", torch.float32, backend="runs")
     for path in forests:
         result = run(path, half)
         index = forests[path][2]
         expected = [reference[0] if index is None else reference[0][index]] + reference[1:]
-        entry[f"{path}_error_vs_fp32"] = dict(zip(("out", "dq", "dk", "dv"), map(rel, result, expected)))
+        entry[f"{path}_error_vs_fp32"] = dict(zip(names, map(rel, result, expected)))
         if timing:
-            inputs = [(x if index is None else x[index]).detach().to(half).requires_grad_() for x in leaves]
+            inputs = inputs_of(path, half)
             entry[f"{path}_s"] = bench(lambda path=path, inputs=inputs: call(path, inputs).float().square()
                                        .mean().backward())
 
@@ -693,6 +699,10 @@ def main():
                              "window, latent-attention head dims, softcapping and sinks, tree and per-trajectory "
                              "against fp32")
     parser.add_argument("--skip-parity", action="store_true", help="timing only")
+    parser.add_argument("--varlen-kernel", default=None, choices=["torch", "fa4", "auto"],
+                        help="the tree attention's varlen kernel (harts_hf.kernels.tree_attention.varlen.KERNEL) for "
+                             "every op timed; fa4 also runs softcapping and sinks (attention_features) on the varlen "
+                             "path")
     parser.add_argument("--profile", action="store_true",
                         help="also list the kernels of the tree GDN node, of the one varlen fla call and of the tree "
                              "attention by device time (torch.profiler)")
@@ -701,6 +711,10 @@ def main():
                              "(serial_state_pass.VALUE_BLOCK, default 32), e.g. 16 64")
     args = parser.parse_args()
     SERIAL_BLOCKS[:] = args.serial_blocks
+    if args.varlen_kernel is not None:
+        from harts_hf.kernels.tree_attention import varlen
+
+        varlen.KERNEL = args.varlen_kernel
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

@@ -150,26 +150,33 @@ def test_norm_rows_reach_fla_in_power_of_two_blocks(rows, blocks):
     assert torch.equal(x.grad, 2 * x.detach() * torch.arange(3.0) ** 2)
 
 
-def _run_scores(qr, kr, scale, window_left):
+def _run_scores(qr, kr, scale, window_left, softcap=0.0):
     """Masked scores ``[heads, queries, keys]`` of one run (bottom-right causal, a key at most ``window_left`` rows
-    before the diagonal, any when negative); kr already repeated to the query heads."""
+    before the diagonal, any when negative; ``c * tanh(s / c)`` first with ``softcap`` c) and the softcap's
+    derivative; kr already repeated to the query heads."""
     scores = torch.einsum("qhd,khd->hqk", qr, kr) * scale
+    slope = torch.ones_like(scores)
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+        slope = 1 - (scores / softcap) ** 2
     diagonal = torch.arange(len(qr))[:, None] + len(kr) - len(qr)
     keys = torch.arange(len(kr))[None]
     visible = (keys <= diagonal) & ((window_left < 0) | (keys >= diagonal - window_left))
-    return scores.masked_fill(~visible, float("-inf"))
+    return scores.masked_fill(~visible, float("-inf")), slope
 
 
-def _bottom_right_attention(q, k, v, cu_q, cu_k, scale, window_left):
-    """Per-run bottom-right causal attention (see :func:`_run_scores`), output and FlashAttention-4's varlen
-    log-sum-exp layout ``[heads, tokens]``."""
+def _bottom_right_attention(q, k, v, cu_q, cu_k, scale, window_left, softcap=0.0, sinks=None):
+    """Per-run attention (see :func:`_run_scores`) with ``sinks`` (``[HQ]``: one more logit per head, value zero),
+    output and FlashAttention-4's varlen log-sum-exp layout ``[heads, tokens]`` (the sink counted)."""
     outs, lses = [], []
     for r in range(len(cu_q) - 1):
         qr, kr, vr = q[cu_q[r]: cu_q[r + 1]], k[cu_k[r]: cu_k[r + 1]], v[cu_k[r]: cu_k[r + 1]]
         group = q.shape[1] // k.shape[1]
-        scores = _run_scores(qr, kr.repeat_interleave(group, 1), scale, window_left)
-        lses.append(scores.logsumexp(-1))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vr.repeat_interleave(group, 1)))
+        scores, _ = _run_scores(qr, kr.repeat_interleave(group, 1), scale, window_left, softcap)
+        logits = scores if sinks is None else torch.cat([scores, sinks[:, None, None].expand(-1, len(qr), 1)], -1)
+        lse = logits.logsumexp(-1)
+        lses.append(lse)
+        outs.append(torch.einsum("hqk,khd->qhd", (scores - lse[..., None]).exp(), vr.repeat_interleave(group, 1)))
     return torch.cat(outs), torch.cat(lses, 1)
 
 
@@ -180,39 +187,46 @@ def _stand_in_fa4(calls):
     def window(left):
         return -1 if left is None else left
 
-    def forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-                window_size_left, window_size_right, return_lse):
+    def forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, softcap,
+                window_size_left, window_size_right, learnable_sink, return_lse):
         assert causal and return_lse and (window_size_right is None) == (window_size_left is None)
+        assert softcap is None or softcap > 0  # FlashAttention-4's forward spells "no softcap" None
         calls.append("forward")
         out, lse = _bottom_right_attention(q, k, v, cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), softmax_scale,
-                                           window(window_size_left))
+                                           window(window_size_left), softcap or 0.0, learnable_sink)
         return out, lse, None, None, None
 
     def backward(q, k, v, out, dout, lse, *, softmax_scale, causal, softcap, window_size_left, window_size_right,
-                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, learnable_sink):
         # by hand: the real op's body runs below autograd
         cu_q, cu_k, group = cu_seqlens_q.tolist(), cu_seqlens_k.tolist(), q.shape[1] // k.shape[1]
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dsink = None if learnable_sink is None else torch.zeros_like(learnable_sink)
         for r in range(len(cu_q) - 1):
             rq, rk = slice(cu_q[r], cu_q[r + 1]), slice(cu_k[r], cu_k[r + 1])
             kr, vr = k[rk].repeat_interleave(group, 1), v[rk].repeat_interleave(group, 1)
-            scores = _run_scores(q[rq], kr, softmax_scale, window(window_size_left))
+            scores, slope = _run_scores(q[rq], kr, softmax_scale, window(window_size_left), softcap)
             p = (scores - lse[:, rq, None]).exp()
             dp = torch.einsum("qhd,khd->hqk", dout[rq], vr)
-            ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * softmax_scale
+            row = (dout[rq] * out[rq]).sum(-1).T[..., None]  # [heads, queries, 1]
+            ds = p * (dp - row) * slope * softmax_scale
             dq[rq] = torch.einsum("hqk,khd->qhd", ds, kr)
             dk[rk] = torch.einsum("hqk,qhd->khd", ds, q[rq]).unflatten(1, (-1, group)).sum(2)
             dv[rk] = torch.einsum("hqk,qhd->khd", p, dout[rq]).unflatten(1, (-1, group)).sum(2)
-        return dq, dk, dv
+            if dsink is not None:
+                dsink -= ((learnable_sink[:, None] - lse[:, rq]).exp() * row[..., 0]).sum(1)
+        return (dq, dk, dv) if dsink is None else (dq, dk, dv, dsink)
 
     return forward, backward
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_fa4_dispatcher_op_gradients_and_kept_under_checkpointing(monkeypatch, window):
-    """harts::fa4_varlen_fwd / _bwd hand FlashAttention-4's functions the right arguments and gradients, and the
-    keep-attention checkpointing policy keeps the forward op's output: the backward's rerun does not call it
-    again (without the policy it does). FlashAttention-4 itself is stood in for by per-run attention in fp32."""
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, False), (3, None, False), (None, 2.0, False),
+                                                  (None, None, True), (3, 2.0, True)])
+def test_fa4_dispatcher_op_gradients_and_kept_under_checkpointing(monkeypatch, window, softcap, sinks):
+    """harts::fa4_varlen_fwd / _bwd hand FlashAttention-4's functions the right arguments (window, softcap, sinks)
+    and gradients (the sinks' included), and the keep-attention checkpointing policy keeps the forward op's output:
+    the backward's rerun does not call it again (without the policy it does). FlashAttention-4 itself is stood in
+    for by per-run attention in fp64."""
     from torch.utils.checkpoint import checkpoint
 
     from harts_hf.kernels.tree_attention import fa4
@@ -223,22 +237,26 @@ def test_fa4_dispatcher_op_gradients_and_kept_under_checkpointing(monkeypatch, w
     torch.manual_seed(0)
     cu_q, cu_k = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 6, 13], dtype=torch.int32)
     q, k, v = (torch.randn(n, h, 8, dtype=torch.float64, requires_grad=True) for n, h in ((8, 4), (13, 2), (13, 2)))
+    sink = torch.randn(4, dtype=torch.float64, requires_grad=True) if sinks else None
+    inputs = (q, k, v) + ((sink,) if sinks else ())
     weight = torch.randn(8, 4, 8, dtype=torch.float64)
-    out = fa4.fa4_varlen(q, k, v, cu_q, cu_k, 5, 7, None, window)
-    grads = torch.autograd.grad((out * weight).sum(), (q, k, v))
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-    expected, _ = _bottom_right_attention(*leaves, [0, 3, 8], [0, 6, 13], 8 ** -0.5, -1 if window is None else window - 1)
+    out = fa4.fa4_varlen(q, k, v, cu_q, cu_k, 5, 7, None, window, softcap, sink)
+    grads = torch.autograd.grad((out * weight).sum(), inputs)
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    expected, _ = _bottom_right_attention(*leaves[:3], [0, 3, 8], [0, 6, 13], 8 ** -0.5,
+                                          -1 if window is None else window - 1, softcap or 0.0,
+                                          leaves[3] if sinks else None)
     assert torch.allclose(out, expected, atol=1e-12)
-    for got, want in zip(grads, torch.autograd.grad((expected * weight).sum(), leaves)):
+    for got, want in zip(grads, torch.autograd.grad((expected * weight).sum(), leaves), strict=True):
         assert torch.allclose(got, want, atol=1e-12)
 
     def layer(q, k, v):
-        return fa4.fa4_varlen(q * 1.0, k, v, cu_q, cu_k, 5, 7, None, window).sin()
+        return fa4.fa4_varlen(q * 1.0, k, v, cu_q, cu_k, 5, 7, None, window, softcap, sink).sin()
 
     for contexts, forwards in ((_attention_contexts, 1), (None, 2)):
         calls.clear()
         keyword = {} if contexts is None else {"context_fn": contexts}
         again = checkpoint(layer, q, k, v, use_reentrant=False, **keyword)
-        torch.autograd.grad((again * weight).sum(), (q, k, v))
+        torch.autograd.grad((again * weight).sum(), inputs)
         assert calls.count("forward") == forwards
         assert torch.allclose(again, expected.sin(), atol=1e-12)

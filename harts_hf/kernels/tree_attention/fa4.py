@@ -7,7 +7,8 @@ policy can keep (:mod:`harts_hf.model_patches.checkpointing`), like torch's own 
 same two functions FlashAttention-4's autograd function calls (``_flash_attn_fwd`` / ``_flash_attn_bwd`` of
 ``flash_attn.cute.interface``, 4.0.0b36); :func:`check_interface` checks their signatures before first use.
 
-Bottom-right causal always; ``window_left`` < 0 means no window (FlashAttention-4 spells it ``None``).
+Bottom-right causal always; ``window_left`` < 0 means no window (FlashAttention-4 spells it ``None``), ``softcap``
+0 no logit softcapping, and ``sinks`` (``[HQ]`` attention-sink logits, GPT-OSS's) is optional.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import torch
 __all__ = ["check_interface", "fa4_varlen"]
 
 _FWD_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
-                 "window_size_left", "window_size_right", "return_lse")
+                 "softcap", "window_size_left", "window_size_right", "learnable_sink", "return_lse")
 _BWD_KEYWORDS = ("softmax_scale", "causal", "softcap", "window_size_left", "window_size_right", "cu_seqlens_q",
-                 "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")
+                 "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "learnable_sink")
 
 
 @functools.cache
@@ -49,56 +50,66 @@ def _window(window_left: int) -> int | None:
 
 @torch.library.custom_op("harts::fa4_varlen_fwd", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-             max_k: int, scale: float, window_left: int) -> tuple[torch.Tensor, torch.Tensor]:
+             max_k: int, scale: float, window_left: int, softcap: float,
+             sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     forward, _ = check_interface()
     out, lse, *_ = forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                           softmax_scale=scale, causal=True, window_size_left=_window(window_left),
-                           window_size_right=None if window_left < 0 else 0, return_lse=True)
+                           softmax_scale=scale, causal=True, softcap=softcap or None,
+                           window_size_left=_window(window_left), window_size_right=None if window_left < 0 else 0,
+                           learnable_sink=sinks, return_lse=True)
     return out, lse
 
 
 @_forward.register_fake
-def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left):
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, softcap, sinks):
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("harts::fa4_varlen_bwd", mutates_args=())
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
-              window_left: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              window_left: int, softcap: float,
+              sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv and the sinks' gradient (empty without sinks: an op returns tensors)."""
     _, backward = check_interface()
-    dq, dk, dv = backward(q, k, v, out, dout.contiguous(), lse, softmax_scale=scale, causal=True, softcap=0.0,
-                          window_size_left=_window(window_left), window_size_right=None if window_left < 0 else 0,
-                          cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)[:3]
-    return dq, dk, dv
+    grads = backward(q, k, v, out, dout.contiguous(), lse, softmax_scale=scale, causal=True, softcap=softcap,
+                     window_size_left=_window(window_left), window_size_right=None if window_left < 0 else 0,
+                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                     learnable_sink=sinks)
+    dq, dk, dv = grads[:3]
+    return dq, dk, dv, grads[3] if sinks is not None else q.new_empty(0)
 
 
 @_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, softcap, sinks):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, softcap, sinks = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
-    ctx.args = (max_q, max_k, scale, window_left)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
+    ctx.args = (max_q, max_k, scale, window_left, softcap)
 
 
 def _autograd_backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
     if dout is None:  # the output fed nothing that needs a gradient
         dout = torch.zeros_like(out)
-    dq, dk, dv = _backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 
 def fa4_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-               max_k: int, scale: float | None = None, window: int | None = None) -> torch.Tensor:
+               max_k: int, scale: float | None = None, window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Bottom-right causal varlen attention on FlashAttention-4 (``window``: keys less than ``window`` rows before
-    the query's diagonal); q ``[Tq, HQ, D]``, k/v ``[Tk, HKV, D]`` -> ``[Tq, HQ, D]``."""
+    the query's diagonal; ``softcap``: ``c * tanh(scores / c)``; ``sinks``: ``[HQ]`` sink logits); q ``[Tq, HQ, D]``,
+    k/v ``[Tk, HKV, D]`` -> ``[Tq, HQ, D]``."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    return _forward(q, k, v, cu_q, cu_k, int(max_q), int(max_k), scale, -1 if window is None else window - 1)[0]
+    return _forward(q, k, v, cu_q, cu_k, int(max_q), int(max_k), scale, -1 if window is None else window - 1,
+                    float(softcap or 0.0), sinks)[0]

@@ -112,8 +112,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
             (``[U]``, the tokens' depths) or a mask built with it; not with context keys, nor on ``"cudnn"``.
         softcap: attention logit softcapping, ``c * tanh(scores / c)`` before the mask (Gemma 2).
         sinks: ``[HQ]`` attention-sink logits: one extra logit per head in every softmax whose value is zero
-            (GPT-OSS). With ``softcap`` or ``sinks`` the attention is computed explicitly (``"sdpa"``: dense, or
-            ``"runs"``: per run, which CUDA inputs take): exact, not fast.
+            (GPT-OSS). With ``softcap`` or ``sinks`` the varlen path needs FlashAttention-4 (``varlen.KERNEL``
+            ``"fa4"``, or ``"auto"`` where it is installed; ``backend="auto"`` takes it then); otherwise the
+            attention is computed explicitly (``"sdpa"``: dense, or ``"runs"``: per run): exact, not fast.
 
     Returns:
         ``[U, HQ, Dv]`` in ``q.dtype`` (the autocast dtype under autocast, see :func:`autocast_inputs`).
@@ -149,10 +150,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     if explicit:
         if sinks is not None and sinks.shape != (HQ,):
             raise ValueError(f"tree_attention: sinks must be [HQ={HQ}], got {tuple(sinks.shape)}")
-        if backend in ("varlen", "cudnn"):
-            raise ValueError(f"tree_attention: backend={backend!r} has no softcapping / sinks; use 'runs' or 'auto'")
+        if backend == "cudnn":
+            raise ValueError("tree_attention: backend='cudnn' has no softcapping / sinks; use 'runs' or 'auto'")
         if backend == "auto":
-            backend = "runs" if layout is not None else "sdpa"
+            backend = "varlen" if _fa4_varlen(q, layout) else "runs" if layout is not None else "sdpa"
     if backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         backend = "varlen" if window is not None else cuda_backend(layout)
     if backend in ("varlen", "cudnn"):
@@ -167,7 +168,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
         else:
             from .varlen import tree_attention_varlen
 
-            out = tree_attention_varlen(q, k, v, layout, scaling, window=window)
+            out = tree_attention_varlen(q, k, v, layout, scaling, window=window, softcap=softcap, sinks=sinks)
         return out[..., :value_dim]
     if backend == "runs":
         if layout is None:
@@ -192,6 +193,15 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     sees_bad = (mask.to(q.dtype) @ bad.to(q.dtype)) > 0  # [U, HKV]
     return out[0].transpose(0, 1).masked_fill(sees_bad.repeat_interleave(HQ // bad.shape[1], 1).unsqueeze(-1),
                                               float("nan"))
+
+
+def _fa4_varlen(q: torch.Tensor, layout) -> bool:
+    """Whether the varlen path runs FlashAttention-4 for ``q`` (CUDA, half precision, a layout, ``varlen.KERNEL``)."""
+    if layout is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    from .varlen import varlen_kernel
+
+    return varlen_kernel(q.device) == "fa4"
 
 
 def _attention_by_runs(q, k, v, layout, scaling, window: int | None = None, softcap: float | None = None,

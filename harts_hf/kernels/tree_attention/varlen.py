@@ -144,13 +144,13 @@ def varlen_kernel(device: torch.device, choice: str | None = None) -> str:
 
 
 def _varlen_call(kernel: str, q, k, v, cu_q, cu_k, max_q: int, max_k: int, scaling, extra: dict,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, softcap: float | None = None, sinks=None) -> torch.Tensor:
     """One bottom-right causal varlen attention call on ``kernel`` (``window``: keys less than ``window`` rows
-    before the query's diagonal)."""
+    before the query's diagonal; ``softcap`` / ``sinks``: FlashAttention-4 only)."""
     if kernel == "fa4":
         from .fa4 import fa4_varlen
 
-        return fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window)
+        return fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, softcap, sinks)
     from torch.nn.attention.varlen import varlen_attn
 
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale=scaling,
@@ -188,12 +188,19 @@ def varlen_call_groups(cu_q: list[int], cu_k: list[int], q_row_elements: int, k_
 
 
 def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout,
-                          scaling: float | None = None, window: int | None = None) -> torch.Tensor:
+                          scaling: float | None = None, window: int | None = None, softcap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q ``[U, HQ, D]``, k/v ``[U, HKV, D]`` on CUDA (bf16/fp16) -> ``[U, HQ, D]``; one varlen call, or several
-    over consecutive runs where one call would pass :data:`MAX_CALL_ELEMENTS`."""
+    over consecutive runs where one call would pass :data:`MAX_CALL_ELEMENTS`. ``softcap`` (logit softcapping)
+    and ``sinks`` (``[HQ]`` sink logits) need the ``"fa4"`` kernel."""
     from torch.nn.attention.varlen import varlen_attn
 
     kernel = varlen_kernel(q.device)
+    if (softcap is not None or sinks is not None) and kernel != "fa4":
+        raise ValueError("tree attention: softcapping / sinks on the varlen path need FlashAttention-4 "
+                         f"(varlen KERNEL is {KERNEL!r}, which runs {kernel!r}): pip install harts_hf[fa4] and set "
+                         "harts_hf.kernels.tree_attention.varlen.KERNEL = 'fa4', or use backend='runs' (exact, slow)")
+    features = dict(window=window, softcap=softcap, sinks=sinks)
     extra = gqa_keyword(varlen_attn) if q.shape[1] != k.shape[1] and kernel == "torch" else {}
     cu_q, cu_k = layout.host_cu()
     cache = layout.__dict__.setdefault("_call_groups", {})  # per layout, head shape and limit (as run_blocks caches)
@@ -204,11 +211,11 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     if len(groups) == 1:
         keys, values = gather_rows(k, layout.key_index), gather_rows(v, layout.key_index)
         return _varlen_call(kernel, q, keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scaling,
-                            extra, window)
+                            extra, **features)
     outputs = []
     for r0, r1 in groups:
         index = layout.key_index[cu_k[r0]: cu_k[r1]]
         offsets_q, offsets_k = layout.cu_q[r0: r1 + 1] - cu_q[r0], layout.cu_k[r0: r1 + 1] - cu_k[r0]
         outputs.append(_varlen_call(kernel, q[cu_q[r0]: cu_q[r1]], gather_rows(k, index), gather_rows(v, index),
-                                    offsets_q, offsets_k, layout.max_q, layout.max_k, scaling, extra, window))
+                                    offsets_q, offsets_k, layout.max_q, layout.max_k, scaling, extra, **features))
     return torch.cat(outputs)
