@@ -120,3 +120,33 @@ def test_deepspeed_zero_tree_sft_trains_like_one_process(tmp_path, stage, port):
     for ours, reference in zip(rank["logged"], single["logged"]):
         assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-4)
         assert ours["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-3)
+
+
+@pytest.mark.parametrize("stage, port", [(2, "29557"), (3, "29558")])
+def test_deepspeed_zero_tree_sft_pieces_train_like_one_process(tmp_path, stage, port):
+    """TreeSFTTrainer with planner pieces under DeepSpeed ZeRO-2/3 on 2 processes: process 0's microbatches exceed
+    tree_token_budget (pieces with hand-offs, one engine backward each), process 1's fit; process 1 then runs each
+    as a one-piece plan padded with filler passes to process 0's collectives (ZeRO-3: phased, forwards padded too).
+    The logged loss and grad_norm at both optimizer steps equal one process over the same 6-row microbatches."""
+    import torch
+
+    script = ROOT / "tests" / "scripts" / "two_process_tree_sft.py"
+    config = ROOT / "examples" / f"accelerate_deepspeed_zero{stage}.yaml"
+    (tmp_path / "one").mkdir()
+    run([sys.executable, str(script), str(tmp_path / "one"), "pieces"])
+    (tmp_path / "two").mkdir()
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--main_process_port", port,
+         str(script), str(tmp_path / "two"), "pieces"])
+    single = torch.load(tmp_path / "one" / "rank0.pt", weights_only=False)
+    ranks = [torch.load(tmp_path / "two" / f"rank{k}.pt", weights_only=False) for k in range(2)]
+    assert ranks[0]["world_size"] == 2 and single["world_size"] == 1
+    pairs = list(zip(ranks[0]["pieces"], ranks[1]["pieces"]))  # per microbatch
+    assert len(pairs) == 4 and all(a > 1 and b == 1 for a, b in pairs), pairs
+    assert all(p > 0 for p in ranks[1]["padding"]) and not any(ranks[0]["padding"]), (ranks[0]["padding"],
+                                                                                      ranks[1]["padding"])
+    assert len(single["logged"]) == len(ranks[0]["logged"]) == 2
+    for ours, reference in zip(ranks[0]["logged"], single["logged"]):
+        assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert ours["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+    print(f"\n[TreeSFT pieces, ZeRO-{stage}, 2 processes vs 1] losses {[e['loss'] for e in ranks[0]['logged']]} vs "
+          f"{[e['loss'] for e in single['logged']]}; pieces {pairs}; fillers on process 1 {ranks[1]['padding']}")

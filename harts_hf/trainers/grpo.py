@@ -25,10 +25,11 @@ from ..logprobs import run_tree_forward, unwrap_model
 from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs, store_layer_activations
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
-from ..planner import CostModel, Plan, imbalance, plan
+from ..planner import CostModel, Plan, imbalance
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
 from .config import TreeGRPOConfig, budget_plan
 from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
+from .piece_padding import PiecePadding
 from .replica_balance import (
     MULTIMODAL_KEYS,
     balance_blocker,
@@ -45,7 +46,7 @@ __all__ = ["TreeGRPOTrainer"]
 logger = logging.get_logger(__name__)
 
 
-class TreeGRPOTrainer(GRPOTrainer):
+class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
     """Drop-in for :class:`trl.GRPOTrainer` (same arguments); pass a :class:`TreeGRPOConfig` as ``args``.
 
     On construction the policy (and reference) model is patched for tree execution
@@ -328,49 +329,6 @@ class TreeGRPOTrainer(GRPOTrainer):
             raise ValueError(f"tree_cross_replica_handoffs needs a token-level loss (loss_type in {TOKEN_LEVEL_LOSSES},"
                              " importance_sampling_level='token', no off-policy mask, top_entropy_quantile=1.0): "
                              f"a sequence-level ratio would need every process's log-probs first; {fix}.")
-
-    def _zero_stage(self) -> int | None:
-        plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
-        return getattr(plugin, "zero_stage", None)
-
-    def _missing_passes(self, *counts: int) -> list[int]:
-        """Per count, the most any process has minus this process's (a collective: every process calls it)."""
-        values = torch.tensor(counts, device=self.accelerator.device)
-        if self.accelerator.num_processes > 1:
-            values = self.accelerator.gather(values).view(-1, len(counts)).amax(0)
-        return [int(most) - count for most, count in zip(values.tolist(), counts)]
-
-    def _pad_pieces(self, model, the_plan: Plan, backward) -> dict:
-        """Filler passes so that every process issues DeepSpeed's collectives equally often and in the same order.
-        ZeRO-2 reduces gradients in every engine backward: as many piece backwards everywhere (fillers first).
-        ZeRO-3 also all-gathers parameters in every forward: pieces run in two phases (:func:`execute_plan`'s
-        ``schedule='phased'``: hand-off forwards, then forward+backward pairs), each padded to the most any process
-        runs. Returns the extra :func:`execute_plan` options."""
-        pairs = len(the_plan.pieces) - 1  # the last pair is the Trainer's own backward, on every process
-        if self._zero_stage() != 3:
-            missing = self._missing_passes(pairs)[0]
-            self._run_fillers(model, backwards=missing, backward=backward)
-            return {}
-        sources = len({p.handoff.source_piece for p in the_plan.pieces if p.handoff is not None})
-        forwards, missing = self._missing_passes(sources, pairs)
-        self._run_fillers(model, forwards=forwards)
-        return dict(schedule="phased",
-                    between_phases=functools.partial(self._run_fillers, model, backwards=missing, backward=backward))
-
-    def _run_fillers(self, model, *, forwards: int = 0, backwards: int = 0, backward=None) -> None:
-        """Passes over a 2-token forest that change nothing (the same modules in the same order as a piece's):
-        ``forwards`` without gradient, ``backwards`` forward+backward pairs of a zero loss through ``backward``."""
-        if not forwards and not backwards:
-            return
-        tokens = [0, 1]
-        filler = plan([tokens], num_replicas=1, token_budget=len(tokens))
-        with self.accelerator.autocast():
-            for _ in range(forwards):
-                execute_plan(model, filler, **self._execute_options())
-            for _ in range(backwards):
-                execute_plan(model, filler, logprob_weights=[torch.zeros(len(tokens) - 1)], backward=backward,
-                             **self._execute_options())
-        self.last_piece_padding += forwards + backwards
 
     def _token_level_loss(self) -> bool:
         """True when TRL's loss is a sum of per-token terms known before the forward (one pass suffices)."""

@@ -25,9 +25,10 @@ from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import TREE_REQUEST_KWARG
 from ..planner import Plan
-from ..planner.execute import PieceLogprobs, execute_plan, lead_forward
+from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
 from ..trees import PackedForest, PrefixForest
 from .config import _ATTENTION_BACKENDS, _GDN_BACKENDS, budget_plan
+from .piece_padding import PiecePadding
 
 __all__ = ["TreeSFTConfig", "TreeSFTTrainer", "forest_rows", "per_turn_rows"]
 
@@ -58,7 +59,8 @@ class TreeSFTConfig(SFTConfig):
         "help": "Most unique tokens in one tree forward. A microbatch whose forest is larger runs as planner pieces "
                 "cut at branch points, each its own forward and backward, with exact hand-offs (every token computed "
                 "once; the same loss, gradients and metrics); evaluation runs such microbatches as forward-only "
-                "pieces. Not with the MoE load-balancing loss (router_aux_loss_coef), DeepSpeed, FSDP or LOMO. A "
+                "pieces. Under DDP and DeepSpeed ZeRO-2/3 (bf16); not with the MoE load-balancing loss "
+                "(router_aux_loss_coef), DeepSpeed with fp16, FSDP or LOMO. A "
                 "stretch without a branch point longer than the budget cannot be cut: that microbatch then runs with "
                 "the stretch's length as its budget, with a warning naming both. None: one forward per microbatch."})
     tree_per_turn_rows: bool = field(default=False, metadata={
@@ -104,7 +106,7 @@ class TreeSFTConfig(SFTConfig):
                              "computed; set use_liger_kernel=False to train on trees, or use_tree=False.")
 
 
-class TreeSFTTrainer(SFTTrainer):
+class TreeSFTTrainer(PiecePadding, SFTTrainer):
     """[`~trl.SFTTrainer`] whose training and evaluation loss runs every microbatch as one prefix forest
     (:func:`harts_hf.tree_logprobs`), or as planner pieces beyond ``tree_token_budget``: the same loss and gradients
     as SFTTrainer without packing, each shared prefix computed once. Takes SFTTrainer's arguments; with
@@ -159,7 +161,11 @@ class TreeSFTTrainer(SFTTrainer):
         rows, masks = forest_rows(inputs)
         forest = PrefixForest.from_sequences(rows, loss_masks=masks)
         budget = self.args.tree_token_budget
-        if budget is not None and forest.pack().num_tokens > budget:
+        over = budget is not None and forest.pack().num_tokens > budget
+        if budget is not None and self.is_deepspeed_enabled and (torch.is_grad_enabled() or self._zero_stage() == 3):
+            # a piece's backward (ZeRO-3: also its forward) is a collective: if one process runs pieces, all do
+            over = self._missing_passes(int(over))[0] > 0 or over
+        if over:
             return self._planned_loss(model, forest, rows, masks, num_items_in_batch)
         out = tree_logprobs(model, forest=forest, only_loss_tokens=True, compute_entropy=True,
                             return_aux_loss=self.aux_loss_enabled, gdn_backend=self.args.tree_gdn_backend,
@@ -189,9 +195,7 @@ class TreeSFTTrainer(SFTTrainer):
                      handoffs=sum(piece.handoff is not None for piece in the_plan.pieces))
         device = unwrap_model(model).get_input_embeddings().weight.device
         recorder = _TopOneRecorder(model, [len(row) for row in rows], device)
-        options = dict(compute_entropy=True, gdn_backend=self.args.tree_gdn_backend,
-                       attention_backend=self.args.tree_attention_backend,
-                       head_chunk_size=self.args.tree_head_chunk_size)
+        options = dict(compute_entropy=True, **self._execute_options())
         predicted = [len(row) - 1 for row in rows]
 
         def summarise(logprobs, entropies) -> torch.Tensor:  # per row; SFTTrainer's loss value, the metrics logged
@@ -201,21 +205,42 @@ class TreeSFTTrainer(SFTTrainer):
             self._record_metrics(mode, log_probs, entropies, correct, stats, rows)
             return self._sft_loss(log_probs, num_items_in_batch)
 
+        self.last_piece_padding = 0
         if not torch.is_grad_enabled():
             execution = execute_plan(recorder, the_plan, **options)
+            if self._zero_stage() == 3:  # every forward all-gathers parameters: as many on every process
+                self._run_fillers(model, forwards=self._missing_passes(len(the_plan.pieces))[0])
             return summarise(execution.logprobs, execution.entropies)
         num_labels = sum(int(mask[1:].sum()) for mask in masks)
-        weight = self._backward_scale(num_items_in_batch) * self._token_weight(num_labels, num_items_in_batch, device)
-        loss_fn = _PieceLoss(masks, weight, self.args.loss_type == "dft", self.accelerator.scaler, device,
-                             len(the_plan.pieces),
+        scale = self._backward_scale(num_items_in_batch)
+        loss_fn = _PieceLoss(masks, scale * self._token_weight(num_labels, num_items_in_batch, device),
+                             self.args.loss_type == "dft", self.accelerator.scaler, device, len(the_plan.pieces),
                              on_last=lambda logprobs, entropies: summarise(logprobs.split(predicted),
                                                                            entropies.split(predicted)))
-        no_sync = functools.partial(self.accelerator.no_sync, model)
-        if self.accelerator.num_processes > 1:  # DDP's forward collectives in the one-forward order (lead_forward)
+        # DDP: the pieces but the last under no_sync, its backward all-reduces. DeepSpeed: one engine backward per
+        # piece (ZeRO reduces each, as over micro-steps), padded with filler passes to the same collectives on every
+        # process; the last piece's backward is the Trainer's own
+        deepspeed = self.is_deepspeed_enabled
+        backward = engine_backward(self.deepspeed) if deepspeed else None
+        no_sync = None if deepspeed else functools.partial(self.accelerator.no_sync, model)
+        options.update(no_sync=no_sync, backward=backward, defer_last_backward=deepspeed)
+        if deepspeed:
+            options.update(self._pad_pieces(model, the_plan, backward))
+        elif self.accelerator.num_processes > 1:  # DDP's forward collectives in the one-forward order (lead_forward)
             lead_forward(model, no_sync, gdn_backend=self.args.tree_gdn_backend,
                          attention_backend=self.args.tree_attention_backend)
-        execute_plan(recorder, the_plan, loss_fn=loss_fn, entropy_grad=False, no_sync=no_sync, **options)
+        execution = execute_plan(recorder, the_plan, loss_fn=loss_fn, entropy_grad=False, **options)
+        if execution.deferred is not None:
+            # Trainer's backward of the returned loss runs the last piece's, times ``scale`` (the pieces' losses
+            # carry it already); its value stays SFTTrainer's loss
+            surrogate = backward_surrogate(*execution.deferred) / scale
+            return loss_fn.summary.detach() + surrogate - surrogate.detach()
         return loss_fn.summary.detach().requires_grad_()
+
+    def _execute_options(self) -> dict:
+        """:func:`execute_plan`'s options of this trainer's tree forwards."""
+        return dict(gdn_backend=self.args.tree_gdn_backend, attention_backend=self.args.tree_attention_backend,
+                    head_chunk_size=self.args.tree_head_chunk_size)
 
     def _plan(self, packed: PackedForest) -> Plan:
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (or of the longest stretch
@@ -248,14 +273,15 @@ class TreeSFTTrainer(SFTTrainer):
 
     def _backward_scale(self, num_items_in_batch) -> float:
         """What ``Trainer.training_step`` and ``accelerator.backward`` multiply ``compute_loss``'s value by before the
-        backward (no DeepSpeed: :meth:`_check_planner_supported`): ``1 / current_gradient_accumulation_steps`` unless
-        the loss counts as scaled for gradient accumulation, then ``1 / accelerator.gradient_accumulation_steps``.
-        Outside the training loop (no accumulation steps set) the caller's own backward: 1."""
+        backward: ``1 / current_gradient_accumulation_steps`` unless the loss counts as scaled for gradient
+        accumulation, then ``1 / accelerator.gradient_accumulation_steps`` (not under DeepSpeed: accelerate leaves
+        that division to the engine, which Trainer tells not to, ``scale_wrt_gas=False``). Outside the training loop
+        (no accumulation steps set) the caller's own backward: 1."""
         scaled = self.loss_is_scaled_for_ga
         if scaled is None:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
         scale = 1.0 if scaled else 1.0 / getattr(self, "current_gradient_accumulation_steps", 1)
-        return scale / self.accelerator.gradient_accumulation_steps
+        return scale if self.is_deepspeed_enabled else scale / self.accelerator.gradient_accumulation_steps
 
     def _record_metrics(self, mode: str, log_probs, entropies, correct, stats: dict, rows) -> None:
         """SFTTrainer's metrics of the microbatch (entropy, mean_token_accuracy over the label tokens, num_tokens),
@@ -283,11 +309,14 @@ class TreeSFTTrainer(SFTTrainer):
                              f"{self.router_aux_loss_coef}) depends on the whole microbatch's routing, so it cannot be "
                              f"split over planner pieces (tree_token_budget={self.args.tree_token_budget}); set "
                              f"router_aux_loss_coef=0.0 in the TreeSFTConfig, {fix}.")
-        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            engine = "DeepSpeed" if self.is_deepspeed_enabled else "FSDP"
+        if self.is_fsdp_enabled:
             raise ValueError(f"TreeSFTTrainer runs planner pieces (tree_token_budget={self.args.tree_token_budget}) "
-                             f"on one process or under DDP; {engine} reduces gradients in its own backward, which "
-                             f"the pieces' backwards do not drive here; train with DDP, {fix}.")
+                             "on one process, under DDP or under DeepSpeed; FSDP runs backward through its own "
+                             f"wrapper, which the pieces' backwards do not drive yet; train with DDP or DeepSpeed, {fix}.")
+        if self.is_deepspeed_enabled and self.accelerator.mixed_precision == "fp16":
+            raise ValueError("TreeSFTTrainer: planner pieces under DeepSpeed with fp16: the dynamic loss scale would "
+                             "apply twice to the gradients handed between pieces; use bf16 (TreeSFTConfig(bf16=True)), "
+                             f"{fix}.")
         if self.args.optim in ("lomo", "adalomo"):
             raise ValueError(f"TreeSFTTrainer: optim={self.args.optim!r} updates parameters inside backward, but "
                              f"planner pieces (tree_token_budget={self.args.tree_token_budget}) run one backward "

@@ -7,7 +7,8 @@ steps of two accumulated microbatches and writes each rank's final parameters an
 The global batch is 6 rows per microbatch whatever the number of processes (``per_device_train_batch_size`` 6 / N).
 Mode ``pieces`` (second argument): no load-balancing loss, ``tree_token_budget`` 150 and rows in order, so that on
 2 processes process 0 runs every microbatch as planner pieces and process 1 as one tree forward (each rank records
-its microbatches' piece counts, 1 for one forward).
+its microbatches' piece counts, 1 for one forward, and the filler passes each ran). Under DeepSpeed process 1
+runs its microbatches as one-piece plans too, padded with filler passes (a piece's backward is a collective).
 """
 
 import os
@@ -37,7 +38,8 @@ def main(out_dir: str, mode: str | None = None):
     state = PartialState()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     options = dict(router_aux_loss_coef=0.01)
-    pieces = []  # per training microbatch (mode "pieces"); 1: it fit the budget, one tree forward
+    pieces = []  # per training microbatch (mode "pieces"); 1: it fit the budget, one tree forward (or one piece)
+    padding = []  # per training microbatch (mode "pieces"): filler passes run (DeepSpeed)
     if mode == "pieces":  # rows in order: process 0 gets the long rows, process 1 the short ones (one process: all)
         options = dict(router_aux_loss_coef=0.0, tree_token_budget=150, train_sampling_strategy="sequential")
         record = TreeSFTTrainer._record_metrics
@@ -48,6 +50,16 @@ def main(out_dir: str, mode: str | None = None):
             return record(self, metrics_mode, log_probs, entropies, correct, stats, rows)
 
         TreeSFTTrainer._record_metrics = recording
+        compute = TreeSFTTrainer.compute_loss
+
+        def counting(self, *args, **kwargs):  # DeepSpeed: filler passes each training microbatch ran
+            self.last_piece_padding = 0
+            loss = compute(self, *args, **kwargs)
+            if self.model.training:
+                padding.append(self.last_piece_padding)
+            return loss
+
+        TreeSFTTrainer.compute_loss = counting
     args = TreeSFTConfig(**dict(BASE, output_dir=out_dir, per_device_train_batch_size=6 // world_size,
                                 gradient_accumulation_steps=2, max_steps=2, **options))
     dataset = text_dataset() if mode is None else uneven_dataset()
@@ -59,7 +71,8 @@ def main(out_dir: str, mode: str | None = None):
     # under DeepSpeed ZeRO-3 each process holds a shard of every parameter: the logged loss / grad_norm compare
     params = {} if zero3_enabled() else {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
-    torch.save({"world_size": state.num_processes, "params": params, "logged": logged, "pieces": pieces},
+    torch.save({"world_size": state.num_processes, "params": params, "logged": logged, "pieces": pieces,
+                "padding": padding},
                Path(out_dir) / f"rank{state.process_index}.pt")
     trainer.accelerator.end_training()  # destroys the process group: gloo left to the interpreter's exit can abort
     return trainer
