@@ -127,7 +127,8 @@ def test_deepspeed_zero_tree_sft_pieces_train_like_one_process(tmp_path, stage, 
     """TreeSFTTrainer with planner pieces under DeepSpeed ZeRO-2/3 on 2 processes: process 0's microbatches exceed
     tree_token_budget (pieces with hand-offs, one engine backward each), process 1's fit; process 1 then runs each
     as a one-piece plan padded with filler passes to process 0's collectives (ZeRO-3: phased, forwards padded too).
-    The logged loss and grad_norm at both optimizer steps equal one process over the same 6-row microbatches."""
+    The logged loss and grad_norm at both optimizer steps equal one process over the same 6-row microbatches, and
+    so does the evaluation loss after training (forward-only pieces; ZeRO-3 pads the forwards)."""
     import torch
 
     script = ROOT / "tests" / "scripts" / "two_process_tree_sft.py"
@@ -148,5 +149,8 @@ def test_deepspeed_zero_tree_sft_pieces_train_like_one_process(tmp_path, stage, 
     for ours, reference in zip(ranks[0]["logged"], single["logged"]):
         assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert ours["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+    evaluated = [run["evaluated"] for run in (ranks[0], single)]
+    assert evaluated[0]["eval_loss"] == pytest.approx(evaluated[1]["eval_loss"], rel=1e-5), evaluated
+    assert evaluated[0]["eval_tree/pieces"] > 1, evaluated  # forward-only pieces ran
     print(f"\n[TreeSFT pieces, ZeRO-{stage}, 2 processes vs 1] losses {[e['loss'] for e in ranks[0]['logged']]} vs "
           f"{[e['loss'] for e in single['logged']]}; pieces {pairs}; fillers on process 1 {ranks[1]['padding']}")

@@ -332,7 +332,7 @@ def test_planned_pieces_on_two_processes_match_one_process(tmp_path):
     """DDP (2 processes, 3 rows each) with microbatches as planner pieces on one rank and one tree forward on the
     other (each rank's pieces but the last accumulate under no_sync, the last one's backward all-reduces): the
     parameters after two optimizer steps equal one process over the same global batch (6 rows), and both ranks end
-    bit-identical."""
+    bit-identical; so does the evaluation loss after training."""
     from tests.test_distributed import compare_final_parameters, launch, run_one_process
 
     script = Path(__file__).parent / "scripts" / "two_process_tree_sft.py"
@@ -344,6 +344,8 @@ def test_planned_pieces_on_two_processes_match_one_process(tmp_path):
     assert len(single["pieces"]) == 4 and all(count > 1 for count in single["pieces"]), single["pieces"]
     losses = [[entry["loss"] for entry in run["logged"]] for run in (ranks[0], single)]
     assert len(losses[1]) == 2 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+    evaluated = [run["evaluated"] for run in (ranks[0], single)]  # forward-only pieces on rank 0, one forward on 1
+    assert evaluated[0]["eval_loss"] == pytest.approx(evaluated[1]["eval_loss"], rel=1e-5), evaluated
     print(f"\n[TreeSFT pieces, 2 processes vs 1] worst parameter difference {worst_step:.1e} of the step; pieces per "
           f"microbatch {ranks[0]['pieces']} / {ranks[1]['pieces']} (one process: {single['pieces']})")
 

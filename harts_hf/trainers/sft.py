@@ -207,9 +207,11 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
 
         self.last_piece_padding = 0
         if not torch.is_grad_enabled():
+            # ZeRO-3 all-gathers parameters in every forward: as many on every process (counted before any runs: the
+            # count is a collective too)
+            fillers = self._missing_passes(len(the_plan.pieces))[0] if self._zero_stage() == 3 else 0
             execution = execute_plan(recorder, the_plan, **options)
-            if self._zero_stage() == 3:  # every forward all-gathers parameters: as many on every process
-                self._run_fillers(model, forwards=self._missing_passes(len(the_plan.pieces))[0])
+            self._run_fillers(model, forwards=fillers)
             return summarise(execution.logprobs, execution.entropies)
         num_labels = sum(int(mask[1:].sum()) for mask in masks)
         scale = self._backward_scale(num_items_in_batch)

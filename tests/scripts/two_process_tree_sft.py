@@ -8,7 +8,9 @@ The global batch is 6 rows per microbatch whatever the number of processes (``pe
 Mode ``pieces`` (second argument): no load-balancing loss, ``tree_token_budget`` 150 and rows in order, so that on
 2 processes process 0 runs every microbatch as planner pieces and process 1 as one tree forward (each rank records
 its microbatches' piece counts, 1 for one forward, and the filler passes each ran). Under DeepSpeed process 1
-runs its microbatches as one-piece plans too, padded with filler passes (a piece's backward is a collective).
+runs its microbatches as one-piece plans too, padded with filler passes (a piece's backward is a collective). Mode
+``pieces`` also evaluates on the same rows in batches of 3 (its eval loss, the mean over batches, is the same for
+any number of processes).
 """
 
 import os
@@ -41,7 +43,8 @@ def main(out_dir: str, mode: str | None = None):
     pieces = []  # per training microbatch (mode "pieces"); 1: it fit the budget, one tree forward (or one piece)
     padding = []  # per training microbatch (mode "pieces"): filler passes run (DeepSpeed)
     if mode == "pieces":  # rows in order: process 0 gets the long rows, process 1 the short ones (one process: all)
-        options = dict(router_aux_loss_coef=0.0, tree_token_budget=150, train_sampling_strategy="sequential")
+        options = dict(router_aux_loss_coef=0.0, tree_token_budget=150, train_sampling_strategy="sequential",
+                       per_device_eval_batch_size=3)  # eval batches of 3 rows whatever the number of processes
         record = TreeSFTTrainer._record_metrics
 
         def recording(self, metrics_mode, log_probs, entropies, correct, stats, rows):
@@ -66,13 +69,15 @@ def main(out_dir: str, mode: str | None = None):
     trainer = TreeSFTTrainer(build("qwen3_next_moe", seed=0), args=args, train_dataset=dataset,
                              processing_class=char_tokenizer())
     trainer.train()
+    # mode "pieces": evaluation too (no gradient), the long rows' batches as forward-only pieces (ZeRO-3: padded)
+    evaluated = trainer.evaluate(uneven_dataset()) if mode == "pieces" else {}
     from harts_hf.model_patches.core import zero3_enabled
 
     # under DeepSpeed ZeRO-3 each process holds a shard of every parameter: the logged loss / grad_norm compare
     params = {} if zero3_enabled() else {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     torch.save({"world_size": state.num_processes, "params": params, "logged": logged, "pieces": pieces,
-                "padding": padding},
+                "padding": padding, "evaluated": evaluated},
                Path(out_dir) / f"rank{state.process_index}.pt")
     trainer.accelerator.end_training()  # destroys the process group: gloo left to the interpreter's exit can abort
     return trainer
