@@ -393,7 +393,8 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
     if (softcap is not None or sinks is not None) and query.is_cuda and varlen_kernel(query.device) != "fa4":
         _log_once(f"harts_hf: {type(module).__name__} uses attention softcapping / sinks, which tree attention "
                   "computes explicitly per run on the GPU (exact, not fast) unless FlashAttention-4 runs the varlen "
-                  "path: pip install harts_hf[fa4] and set harts_hf.kernels.tree_attention.varlen.KERNEL = 'fa4'")
+                  "path: pip install harts_hf[fa4], then from harts_hf.kernels.tree_attention import varlen; "
+                  "varlen.KERNEL = 'fa4'")
     if window is not None and tree.context is not None:
         raise ValueError(f"{type(module).__name__}: a sliding-window layer in a planner piece below a branch point "
                          "is not supported; raise tree_token_budget so that each tree runs as one piece")

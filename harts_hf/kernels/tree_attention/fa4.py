@@ -40,7 +40,7 @@ def check_interface():
             raise ImportError(f"tree attention: flash_attn.cute.interface.{name} "
                               f"{'is missing' if function is None else 'lacks ' + ', '.join(missing)}; harts_hf's "
                               "FlashAttention-4 path was written against flash-attn-4 4.0.0b36: install that version "
-                              "or set harts_hf.kernels.tree_attention.varlen.KERNEL = 'torch'")
+                              "or set KERNEL = 'torch' (from harts_hf.kernels.tree_attention import varlen)")
     return interface._flash_attn_fwd, interface._flash_attn_bwd
 
 

@@ -199,7 +199,7 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     if (softcap is not None or sinks is not None) and kernel != "fa4":
         raise ValueError("tree attention: softcapping / sinks on the varlen path need FlashAttention-4 "
                          f"(varlen KERNEL is {KERNEL!r}, which runs {kernel!r}): pip install harts_hf[fa4] and set "
-                         "harts_hf.kernels.tree_attention.varlen.KERNEL = 'fa4', or use backend='runs' (exact, slow)")
+                         "KERNEL = 'fa4' (from harts_hf.kernels.tree_attention import varlen), or use backend='runs' (exact, slow)")
     features = dict(window=window, softcap=softcap, sinks=sinks)
     extra = gqa_keyword(varlen_attn) if q.shape[1] != k.shape[1] and kernel == "torch" else {}
     cu_q, cu_k = layout.host_cu()
