@@ -593,3 +593,44 @@ def test_whole_trees_sharing_a_microbatch_run_as_one_piece(family):
             assert len(whole) <= 1, microbatch
     assert [p.index for p in the_plan.pieces] == list(range(len(the_plan.pieces)))
     assert sorted(s for p in the_plan.pieces for s in p.segments) == list(range(len(parent)))
+
+
+def test_only_loss_tokens_and_top1_match_the_tree_forward():
+    """execute_plan(only_loss_tokens=True, compute_top1=True) over pieces with hand-offs: the LM head scores only the
+    tokens that carry loss in some sequence (masks that differ between sequences sharing a token); their log-probs and
+    argmax flags equal one tree forward's (tree_logprobs with the same options), the other places hold 0 / False
+    and reach no loss, and the gradient of a loss over each sequence's own loss places equals the tree forward's."""
+    sequences = handoff_sequences(seed=3)
+    rng = random.Random(3)
+    masks = [torch.tensor([rng.random() < 0.5 for _ in s]) for s in sequences]
+    forest = PrefixForest.from_sequences(sequences, loss_masks=masks)
+    the_plan = plan(forest, token_budget=140)
+    assert sum(p.handoff is not None for p in the_plan.pieces) >= 3
+    model = build("qwen3_next")
+    weights = [w * m[1:] for w, m in zip(weights_for(sequences), masks)]  # each sequence's own loss places
+    tree = tree_logprobs(model, forest=forest, only_loss_tokens=True, compute_top1=True)
+    loss = sum((x * w).sum() for x, w in zip(tree.logprobs, weights))
+    model.zero_grad()
+    loss.backward()
+    expected_grads = grads_of(model)
+    scored_places = []
+
+    def loss_fn(scored):
+        scored_places.append(torch.stack([scored.sequence, scored.position]))
+        assert scored.is_top1 is not None and scored.is_top1.shape == scored.logprobs.shape
+        weight = torch.stack([torch.nn.functional.pad(w, (0, 400 - w.shape[0])) for w in weights])
+        return (weight[scored.sequence, scored.position] * scored.logprobs[scored.occurrence]).sum()
+
+    model.zero_grad()
+    run = execute_plan(model, the_plan, loss_fn=loss_fn, only_loss_tokens=True, compute_top1=True)
+    compare_grads(grads_of(model), expected_grads, 3e-5, "only_loss_tokens plan vs tree")
+    packed = forest.pack()
+    carries = [x[1:] for x in packed.gather_sequences(packed.loss_mask)]  # the token carries loss in some sequence
+    for got, want, top1, want_top1, scored in zip(run.logprobs, tree.logprobs, run.is_top1, tree.is_top1, carries):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(top1, want_top1) and not got[~scored].any() and not top1[~scored].any()
+    places = torch.cat(scored_places, 1)
+    assert places.shape[1] == sum(int(c.sum()) for c in carries)  # exactly the scored tokens' places, once each
+    with torch.no_grad():
+        forward_only = execute_plan(model, the_plan, only_loss_tokens=True, compute_top1=True)
+    assert all(torch.equal(a, b) for a, b in zip(forward_only.is_top1, run.is_top1))

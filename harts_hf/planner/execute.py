@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .._checks import check_int, check_number
+from .._checks import check_bool, check_int, check_number
 from ..kernels import TreeContext, TreeExport, TreeMetadata
 from ..kernels.context import compact
 from ..logprobs import _ensure_patched, check_tree_inputs, tree_logprobs, unwrap_model
@@ -38,7 +38,8 @@ class PieceLogprobs:
     ``entropies [n]`` or None. Every scored place of those tokens in the batch, TRL's per-token layout:
     ``sequence [m]``, ``position [m]`` (index into sequence's ``len - 1`` log-probs) and ``occurrence [m]`` (its
     token in ``tokens``), so ``logprobs[occurrence]`` are the per-sequence values (a shared token appears once
-    per sequence through it).
+    per sequence through it). ``is_top1 [n]`` (bool, with ``compute_top1``): whether each token is its
+    distribution's argmax.
     """
 
     piece: int
@@ -48,6 +49,7 @@ class PieceLogprobs:
     sequence: torch.Tensor
     position: torch.Tensor
     occurrence: torch.Tensor
+    is_top1: torch.Tensor | None = None
 
 
 @dataclass
@@ -63,6 +65,8 @@ class PlanExecution:
     forward, ``children``, ``forward``, ``backward``), ``(piece, phase, allocated GiB, peak GiB so far)`` from
     torch's caching allocator (the peak is not reset here): where a microbatch's memory goes, piece by piece.
     ``deferred``: with ``defer_last_backward``, the last backward's ``(roots, gradients)`` (else None).
+    ``is_top1``: with ``compute_top1``, per sequence ``[len(s_i) - 1]`` bool (else None). With
+    ``only_loss_tokens`` a place whose token carries loss in no sequence holds 0 / False: it was not scored.
     """
 
     logprobs: list[torch.Tensor]
@@ -73,6 +77,7 @@ class PlanExecution:
     stats: dict
     memory: list = field(default_factory=list)
     deferred: tuple | None = None
+    is_top1: list[torch.Tensor] | None = None
 
 
 def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=None,
@@ -83,7 +88,8 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
                  no_sync: Callable[[], AbstractContextManager] | None = None, group=None,
                  backward: Callable[[list, list], None] | None = None,
                  defer_last_backward: bool = False, schedule: str = "depth_first",
-                 between_phases: Callable[[], None] | None = None) -> PlanExecution:
+                 between_phases: Callable[[], None] | None = None, only_loss_tokens: bool = False,
+                 compute_top1: bool = False) -> PlanExecution:
     """Run ``plan``'s pieces (one forward + backward each) and accumulate parameter gradients into ``.grad``,
     equal to the gradient of the same loss over one tree forward (:func:`harts_hf.tree_logprobs`).
 
@@ -138,6 +144,11 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
             that must come in the same order everywhere). Needs ``recompute=True`` and no hand-off across replicas.
         between_phases: with ``"phased"``, called once between the two phases (where the caller pads the hand-off
             forwards' phase, or starts the pairs' phase with fillers); in a forward-only pass, after its forwards.
+        only_loss_tokens: score (run the LM head on) only the tokens that carry loss in some sequence of
+            ``plan.packed`` (its forest's ``loss_masks``), as :func:`harts_hf.tree_logprobs` does: a loss then sees
+            only those places, and the others' log-probs are 0 in the result.
+        compute_top1: also whether each scored token is its distribution's argmax (``PieceLogprobs.is_top1``,
+            ``PlanExecution.is_top1``; SFT's token accuracy).
 
     Returns:
         :class:`PlanExecution`.
@@ -166,7 +177,9 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
                          attention_backend=attention_backend, float32_head=float32_head,
                          head_chunk_size=head_chunk_size,
                          entropy_grad=(entropy_weights is not None or loss_fn is not None) if entropy_grad is None
-                         else entropy_grad)
+                         else entropy_grad, only_loss_tokens=check_bool(only_loss_tokens,
+                                                                        "execute_plan: only_loss_tokens"),
+                         compute_top1=check_bool(compute_top1, "execute_plan: compute_top1"))
     if logprob_weights is not None:
         runner.set_token_weights(logprob_weights, entropy_weights)
     elif loss_fn is not None:
@@ -230,7 +243,8 @@ class _PlanRunner:
     """State of one :func:`execute_plan` call: per-piece packings, per-token outputs and counters."""
 
     def __init__(self, model, plan: Plan, *, compute_entropy, temperature, recompute, gdn_backend,
-                 attention_backend, float32_head, head_chunk_size, entropy_grad):
+                 attention_backend, float32_head, head_chunk_size, entropy_grad, only_loss_tokens=False,
+                 compute_top1=False):
         self.model, self.plan, self.packed = model, plan, plan.packed
         base = unwrap_model(model)
         _ensure_patched(base)
@@ -242,7 +256,9 @@ class _PlanRunner:
         self.device = base.get_input_embeddings().weight.device
         self.compute_entropy, self.temperature, self.recompute = compute_entropy, temperature, recompute
         self.backends = dict(gdn_backend=gdn_backend, attention_backend=attention_backend)
-        self.head = dict(float32_head=float32_head, chunk_size=head_chunk_size, entropy_grad=entropy_grad)
+        self.head = dict(float32_head=float32_head, chunk_size=head_chunk_size, entropy_grad=entropy_grad,
+                         compute_top1=compute_top1)
+        self.only_loss_tokens, self.compute_top1 = only_loss_tokens, compute_top1
         self.loss_fn = self.no_sync = self.backward = self.deferred = None
         self.defer_last = False
         self.token_weights = self.entropy_token_weights = None
@@ -253,6 +269,7 @@ class _PlanRunner:
         U = self.packed.num_tokens
         self.token_logprobs = torch.zeros(U, device=self.device)
         self.token_entropies = torch.zeros(U, device=self.device) if compute_entropy else None
+        self.token_top1 = torch.zeros(U, dtype=torch.bool, device=self.device) if compute_top1 else None
         self.loss = None
         self.stats = {"pieces": 0, "handoffs": 0, "grad_forwards": 0, "grad_tokens": 0, "nograd_forwards": 0,
                       "nograd_tokens": 0}
@@ -386,7 +403,10 @@ class _PlanRunner:
                              f"{piece.handoff.ancestor_tokens}")
         tree = TreeMetadata(self.packed.select(piece.segments), self.device, context=context, exports=exports,
                             **self.backends)
-        targets = torch.nonzero(self.packed.parent[tokens] >= 0).squeeze(1).to(self.device)
+        scored = self.packed.parent[tokens] >= 0
+        if self.only_loss_tokens:
+            scored &= self.packed.loss_mask[tokens]
+        targets = torch.nonzero(scored).squeeze(1).to(self.device)
         return tokens, tree, targets
 
     def run(self, piece: Piece, context: TreeContext | None, last: bool = False) -> None:
@@ -512,6 +532,8 @@ class _PlanRunner:
         self.token_logprobs[where] = output.logprobs.detach()
         if self.compute_entropy:
             self.token_entropies[where] = output.entropies.detach()
+        if self.compute_top1:
+            self.token_top1[where] = output.is_top1
 
     def _piece_loss(self, piece: Piece, tokens, targets, output) -> torch.Tensor:
         where = tokens.to(self.device)[targets]
@@ -527,7 +549,8 @@ class _PlanRunner:
         lookup = torch.full((self.packed.num_tokens,), -1, dtype=torch.long, device=self.device)
         lookup[where] = torch.arange(where.shape[0], device=self.device)
         scored = PieceLogprobs(piece.index, where, output.logprobs, output.entropies, sequence[chosen],
-                               position[chosen], lookup[token[chosen]])
+                               position[chosen], lookup[token[chosen]],
+                               output.is_top1 if self.compute_top1 else None)
         loss = self.loss_fn(scored)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             raise ValueError(f"loss_fn must return a scalar tensor for piece {piece.index}, got {loss!r:.80}")
@@ -537,8 +560,9 @@ class _PlanRunner:
         packed = self.packed.to(self.device) if self.packed.device != self.device else self.packed
         logprobs = [x[1:] for x in packed.gather_sequences(self.token_logprobs)]
         entropies = [x[1:] for x in packed.gather_sequences(self.token_entropies)] if self.compute_entropy else None
+        top1 = [x[1:] for x in packed.gather_sequences(self.token_top1)] if self.compute_top1 else None
         return PlanExecution(logprobs, entropies, self.token_logprobs, self.token_entropies, self.loss,
-                             dict(self.stats), list(self.memory), self.deferred)
+                             dict(self.stats), list(self.memory), self.deferred, top1)
 
 
 def _reentrant_checkpointing(model) -> bool:

@@ -11,7 +11,7 @@ forest exceeds ``tree_token_budget`` runs as planner pieces (each its own forwar
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from datasets import Dataset
@@ -23,7 +23,6 @@ from .._checks import check_bool, check_int, trainer_args
 from ..logprobs import tree_logprobs, unwrap_model
 from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
-from ..model_patches.entry import TREE_REQUEST_KWARG
 from ..planner import Plan
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
 from ..trees import PackedForest, PrefixForest
@@ -194,12 +193,11 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
         stats = dict(packed.stats(), pieces=len(the_plan.pieces),
                      handoffs=sum(piece.handoff is not None for piece in the_plan.pieces))
         device = unwrap_model(model).get_input_embeddings().weight.device
-        recorder = _TopOneRecorder(model, [len(row) for row in rows], device)
-        options = dict(compute_entropy=True, **self._execute_options())
+        # the LM head scores only label tokens, and flags whether each is its distribution's argmax (token accuracy)
+        options = dict(compute_entropy=True, only_loss_tokens=True, compute_top1=True, **self._execute_options())
         predicted = [len(row) - 1 for row in rows]
 
-        def summarise(logprobs, entropies) -> torch.Tensor:  # per row; SFTTrainer's loss value, the metrics logged
-            top1 = recorder.is_top1.split(predicted)
+        def summarise(logprobs, entropies, top1) -> torch.Tensor:  # per row; SFTTrainer's loss, the metrics logged
             log_probs, entropies, correct = self._label_values(masks, logprobs, entropies, top1)
             mode = "train" if self.model.training else "eval"
             self._record_metrics(mode, log_probs, entropies, correct, stats, rows)
@@ -210,15 +208,14 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
             # ZeRO-3 all-gathers parameters in every forward: as many on every process (counted before any runs: the
             # count is a collective too)
             fillers = self._missing_passes(len(the_plan.pieces))[0] if self._zero_stage() == 3 else 0
-            execution = execute_plan(recorder, the_plan, **options)
+            execution = execute_plan(model, the_plan, **options)
             self._run_fillers(model, forwards=fillers)
-            return summarise(execution.logprobs, execution.entropies)
+            return summarise(execution.logprobs, execution.entropies, execution.is_top1)
         num_labels = sum(int(mask[1:].sum()) for mask in masks)
         scale = self._backward_scale(num_items_in_batch)
         loss_fn = _PieceLoss(masks, scale * self._token_weight(num_labels, num_items_in_batch, device),
                              self.args.loss_type == "dft", self.accelerator.scaler, device, len(the_plan.pieces),
-                             on_last=lambda logprobs, entropies: summarise(logprobs.split(predicted),
-                                                                           entropies.split(predicted)))
+                             on_last=lambda *values: summarise(*(value.split(predicted) for value in values)))
         # DDP: the pieces but the last under no_sync, its backward all-reduces. DeepSpeed: one engine backward per
         # piece (ZeRO reduces each, as over micro-steps), padded with filler passes to the same collectives on every
         # process; the last piece's backward is the Trainer's own
@@ -231,7 +228,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
         elif self.accelerator.num_processes > 1:  # DDP's forward collectives in the one-forward order (lead_forward)
             lead_forward(model, no_sync, gdn_backend=self.args.tree_gdn_backend,
                          attention_backend=self.args.tree_attention_backend)
-        execution = execute_plan(recorder, the_plan, loss_fn=loss_fn, entropy_grad=False, **options)
+        execution = execute_plan(model, the_plan, loss_fn=loss_fn, entropy_grad=False, **options)
         if execution.deferred is not None:
             # Trainer's backward of the returned loss runs the last piece's, times ``scale`` (the pieces' losses
             # carry it already); its value stays SFTTrainer's loss
@@ -328,9 +325,10 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
 class _PieceLoss:
     """``loss_fn`` of :func:`execute_plan`: one piece's share of SFTTrainer's loss, ``weight`` times the sum of its
     label tokens' ``-log_prob`` (DFT: times their probability, no gradient), scaled by the AMP ``scaler`` if any.
-    ``masks``: per row, which tokens carry loss (``[len_i]`` bool). Keeps the pieces' log-probs and entropies per
-    place of every row (``[sum(len_i - 1)]``, rows in order); once the last of ``num_pieces`` pieces is scored
-    (before its backward), ``summary = on_last(log_probs, entropies)`` (without gradient)."""
+    ``masks``: per row, which tokens carry loss (``[len_i]`` bool). Keeps the pieces' log-probs, entropies and
+    argmax flags per place of every row (``[sum(len_i - 1)]``, rows in order); once the last of ``num_pieces``
+    pieces is scored (before its backward), ``summary = on_last(log_probs, entropies, is_top1)`` (without
+    gradient)."""
 
     def __init__(self, masks, weight: torch.Tensor, dft: bool, scaler, device, num_pieces: int, on_last):
         lengths = torch.tensor([len(mask) - 1 for mask in masks], device=device)
@@ -338,6 +336,7 @@ class _PieceLoss:
         self.carries = torch.cat([mask[1:] for mask in masks]).to(device)
         self.log_probs = torch.zeros(self.carries.shape, device=device)
         self.entropies = torch.zeros_like(self.log_probs)
+        self.is_top1 = torch.zeros(self.carries.shape, dtype=torch.bool, device=device)
         self.weight, self.dft, self.scaler = weight, dft, scaler
         self.remaining, self.on_last, self.summary = num_pieces, on_last, None
 
@@ -345,6 +344,7 @@ class _PieceLoss:
         places = self.starts[scored.sequence] + scored.position
         self.log_probs[places] = scored.logprobs[scored.occurrence].detach()
         self.entropies[places] = scored.entropies[scored.occurrence].detach()
+        self.is_top1[places] = scored.is_top1[scored.occurrence]
         log_probs = scored.logprobs[scored.occurrence[self.carries[places]]]
         per_token_loss = -log_probs
         if self.dft:
@@ -353,38 +353,8 @@ class _PieceLoss:
         self.remaining -= 1
         if self.remaining == 0:
             with torch.no_grad():
-                self.summary = self.on_last(self.log_probs, self.entropies)
+                self.summary = self.on_last(self.log_probs, self.entropies, self.is_top1)
         return self.scaler.scale(loss) if self.scaler is not None else loss
-
-
-class _TopOneRecorder(torch.nn.Module):
-    """The model as :func:`execute_plan` calls it: every tree forward is asked whether each predicted token is its
-    distribution's argmax too (SFT's token accuracy), which is kept per place of every row, ``is_top1
-    [sum(len_i - 1)]`` (bool, rows in order). A piece's forest keeps every row's index and its tokens' depths
-    (:meth:`PackedForest.select`), so a token at depth d of row i is row i's prediction d - 1."""
-
-    def __init__(self, model, lengths: list[int], device):
-        super().__init__()
-        self.module = model
-        predicted = torch.tensor([length - 1 for length in lengths], device=device)
-        self.starts = torch.cumsum(predicted, 0) - predicted
-        self.is_top1 = torch.zeros(int(predicted.sum()), dtype=torch.bool, device=device)
-
-    def forward(self, **kwargs):
-        request = replace(kwargs.pop(TREE_REQUEST_KWARG), compute_top1=True)
-        output = self.module(**kwargs, **{TREE_REQUEST_KWARG: request})
-        piece = request.tree.packed
-        top1 = torch.zeros(piece.num_tokens, dtype=torch.bool, device=self.is_top1.device)
-        predicted = torch.zeros_like(top1)
-        top1[request.targets] = output.is_top1
-        predicted[request.targets] = True
-        token = piece.sequence_token_index.to(top1.device)
-        row = torch.repeat_interleave(torch.arange(piece.num_sequences, device=top1.device),
-                                      piece.sequence_lengths.to(top1.device))
-        keep = predicted[token]
-        places = self.starts[row[keep]] + piece.position_ids.to(top1.device)[token[keep]] - 1
-        self.is_top1[places] = top1[token[keep]]
-        return output
 
 
 def forest_rows(inputs: dict) -> tuple[list[list[int]], list[torch.Tensor]]:
