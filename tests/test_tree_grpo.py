@@ -274,6 +274,7 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_token_budget=0), ["tree_token_budget"]),
     (dict(tree_gdn_backend="cuda"), ["tree_gdn_backend", "'fla'"]),
     (dict(tree_attention_backend="flex"), ["tree_attention_backend"]),
+    (dict(tree_varlen_kernel="fa3"), ["tree_varlen_kernel", "'fa4'", "'fa3'"]),
     (dict(tree_attention_backend="cudnn"), ["tree_attention_backend='cudnn'", "CUDA only", "'auto'"]),
     (dict(tree_attention_backend="varlen"), ["tree_attention_backend='varlen'", "CUDA only"]),
     (dict(tree_gdn_backend="fla"), ["tree_gdn_backend='fla'", "CUDA only"]),
@@ -303,6 +304,26 @@ def test_cross_replica_handoffs_refuse_sequence_level_losses(saved_model, tmp_pa
                         processing_class=char_tokenizer())
     for word in words:
         assert word in str(info.value)
+
+
+def test_varlen_kernel_field_sets_the_kernel(saved_model, tmp_path, monkeypatch):
+    """tree_varlen_kernel puts the tree attention's varlen kernel in force at construction (process-wide); 'fa4'
+    without FlashAttention-4 installed fails there, naming the install."""
+    from harts_hf.kernels.tree_attention import varlen
+
+    monkeypatch.setattr(varlen, "KERNEL", "torch")
+    model = AutoModelForCausalLM.from_pretrained(saved_model)
+    for choice in ("auto", "fa4"):
+        args = TreeGRPOConfig(**dict(BASE_ARGS, output_dir=str(tmp_path), router_aux_loss_coef=0.0,
+                                     tree_varlen_kernel=choice))
+        if choice == "fa4" and not varlen._fa4_importable():
+            with pytest.raises(ImportError, match=r"harts_hf\[fa4\]"):
+                TreeGRPOTrainer(model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(4),
+                                processing_class=char_tokenizer())
+            continue
+        TreeGRPOTrainer(model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(4),
+                        processing_class=char_tokenizer())
+        assert varlen.KERNEL == choice
 
 
 def test_plain_grpo_config_is_refused(saved_model, tmp_path):

@@ -13,6 +13,12 @@ __all__ = ["TreeGRPOConfig"]
 
 _GDN_BACKENDS = ("auto", "torch", "fla")
 _ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
+_VARLEN_KERNELS = (None, "torch", "fa4", "auto")
+VARLEN_KERNEL_HELP = ("The tree attention's varlen kernel on CUDA: 'torch' (torch's flash varlen), 'fa4' "
+                      "(FlashAttention-4, pip install harts_hf[fa4]; the fastest measured, BENCHMARKS.md), 'auto' (fa4 "
+                      "where installed on Hopper / Blackwell, else torch); process-wide "
+                      "(harts_hf.kernels.tree_attention.varlen.KERNEL). None leaves that setting as it is "
+                      "('torch' unless changed).")
 _BOOL_FIELDS = ("use_tree", "tree_share_across_groups", "tree_keep_groups_together", "tree_balance_replicas",
                 "tree_cross_replica_handoffs", "tree_keep_attention_outputs")
 
@@ -100,6 +106,8 @@ class TreeGRPOConfig(GRPOConfig):
                           "run when runs are long), 'sdpa' (dense mask), 'runs' (SDPA per run), 'varlen' or 'cudnn'.",
                   "choices": list(_ATTENTION_BACKENDS)},
     )
+    tree_varlen_kernel: str | None = field(
+        default=None, metadata={"help": VARLEN_KERNEL_HELP, "choices": list(_VARLEN_KERNELS)})
     tree_head_chunk_size: int = field(
         default=4096,
         metadata={"help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."},
@@ -128,6 +136,7 @@ class TreeGRPOConfig(GRPOConfig):
         if self.tree_attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"tree_attention_backend must be one of {_ATTENTION_BACKENDS}, got "
                              f"{self.tree_attention_backend!r}.")
+        check_varlen_kernel(self.tree_varlen_kernel)
         cuda_kernels = [f"tree_gdn_backend={self.tree_gdn_backend!r}"] if self.tree_gdn_backend == "fla" else []
         if self.tree_attention_backend in ("varlen", "cudnn"):
             cuda_kernels.append(f"tree_attention_backend={self.tree_attention_backend!r}")
@@ -186,3 +195,23 @@ def budget_plan(packed, budget: int, logger, **options):
         budget = longest
     return plan(packed, token_budget=budget, **options)
 
+
+
+def check_varlen_kernel(choice) -> None:
+    """``tree_varlen_kernel`` is one of its choices (an error names the field, the value and the choices)."""
+    if choice not in _VARLEN_KERNELS:
+        raise ValueError(f"tree_varlen_kernel must be one of {_VARLEN_KERNELS}, got {choice!r}.")
+
+
+def apply_varlen_kernel(choice: str | None) -> None:
+    """Put ``tree_varlen_kernel`` in force (``varlen.KERNEL``, process-wide); None leaves it. 'fa4' without
+    FlashAttention-4 installed fails here, naming the fix."""
+    if choice is None:
+        return
+    from ..kernels.tree_attention import varlen
+
+    if choice == "fa4" and not varlen._fa4_importable():
+        raise ImportError("tree_varlen_kernel='fa4' needs FlashAttention-4 (pip install harts_hf[fa4], i.e. "
+                          "flash-attn-4); or set tree_varlen_kernel='auto' (FlashAttention-4 where it is installed) "
+                          "or 'torch'.")
+    varlen.KERNEL = choice

@@ -26,7 +26,14 @@ from ..model_patches.core import _PATCH_MARK
 from ..planner import Plan
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
 from ..trees import PackedForest, PrefixForest
-from .config import _ATTENTION_BACKENDS, _GDN_BACKENDS, budget_plan
+from .config import (
+    _ATTENTION_BACKENDS,
+    _GDN_BACKENDS,
+    VARLEN_KERNEL_HELP,
+    apply_varlen_kernel,
+    budget_plan,
+    check_varlen_kernel,
+)
 from .piece_padding import PiecePadding
 
 __all__ = ["TreeSFTConfig", "TreeSFTTrainer", "forest_rows", "per_turn_rows"]
@@ -49,6 +56,7 @@ class TreeSFTConfig(SFTConfig):
                 "'fla'."})
     tree_attention_backend: str = field(default="auto", metadata={
         "help": "Softmax-attention kernel on trees: 'auto', 'sdpa', 'runs', 'varlen' or 'cudnn' (as TreeGRPOConfig)."})
+    tree_varlen_kernel: str | None = field(default=None, metadata={"help": VARLEN_KERNEL_HELP})
     tree_head_chunk_size: int = field(default=4096, metadata={
         "help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."})
     tree_keep_attention_outputs: bool = field(default=True, metadata={
@@ -83,6 +91,7 @@ class TreeSFTConfig(SFTConfig):
         for name, choices in _BACKENDS.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
+        check_varlen_kernel(self.tree_varlen_kernel)
         super().__post_init__()
         if self.tree_per_turn_rows and self.completion_only_loss is False:
             raise ValueError("TreeSFTConfig: tree_per_turn_rows=True puts each row's loss on its last assistant turn "
@@ -146,6 +155,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
         else:
             if getattr(base, _PATCH_MARK, None) is None:
                 self._tree_handles.append(apply_tree_patches(base))
+            apply_varlen_kernel(args.tree_varlen_kernel)
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(base)
 
