@@ -129,6 +129,27 @@ def test_varlen_kernel_choice():
     assert varlen.varlen_kernel(torch.device("cpu"), "torch") == "torch"
 
 
+def test_varlen_auto_takes_fa4_only_with_the_functions_harts_hf_calls(monkeypatch):
+    """'auto' picks FlashAttention-4 on a Hopper-class GPU where it imports and has the functions the dispatcher
+    ops call; an installed version without them falls back to torch's kernel instead of failing mid-step. (No GPU
+    here: the capability and the import are stood in for.)"""
+    from harts_hf.kernels.tree_attention import fa4, varlen
+
+    monkeypatch.setattr(varlen, "_fa4_importable", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(fa4, "check_interface", lambda: None)
+    assert varlen.varlen_kernel(torch.device("cpu"), "auto") == "fa4"
+
+    def missing():
+        raise ImportError("flash_attn.cute.interface._flash_attn_bwd lacks learnable_sink")
+
+    monkeypatch.setattr(fa4, "check_interface", missing)
+    assert varlen.varlen_kernel(torch.device("cpu"), "auto") == "torch"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(fa4, "check_interface", lambda: None)
+    assert varlen.varlen_kernel(torch.device("cpu"), "auto") == "torch"
+
+
 @pytest.mark.parametrize("rows,blocks", [(1, [2048]), (2048, [2048]), (2049, [2048, 2048]),
                                          (97_199, [65536, 16384, 8192, 4096, 2048, 2048]),
                                          (200_000, [65536, 65536, 65536, 2048, 2048])])

@@ -131,13 +131,29 @@ def _fa4_importable() -> bool:
     return importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
 
 
+def _fa4_interface_ok() -> bool:
+    """Whether the installed FlashAttention-4 has the functions harts_hf's ops call (``"auto"`` falls back to torch's
+    kernel, saying why once, when it does not)."""
+    from .fa4 import check_interface
+
+    try:
+        check_interface()
+    except ImportError as error:
+        from .._backend import _log_once
+
+        _log_once(f"harts_hf: varlen KERNEL='auto' uses torch's flash varlen: {error}")
+        return False
+    return True
+
+
 def varlen_kernel(device: torch.device, choice: str | None = None) -> str:
     """``"torch"`` or ``"fa4"`` on ``device`` under ``choice`` (default :data:`KERNEL`)."""
     choice = KERNEL if choice is None else choice
     if choice not in ("auto", "torch", "fa4"):
         raise ValueError(f"tree attention: varlen KERNEL must be 'auto', 'torch' or 'fa4', got {choice!r}")
     if choice == "auto":
-        return "fa4" if _fa4_importable() and torch.cuda.get_device_capability(device)[0] in (9, 10) else "torch"
+        usable = _fa4_importable() and torch.cuda.get_device_capability(device)[0] in (9, 10) and _fa4_interface_ok()
+        return "fa4" if usable else "torch"
     if choice == "fa4" and not _fa4_importable():
         raise ImportError("tree attention: KERNEL='fa4' needs FlashAttention-4: pip install flash-attn-4")
     return choice
