@@ -411,6 +411,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "launch, or chosen per plan (default: %(default)s)")
     parser.add_argument("--head-chunk-size", type=int, default=4096,
                         help="tree_head_chunk_size: LM-head rows per chunk (default: %(default)s)")
+    parser.add_argument("--varlen-kernel", default=None, choices=["torch", "fa4", "auto"],
+                        help="tree_varlen_kernel: the tree attention's varlen kernel (default: harts_hf's, torch)")
     parser.add_argument("--row-block-size", type=int, default=None,
                         help="rows per call of the row-wise fla kernels and the gated norm (default: the library's "
                              "FLA_ROW_BUCKET); small values give each process a different call count, as large "
@@ -493,7 +495,7 @@ def main(argv=None):
         tree_token_budget=args.tree_token_budget, tree_cross_replica_handoffs=args.cross_replica,
         tree_balance_replicas=args.balance, tree_gdn_backend=args.gdn_backend, bf16=cuda, use_cpu=not cuda,
         gradient_checkpointing=checkpointing, tree_head_chunk_size=args.head_chunk_size,
-        gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None, logging_steps=1,
+        tree_varlen_kernel=args.varlen_kernel, gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None, logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True)
     from datasets import Dataset
 

@@ -82,6 +82,8 @@ def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], dev
                   use_cpu=not on_cuda, gradient_checkpointing=True,
                   gradient_checkpointing_kwargs={"use_reentrant": False}, dataloader_num_workers=0, seed=0)
     config, trainer_class = (TreeSFTConfig, TreeSFTTrainer) if args.trainer == "tree" else (SFTConfig, SFTTrainer)
+    if args.trainer == "tree":
+        common["tree_varlen_kernel"] = args.varlen_kernel
 
     class InOrder(trainer_class):  # the rows in dataset order: micro-batch k of every run holds the same rows
         def _get_train_sampler(self, *unused, **kwargs):
@@ -130,6 +132,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainer", choices=["tree", "trl"], default="tree")
     parser.add_argument("--batch", type=int, default=4, help="TRL's micro-batch size (rows); the tree takes a step's "
                                                              "rows as one micro-batch")
+    parser.add_argument("--varlen-kernel", default=None, choices=["torch", "fa4", "auto"],
+                        help="the tree trainer's tree_varlen_kernel (default: harts_hf's, torch)")
     parser.add_argument("--out", default="results/sft")
     return parser.parse_args(argv)
 
