@@ -24,9 +24,7 @@ from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..kernels import TreeMetadata, tree_attention
-from ..kernels._backend import _log_once
 from ..kernels.tree_attention.ops import autocast_inputs
-from ..kernels.tree_attention.varlen import varlen_kernel
 
 __all__ = ["PatchHandle", "PatchedForward", "TreeFamily", "apply_tree_patches", "cpu_safe", "register_family",
            "supported_model_types",
@@ -390,11 +388,6 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
                          "config.attention_dropout = 0.0 or call model.eval() for the tree forward.")
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
-    if (softcap is not None or sinks is not None) and query.is_cuda and varlen_kernel(query.device) != "fa4":
-        _log_once(f"harts_hf: {type(module).__name__} uses attention softcapping / sinks, which tree attention "
-                  "computes explicitly per run on the GPU (exact, not fast) unless FlashAttention-4 runs the varlen "
-                  "path: pip install harts_hf[fa4], then from harts_hf.kernels.tree_attention import varlen; "
-                  "varlen.KERNEL = 'fa4'")
     if window is not None and tree.context is not None:
         raise ValueError(f"{type(module).__name__}: a sliding-window layer in a planner piece below a branch point "
                          "is not supported; raise tree_token_budget so that each tree runs as one piece")

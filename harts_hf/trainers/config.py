@@ -196,7 +196,6 @@ def budget_plan(packed, budget: int, logger, **options):
     return plan(packed, token_budget=budget, **options)
 
 
-
 def check_varlen_kernel(choice) -> None:
     """``tree_varlen_kernel`` is one of its choices (an error names the field, the value and the choices)."""
     if choice not in _VARLEN_KERNELS:

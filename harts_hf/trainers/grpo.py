@@ -88,8 +88,8 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
                 self._tree_handles.append(apply_tree_patches(base))
         if args.use_tree:
             apply_varlen_kernel(args.tree_varlen_kernel)
-        if args.use_tree and args.tree_keep_attention_outputs:
-            keep_attention_outputs(unwrap_model(self.model))
+            if args.tree_keep_attention_outputs:
+                keep_attention_outputs(unwrap_model(self.model))
         if args.tree_stored_layers:
             store_layer_activations(unwrap_model(self.model), args.tree_stored_layers)
 

@@ -44,8 +44,11 @@ def check_interface():
     return interface._flash_attn_fwd, interface._flash_attn_bwd
 
 
-def _window(window_left: int) -> int | None:
-    return None if window_left < 0 else window_left
+def _window_sizes(window_left: int) -> dict:
+    """FlashAttention-4's window keywords for ``window_left`` (< 0: no window, both None)."""
+    if window_left < 0:
+        return dict(window_size_left=None, window_size_right=None)
+    return dict(window_size_left=window_left, window_size_right=0)
 
 
 @torch.library.custom_op("harts::fa4_varlen_fwd", mutates_args=())
@@ -54,8 +57,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tens
              sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     forward, _ = check_interface()
     out, lse, *_ = forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                           softmax_scale=scale, causal=True, softcap=softcap or None,
-                           window_size_left=_window(window_left), window_size_right=None if window_left < 0 else 0,
+                           softmax_scale=scale, causal=True, softcap=softcap or None, **_window_sizes(window_left),
                            learnable_sink=sinks, return_lse=True)
     return out, lse
 
@@ -73,8 +75,7 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
     """dq, dk, dv and the sinks' gradient (empty without sinks: an op returns tensors)."""
     _, backward = check_interface()
     grads = backward(q, k, v, out, dout.contiguous(), lse, softmax_scale=scale, causal=True, softcap=softcap,
-                     window_size_left=_window(window_left), window_size_right=None if window_left < 0 else 0,
-                     cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                     **_window_sizes(window_left), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                      learnable_sink=sinks)
     dq, dk, dv = grads[:3]
     return dq, dk, dv, grads[3] if sinks is not None else q.new_empty(0)

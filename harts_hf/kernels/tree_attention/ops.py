@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._backend import _log_once
 from .naive import explicit_attention
 
 __all__ = ["CUDNN_KEY_BLOCK", "CUDNN_MIN_PAIRS_PER_RUN", "cuda_backend", "tree_attention", "tree_attention_mask"]
@@ -154,6 +155,10 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
             raise ValueError("tree_attention: backend='cudnn' has no softcapping / sinks; use 'runs' or 'auto'")
         if backend == "auto":
             backend = "varlen" if _fa4_varlen(q, layout) else "runs" if layout is not None else "sdpa"
+            if backend != "varlen" and q.is_cuda:
+                _log_once("harts_hf: tree attention computes softcapping / sinks explicitly per run on the GPU "
+                          "(exact, not fast) unless FlashAttention-4 runs the varlen path: pip install "
+                          "harts_hf[fa4] and set tree_varlen_kernel='fa4' (or varlen.KERNEL = 'fa4')")
     if backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         backend = "varlen" if window is not None else cuda_backend(layout)
     if backend in ("varlen", "cudnn"):
