@@ -66,10 +66,11 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
     vocab_size=163840)
 
 
-KERNEL_SETS = {"fused": ("auto", "auto", "torch"), "reference": ("torch", "torch", "torch"),
-               "fused_fa4": ("auto", "auto", "fa4")}
+KERNEL_SETS = {"fused": ("auto", "auto", "torch", "fla"), "reference": ("torch", "torch", "torch", "fla"),
+               "fused_fa4": ("auto", "auto", "fa4", "fla"), "fused_fa4_norm": ("auto", "auto", "fa4", "harts")}
 """Kernel sets the benchmarks time: (``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
-``tree_attention.varlen.KERNEL``). ``fused`` is harts_hf's default."""
+``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``). ``fused`` is harts_hf's default;
+``fused_fa4_norm`` is ``fused_fa4`` with harts_hf's own RMSNorm kernel in place of fla's."""
 
 
 def use_kernels(name: str) -> None:
@@ -78,7 +79,7 @@ def use_kernels(name: str) -> None:
     from harts_hf.kernels.token_ops import ops as token_ops
     from harts_hf.kernels.tree_attention import varlen
 
-    token_ops.BACKEND, logprob_ops.BACKEND, varlen.KERNEL = KERNEL_SETS[name]
+    token_ops.BACKEND, logprob_ops.BACKEND, varlen.KERNEL, token_ops.NORM_KERNEL = KERNEL_SETS[name]
 
 
 def build_model(name: str, family: str, device, dtype):

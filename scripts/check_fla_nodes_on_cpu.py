@@ -6,7 +6,7 @@ against the fp32 torch backend, on a forest of nested forks (several rounds) and
 context rows, requested states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
 (log-probs and every parameter gradient); the tree conv with fla's ``causal_conv1d`` for its bulk; Kimi Delta
 Attention through fla's ``chunk_kda`` per round (kernel, planner piece, a tiny Ling 3 model); the fused per-token
-kernels. fp32 throughout; a few minutes on 2 cores.
+kernels (with fla's RMSNorm and with harts_hf's own). fp32 throughout; a few minutes on 2 cores.
 
 Triton must be importable, at the version the interpreter bridges below were written for (3.6.0, the GPU
 machine's): ``bash scripts/run.sh test`` runs this in a helper venv (``.harts-env/triton``) that sees the active
@@ -459,26 +459,30 @@ def check_token_ops() -> float:
         sequences = chunk_edge_sequences(vocab=VOCAB)
         names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         results = {}
-        for fused in (False, True):
+        for fused in (False, True, "harts"):  # references; fla's norm kernel; harts_hf's (token_ops.NORM_KERNEL)
             token_ops.BACKEND, logprob_stats.BACKEND = ("fla", "triton") if fused else ("torch", "torch")
+            token_ops.NORM_KERNEL = "harts" if fused == "harts" else "fla"
             try:
                 out = tree_logprobs(model, sequences, gdn_backend="torch", attention_backend="sdpa",
                                     compute_entropy=True)
             finally:
-                token_ops.BACKEND, logprob_stats.BACKEND = "auto", "auto"
+                token_ops.BACKEND, logprob_stats.BACKEND, token_ops.NORM_KERNEL = "auto", "auto", "fla"
             weights = [torch.randn(lp.shape, generator=torch.Generator().manual_seed(i))
                        for i, lp in enumerate(out.logprobs)]
             loss = sum((lp * w).sum() + 0.1 * (h * w).sum() for lp, h, w in zip(out.logprobs, out.entropies, weights))
             results[fused] = (torch.cat(out.logprobs).detach(), torch.cat(out.entropies).detach(),
                               torch.autograd.grad(loss, params, allow_unused=True))
-        values, entropies = rel(results[True][0], results[False][0]), rel(results[True][1], results[False][1])
-        grads = {n: rel(a, b) for n, a, b in zip(names, results[True][2], results[False][2])
-                 if b is not None and b.norm() > 0}
-        worst = max(grads, key=grads.get)
-        print(f"fused token ops ({family}, {len(sequences)} sequences) vs references: log-probs {values:.1e}, "
-              f"entropies {entropies:.1e}, worst parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
-        assert values < 1e-5 and entropies < 1e-5 and grads[worst] < 1e-4, (family, values, entropies, worst)
-        worst_all = max(worst_all, values, entropies)
+        for fused, label in ((True, "fla's norm"), ("harts", "harts_hf's norm")):
+            values, entropies = rel(results[fused][0], results[False][0]), rel(results[fused][1], results[False][1])
+            grads = {n: rel(a, b) for n, a, b in zip(names, results[fused][2], results[False][2])
+                     if b is not None and b.norm() > 0}
+            worst = max(grads, key=grads.get)
+            print(f"fused token ops, {label} ({family}, {len(sequences)} sequences) vs references: log-probs "
+                  f"{values:.1e}, entropies {entropies:.1e}, worst parameter gradient {grads[worst]:.1e} ({worst})",
+                  flush=True)
+            assert values < 1e-5 and entropies < 1e-5 and grads[worst] < 1e-4, (family, label, values, worst)
+            worst_all = max(worst_all, values, entropies)
+    worst_all = max(worst_all, check_norm_kernel())
     # whether each label is its row's argmax, over two vocabulary blocks: planted argmaxes, ties before the label
     # (not the first maximum: False, as torch.argmax) and after it (True)
     generator = torch.Generator().manual_seed(0)
@@ -494,6 +498,39 @@ def check_token_ops() -> float:
     assert torch.equal(top1, expected) and 16 < int(expected.sum()) < 48, (top1, expected)
     print(f"fused top-1 flags == torch.argmax on {len(labels)} rows ({int(expected.sum())} top-1, ties included)")
     return worst_all
+
+
+def check_norm_kernel() -> float:
+    """harts_hf's Triton RMSNorm (``token_ops.NORM_KERNEL = "harts"``) against the fp64 reference: output, input and
+    weight gradients, both weight forms, widths that are and are not powers of two, row counts that do and do not
+    fill the programs' blocks (one row; more rows than the backward has programs)."""
+    import torch
+
+    from harts_hf.kernels.token_ops import ops as token_ops
+    from harts_hf.kernels.token_ops import rms_norm_reference
+
+    worst = 0.0
+    generator = torch.Generator().manual_seed(0)
+    for offset in (True, False):
+        for D, N in ((64, 1), (48, 37), (256, 300), (2048, 5)):
+            x = torch.randn(N, D, generator=generator, dtype=torch.float64)
+            w = 0.5 * torch.randn(D, generator=generator, dtype=torch.float64)
+            g = torch.randn(N, D, generator=generator, dtype=torch.float64)
+            expected = rms_norm_reference(x.requires_grad_(), w.requires_grad_(), 1e-6, offset=offset)
+            want = (expected.detach(), *torch.autograd.grad(expected, (x, w), g))
+            x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+            token_ops.NORM_KERNEL = "harts"
+            try:
+                y = token_ops.rms_norm(x32, w32, 1e-6, offset=offset, backend="fla")
+            finally:
+                token_ops.NORM_KERNEL = "fla"
+            got = (y.detach(), *torch.autograd.grad(y, (x32, w32), g.float()))
+            errors = [rel(a.double(), b) for a, b in zip(got, want)]
+            assert y.dtype == torch.float32 and max(errors) < 1e-5, (offset, D, N, errors)
+            worst = max(worst, *errors)
+    print(f"harts_hf's Triton RMSNorm vs fp64 reference (offset and plain weights, widths 48-2048, 1-300 rows): "
+          f"worst output / gradient error {worst:.1e}")
+    return worst
 
 
 if __name__ == "__main__":

@@ -105,6 +105,22 @@ def test_gated_norm_reference_is_transformers_formula():
                            gdn.norm(x, gate))
 
 
+def test_norm_kernel_setting_is_checked():
+    """token_ops.NORM_KERNEL picks the fused RMSNorm kernel; an unknown value raises naming both choices (the
+    kernels themselves run under Triton's interpreter in scripts/check_fla_nodes_on_cpu.py)."""
+    from harts_hf.kernels.token_ops import ops
+
+    assert ops.NORM_KERNEL == "fla"
+    x, weight = torch.randn(3, 8), torch.randn(8)
+    ops.NORM_KERNEL = "liger"
+    try:
+        with pytest.raises(ValueError, match="NORM_KERNEL must be 'fla' or 'harts', got 'liger'"):
+            ops.rms_norm(x, weight, 1e-6, offset=True, backend="fla")
+    finally:
+        ops.NORM_KERNEL = "fla"
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6, offset=True), rms_norm_reference(x, weight, 1e-6, offset=True))
+
+
 def test_logprob_entropy_reference_and_backends():
     logits, labels = torch.randn(6, 50), torch.randint(0, 50, (6,))
     picked, entropy = logprob_entropy(logits, labels, 0.7)

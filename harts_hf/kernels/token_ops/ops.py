@@ -15,11 +15,16 @@ import torch
 from .._backend import FLA_ROW_BUCKET, fla_available, in_row_blocks
 from .naive import gated_rms_norm_reference, rms_norm_reference, swiglu_reference
 
-__all__ = ["BACKEND", "gated_rms_norm", "rms_norm", "swiglu", "token_ops_backend"]
+__all__ = ["BACKEND", "NORM_KERNEL", "gated_rms_norm", "rms_norm", "swiglu", "token_ops_backend"]
 
 BACKEND = "auto"
 """``"auto"``: fla's kernels for CUDA tensors where fla imports, the references otherwise; ``"torch"``: always the
 references (benchmarks' A/B); ``"fla"``: always fla (CUDA, or CPU under Triton's interpreter)."""
+
+NORM_KERNEL = "fla"
+"""Which fused kernel :func:`rms_norm` runs where :data:`BACKEND` resolves to ``"fla"``: ``"fla"`` (fla's
+``rms_norm`` on fixed row blocks, the default) or ``"harts"`` (harts_hf's Triton kernel, :mod:`._triton`: one call
+per norm whatever the row count; the benchmarks' ``fused_fa4_norm`` kernel set; not yet timed on a GPU)."""
 
 _NORM_ROW_TILE = 2048
 """fla's RMSNorm kernels specialise on the row count: the backward's rows per program (``ceil(rows / SMs)``) is a
@@ -54,10 +59,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool,
     ``1 + weight``), on fla's kernel when ``backend`` resolves to ``"fla"``."""
     if token_ops_backend(x, backend) == "torch":
         return rms_norm_reference(x, weight, eps, offset=offset)
-    fla_rms_norm = _fla()[0]
     out_dtype = x.dtype if offset else torch.promote_types(weight.dtype, x.dtype)
-    scale = 1.0 + weight.float() if offset else weight
     rows = x.reshape(-1, x.shape[-1])
+    if NORM_KERNEL == "harts":
+        return _TritonRMSNorm.apply(rows, weight, eps, offset, out_dtype).reshape(x.shape)
+    if NORM_KERNEL != "fla":
+        raise ValueError(f"token ops: NORM_KERNEL must be 'fla' or 'harts', got {NORM_KERNEL!r}")
+    fla_rms_norm = _fla()[0]
+    scale = 1.0 + weight.float() if offset else weight
     y = _power_of_two_blocks(functools.partial(fla_rms_norm, weight=scale, bias=None, eps=eps), rows)
     return y.reshape(x.shape).to(out_dtype)
 
@@ -78,6 +87,58 @@ def _power_of_two_blocks(function, rows: torch.Tensor) -> torch.Tensor:
     if left:
         outputs[-1] = outputs[-1][:left]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+class _TritonRMSNorm(torch.autograd.Function):
+    """RMSNorm of ``rows [N, D]`` on :mod:`._triton`'s kernels: fp32 math, one rounding to ``out_dtype``; the weight's
+    gradient summed in fp32 over the backward's programs."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, eps, offset, out_dtype):
+        from . import _triton
+
+        rows = rows.contiguous()
+        N, D = rows.shape
+        BD, BT, warps = _norm_blocks(D)
+        y = torch.empty(N, D, dtype=out_dtype, device=rows.device)
+        rstd = torch.empty(N, dtype=torch.float32, device=rows.device)
+        if N:
+            _triton.rms_norm_fwd_kernel[(-(-N // BT),)](rows, weight, y, rstd, N, D, eps, OFFSET=offset, BT=BT,
+                                                       BD=BD, num_warps=warps)
+        ctx.save_for_backward(rows, weight, rstd)
+        ctx.offset = offset
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from . import _triton
+
+        rows, weight, rstd = ctx.saved_tensors
+        N, D = rows.shape
+        BD, BT, warps = _norm_blocks(D)
+        dy = dy.contiguous()
+        dx = torch.empty_like(rows)
+        programs = max(1, min(_backward_programs(rows.device), -(-N // BT)))
+        partial = torch.zeros(programs, D, dtype=torch.float32, device=rows.device)
+        if N:
+            _triton.rms_norm_bwd_kernel[(programs,)](rows, weight, rstd, dy, dx, partial, N, D, programs,
+                                                     OFFSET=ctx.offset, BT=BT, BD=BD, num_warps=warps)
+        return dx, partial.sum(0).to(weight.dtype), None, None, None
+
+
+def _norm_blocks(D: int) -> tuple[int, int, int]:
+    """(columns per block: D to a power of two; rows per program; warps) for :class:`_TritonRMSNorm`."""
+    BD = 1 << max(D - 1, 0).bit_length()
+    BT = max(1, min(32, 4096 // BD))
+    return BD, BT, 8 if BD * BT >= 4096 else 4
+
+
+def _backward_programs(device: torch.device) -> int:
+    """Programs of the RMSNorm backward: four per streaming multiprocessor (a fixed count: not a function of the
+    row count, so nothing compiles per forest size; each program sums its rows' share of the weight gradient)."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:

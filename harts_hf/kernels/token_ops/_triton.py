@@ -1,0 +1,56 @@
+"""Triton RMSNorm of :mod:`.ops` (``NORM_KERNEL = "harts"``; imported only when a CUDA run, or Triton's interpreter,
+takes it).
+
+Why a kernel of our own where fla has one: fla's RMSNorm backward makes its rows per program a compile-time
+constant, and for widths <= 512 its forward and backward autotune per ``ceil(rows / 2048)``, so every new forest
+size compiles again unless the rows are cut into a few fixed block sizes and the outputs concatenated (the
+``"fla"`` path does that: ~150 ms of copies per step on full-size ``tau``). Here the row count is a runtime value
+only (``do_not_specialize``): one compilation per width and dtype, one call per norm, no block copies.
+
+Forward: each program normalises ``BT`` rows in fp32 (``x * rsqrt(mean(x^2) + eps) * w``, ``w`` plus 1 for the
+offset form) and rounds once to the output dtype; it keeps ``rstd`` per row. Backward: a fixed grid of programs walks
+the row blocks with a stride, writes ``dx = rstd * (dy w - x_hat * mean(dy w x_hat))`` and accumulates its share of
+``dw = sum(dy * x_hat)`` in fp32; the host sums the programs' shares.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["T"])
+def rms_norm_fwd_kernel(x, w, y, rstd, T, D, eps, OFFSET: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    columns = tl.arange(0, BD)
+    inside = (rows[:, None] < T) & (columns[None, :] < D)
+    offsets = rows[:, None] * D + columns[None, :]
+    xr = tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xr * xr, 1) / D + eps)
+    wr = tl.load(w + columns, mask=columns < D, other=0.0).to(tl.float32)
+    if OFFSET:
+        wr = wr + 1.0
+    tl.store(rstd + rows, r, mask=rows < T)
+    tl.store(y + offsets, (xr * r[:, None] * wr[None, :]).to(y.dtype.element_ty), mask=inside)
+
+
+@triton.jit(do_not_specialize=["T", "programs"])
+def rms_norm_bwd_kernel(x, w, rstd, dy, dx, dw_partial, T, D, programs, OFFSET: tl.constexpr, BT: tl.constexpr,
+                        BD: tl.constexpr):
+    program = tl.program_id(0)
+    columns = tl.arange(0, BD)
+    wr = tl.load(w + columns, mask=columns < D, other=0.0).to(tl.float32)
+    if OFFSET:
+        wr = wr + 1.0
+    dw = tl.zeros((BD,), tl.float32)
+    for start in range(program * BT, T, programs * BT):
+        rows = start + tl.arange(0, BT).to(tl.int64)
+        inside = (rows[:, None] < T) & (columns[None, :] < D)
+        offsets = rows[:, None] * D + columns[None, :]
+        xr = tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(dy + offsets, mask=inside, other=0.0).to(tl.float32)
+        r = tl.load(rstd + rows, mask=rows < T, other=0.0)
+        x_hat = xr * r[:, None]
+        gw = g * wr[None, :]
+        mean = tl.sum(gw * x_hat, 1) / D
+        tl.store(dx + offsets, ((gw - x_hat * mean[:, None]) * r[:, None]).to(dx.dtype.element_ty), mask=inside)
+        dw += tl.sum(g * x_hat, 0)
+    tl.store(dw_partial + program * D + columns, dw, mask=columns < D)
