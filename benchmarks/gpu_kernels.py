@@ -648,8 +648,10 @@ def token_ops_step(results: dict, rows: int = 97_199) -> None:
         leaves = [x.requires_grad_() for x in inputs]
         row = token.setdefault(name, {})
         outputs = {}
-        for kernels in ("reference", "fused", "fp64"):
-            use_kernels("fused" if kernels == "fused" else "reference")
+        # harts_norm: the norms on harts_hf's own RMSNorm kernel (token_ops.ops.NORM_KERNEL = "harts")
+        fused = ["fused"] + (["harts_norm"] if name in ("decoder_norm", "qk_norm") else [])
+        for kernels in ["reference", *fused, "fp64"]:
+            use_kernels({"fused": "fused", "harts_norm": "fused_fa4_norm"}.get(kernels, "reference"))
             args = [x.detach().double().requires_grad_() for x in leaves] if kernels == "fp64" else leaves
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name == "lm_head" and kernels != "fp64"):
                 out = (truth if kernels == "fp64" else function)(*args)
@@ -662,14 +664,14 @@ def token_ops_step(results: dict, rows: int = 97_199) -> None:
                         torch.autograd.grad(y.float().square().sum(), args, allow_unused=True)
                 row[f"{kernels}_s"] = bench(step, repeats=3)
         use_kernels("fused")
-        for kernels in ("reference", "fused"):
+        for kernels in ["reference", *fused]:
             row[f"{kernels}_error_vs_fp64"] = [None if b is None or a is None else rel(a, b)
                                                for a, b in zip(outputs[kernels], outputs["fp64"])]
         row["speedup"] = row["reference_s"] / row["fused_s"]
-        print(f"  {name}: reference {row['reference_s'] * 1e3:.2f} ms, fused {row['fused_s'] * 1e3:.2f} ms "
-              f"({row['speedup']:.2f}x); error vs fp64 (out, grads) reference "
-              f"{[f'{e:.1e}' for e in row['reference_error_vs_fp64'] if e is not None]}, fused "
-              f"{[f'{e:.1e}' for e in row['fused_error_vs_fp64'] if e is not None]}", flush=True)
+        print(f"  {name}: " + "; ".join(
+            f"{kernels} {row[f'{kernels}_s'] * 1e3:.2f} ms, error vs fp64 (out, grads) "
+            f"{[f'{e:.1e}' for e in row[f'{kernels}_error_vs_fp64'] if e is not None]}"
+            for kernels in ["reference", *fused]), flush=True)
         del leaves, outputs
         torch.cuda.empty_cache()
 
