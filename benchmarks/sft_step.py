@@ -16,9 +16,10 @@ micro-batches in the same order (no shuffling). The rows are handed to the train
 (``input_ids``, ``assistant_masks``; TRL turns the mask into labels).
 
 - ``--trainer tree``: TreeSFTTrainer, the ``R`` rows of a step as one prefix forest (one micro-batch).
-- ``--trainer trl``: TRL's SFTTrainer, micro-batches of ``--batch`` rows padded to their longest, gradient
-  accumulation over the step's ``R / batch`` micro-batches. Not ``padding_free``: transformers' Gated DeltaNet layers
-  do not keep packed sequences apart, so packing would not train these rows.
+- ``--trainer trl``: TRL's SFTTrainer, micro-batches of ``--batch`` rows padded to their longest (or to a multiple
+  of ``--pad-to-multiple-of``), gradient accumulation over the step's ``R / batch`` micro-batches. Not
+  ``padding_free``: transformers' Gated DeltaNet layers do not keep packed sequences apart, so packing would not
+  train these rows.
 
 Both: fp32 weights, bf16 autocast and non-reentrant gradient checkpointing on CUDA (fp32 on the CPU), AdamW, the same
 learning rate; the per-step losses agree when both train the same rows. The MFU counts the model FLOPs of the work
@@ -84,6 +85,8 @@ def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], dev
     config, trainer_class = (TreeSFTConfig, TreeSFTTrainer) if args.trainer == "tree" else (SFTConfig, SFTTrainer)
     if args.trainer == "tree":
         common["tree_varlen_kernel"] = args.varlen_kernel
+    elif args.pad_to_multiple_of is not None:
+        common["pad_to_multiple_of"] = args.pad_to_multiple_of
 
     class InOrder(trainer_class):  # the rows in dataset order: micro-batch k of every run holds the same rows
         def _get_train_sampler(self, *unused, **kwargs):
@@ -134,6 +137,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                              "rows as one micro-batch")
     parser.add_argument("--varlen-kernel", default=None, choices=["torch", "fa4", "auto"],
                         help="the tree trainer's tree_varlen_kernel (default: harts_hf's, torch)")
+    parser.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="TOKENS",
+                        help="TRL's SFTConfig.pad_to_multiple_of: each micro-batch padded to a multiple of TOKENS, so "
+                             "new batch widths compile fewer kernel variants (default: TRL's, the longest row)")
     parser.add_argument("--out", default="results/sft")
     return parser.parse_args(argv)
 

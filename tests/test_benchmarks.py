@@ -444,14 +444,14 @@ def test_gpu_attention_features_stage_on_cpu():
 
 def test_sft_benchmark_trains_the_same_rows_with_both_trainers(tmp_path):
     """`python -m benchmarks sft` on the CPU: TreeSFTTrainer (a step's rows as one forest) and TRL's SFTTrainer
-    (padded micro-batches of 4, gradient accumulation) train the same agent-trace rows to the same per-step loss;
-    token counts are exact, times only present."""
+    (micro-batches of 4 padded to a multiple of 64, gradient accumulation) train the same agent-trace rows to the
+    same per-step loss; token counts are exact, times only present."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from sft_step import main
 
     common = ["--preset", "tiny", "--workload", "tau", "--scale", "0.005", "--steps", "2", "--batch", "4"]
     tree = main(common + ["--trainer", "tree", "--out", str(tmp_path / "tree")])
-    trl = main(common + ["--trainer", "trl", "--out", str(tmp_path / "trl")])
+    trl = main(common + ["--trainer", "trl", "--pad-to-multiple-of", "64", "--out", str(tmp_path / "trl")])
     assert json.loads((tmp_path / "tree" / "sft.json").read_text())["steps"] == json.loads(json.dumps(tree["steps"]))
     assert (tmp_path / "trl" / "run.json").exists()
     for a, b in zip(tree["steps"], trl["steps"], strict=True):
