@@ -50,6 +50,7 @@ from run_record import write_run_record  # noqa: E402
 from harts_hf.model_patches import (  # noqa: E402
     checkpointed_layers,
     keep_attention_outputs,
+    keep_matmul_outputs,
     store_layer_activations,
 )
 
@@ -397,6 +398,10 @@ def main(argv=None):
                         help="decoder layers left out of gradient checkpointing (harts_hf's tree_stored_layers), one "
                              "tree run per count; a count that does not fit is recorded as out of memory. The "
                              "packed, profile and loop runs use the first")
+    parser.add_argument("--matmul-layers", type=int, nargs="+", default=[0],
+                        help="checkpointed decoder layers that also keep their matrix products' outputs "
+                             "(keep_matmul_outputs: the backward's rerun skips their GEMMs), one tree run per count; "
+                             "the packed, profile and loop runs use the first")
     parser.add_argument("--keep-attention", nargs="+", default=["on"], choices=["on", "off"],
                         help="keep attention outputs under checkpointing (tree_keep_attention_outputs, the trainer's "
                              "default) or rerun the attention; one tree run per setting (and stored-layer count); "
@@ -419,9 +424,10 @@ def main(argv=None):
         use_kernels(kernels)
         run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
             attention=args.attention)                                      # cuDNN plans)
-        for keep, stored in itertools.product(args.keep_attention, args.stored_layers):
+        for keep, stored, matmul in itertools.product(args.keep_attention, args.stored_layers, args.matmul_layers):
             keep_attention_outputs(model, keep == "on")
             store_layer_activations(model, stored)
+            matmul_layers = keep_matmul_outputs(model, matmul)
             for budget in [b or None for b in args.budget]:
                 try:
                     repeats = [run(model, sequences, budget, device,
@@ -432,20 +438,21 @@ def main(argv=None):
                     model.zero_grad(set_to_none=True)
                     torch.cuda.empty_cache()
                     rows.append(dict(kernels=kernels, budget=budget, stored_layers=stored, keep_attention=keep,
-                                     out_of_memory=str(error).split("\n")[0]))
+                                     matmul_layers=matmul, out_of_memory=str(error).split("\n")[0]))
                     save()
-                    print(f"{kernels} kernels, budget {budget}, attention outputs kept {keep}, {stored} stored layers: "
-                          "out of memory", flush=True)
+                    print(f"{kernels} kernels, budget {budget}, attention outputs kept {keep}, {stored} stored layers, "
+                          f"{matmul} matmul layers: out of memory", flush=True)
                     continue
                 rows.append(dict(repeats[0], kernels=kernels, stored_layers=stored, keep_attention=keep,
-                                 checkpointed_layers=checkpointed_layers(model),
+                                 matmul_layers=matmul, checkpointed_layers=checkpointed_layers(model),
+                                 recomputing_matmuls=[i for i in checkpointed_layers(model) if i not in matmul_layers],
                                  seconds_all=[r["seconds"] for r in repeats],
                                  seconds=float(np.mean([r["seconds"] for r in repeats])),
                                  peak_gib=max(r["peak_gib"] for r in repeats)))
                 r = rows[-1]
                 save()
-                print(f"{kernels} kernels, budget {budget}, attention outputs kept {keep}, {stored} stored layers: "
-                      f"{r['pieces']} pieces, "
+                print(f"{kernels} kernels, budget {budget}, attention outputs kept {keep}, {stored} stored layers, "
+                      f"{matmul} matmul layers: {r['pieces']} pieces, "
                       f"{r['seconds']:.2f} s (runs {', '.join(f'{x:.2f}' for x in r['seconds_all'])}), peak "
                       f"{r['peak_gib']:.1f} GiB (weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}",
                       flush=True)
@@ -457,6 +464,7 @@ def main(argv=None):
                         print(f"    {gib:8.3f}  {where}")
         keep_attention_outputs(model, args.keep_attention[0] == "on")  # the first settings stay in force
         store_layer_activations(model, args.stored_layers[0])
+        keep_matmul_outputs(model, args.matmul_layers[0])
     if args.profile is not None:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, Path(args.out),
                                          max(args.loop_sample, 8), args.profile or ("tree", "loop", "packed"))))
@@ -494,7 +502,7 @@ def add_throughput(rows: list[dict], model, sequences) -> None:
                                                  attention_recomputed=packed.get("keep_attention") != "on")
     for row in (r for r in rows if r.get("pieces") is not None):
         row["throughput"] = forest_throughput(model, row["seconds"], stats, tree=True,
-                                              checkpointed=row.get("checkpointed_layers"),
+                                              checkpointed=row.get("recomputing_matmuls", row.get("checkpointed_layers")),
                                               attention_recomputed=row.get("keep_attention") != "on")
         if packed is not None:
             row["speedup_vs_packed"] = packed["seconds"] / row["seconds"]
@@ -502,7 +510,8 @@ def add_throughput(rows: list[dict], model, sequences) -> None:
     print(f"{'path':22s} {'seconds':>8s} {'speed-up':>8s} {'FLOP ratio':>10s} {'fraction':>8s} {'MFU':>6s} "
           f"{'HFU':>6s} {'unique tok/s':>12s} {'path tok/s':>12s} {'peak GiB':>8s}")
     trees = [(f"tree {r.get('kernels', '')} {r['budget'] or 'all'} a{r.get('keep_attention', '')} "
-              f"s{r.get('stored_layers', 0)}", r) for r in rows if r.get("pieces") is not None]
+              f"s{r.get('stored_layers', 0)}" + (f" m{r['matmul_layers']}" if r.get("matmul_layers") else ""), r)
+             for r in rows if r.get("pieces") is not None]
     for name, row in [("packed per-trajectory", packed)] + trees:
         if row is None:
             continue

@@ -1,6 +1,7 @@
 """What gradient checkpointing keeps: decoder layers left out (tree_stored_layers: which layers, the same gradients,
-their forwards not run again in the backward) and attention outputs kept (tree_keep_attention_outputs: the same
-gradients, each attention op run once); both kept when checkpointing is enabled again."""
+their forwards not run again in the backward), attention outputs kept (tree_keep_attention_outputs: the same
+gradients, each attention op run once) and matrix products' outputs kept in chosen layers (keep_matmul_outputs: the
+same gradients, no GEMM run again); all kept when checkpointing is enabled again."""
 
 import random
 
@@ -9,8 +10,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harts_hf import tree_logprobs
-from harts_hf.model_patches import checkpointed_layers, keep_attention_outputs, store_layer_activations
-from harts_hf.model_patches.checkpointing import _attention_ops, _choose
+from harts_hf.model_patches import (
+    checkpointed_layers,
+    keep_attention_outputs,
+    keep_matmul_outputs,
+    store_layer_activations,
+)
+from harts_hf.model_patches.checkpointing import _attention_ops, _choose, _matmul_ops
 from harts_hf.trees import PrefixForest
 from tests.forests import random_tree_sequences
 from tests.models import VOCAB, build
@@ -122,6 +128,52 @@ def test_kept_attention_outputs_give_the_same_gradients_and_run_attention_once(f
     with _CountAttention() as counter:
         _fwd_bwd(model, forest)
     assert counter.calls == attention_layers  # the policy survives re-enabling
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += func in _matmul_ops() and func not in _attention_ops()
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "llama"])
+def test_kept_matmul_outputs_give_the_same_gradients_and_run_no_gemm_twice(family):
+    model = build(family).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(2), 6, vocab=VOCAB, max_tail=70))
+    layers = len(model.model.layers)
+    _fwd_bwd(model, forest)  # patches the model
+    counts, results = {}, {}
+    for count in (0, 1, layers, "off"):
+        if count == "off":
+            keep_matmul_outputs(model, 0)
+            model.gradient_checkpointing_disable()
+        else:
+            assert keep_matmul_outputs(model, count) == _choose(
+                getattr(model.config, "layer_types", None) or ["full_attention"] * layers, count)
+        with _CountMatmuls() as counter:
+            results[count] = _fwd_bwd(model, forest)
+        counts[count] = counter.calls
+    # every layer kept: as many matrix products as without checkpointing; fewer layers: in between
+    assert counts["off"] == counts[layers] < counts[1] < counts[0]
+    for count in (1, layers, "off"):
+        for a, b in zip(results[count][0], results[0][0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for name, grad in results[count][1].items():
+            torch.testing.assert_close(grad, results[0][1][name], rtol=1e-6, atol=1e-7, msg=name)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    keep_matmul_outputs(model, layers)
+    model.gradient_checkpointing_disable()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    with _CountMatmuls() as counter:
+        _fwd_bwd(model, forest)
+    assert counter.calls == counts[layers]  # the setting survives re-enabling
+    with pytest.raises(ValueError, match=rf"keep_matmul_outputs={layers + 1} exceeds the model's {layers} decoder"):
+        keep_matmul_outputs(model, layers + 1)
 
 
 def test_reentrant_checkpointing_keeps_its_function():

@@ -10,10 +10,15 @@ involved are deterministic):
   layer: ``tokens x heads x head_dim`` in bf16 plus fp32 statistics). Needs non-reentrant checkpointing; under the
   reentrant kind it is not applied, nor under DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed
   region are collectives the selective-checkpointing cache refuses to meet in the backward's rerun).
+- :func:`keep_matmul_outputs`: in ``count`` checkpointed decoder layers the policy also keeps every matrix
+  product's output (the projections' GEMMs, and the attention), so their rerun recomputes only the cheap per-element
+  work between them: most of a layer's recompute FLOPs for about half the memory of leaving the layer out of
+  checkpointing (the GEMM outputs, not their fp32 inputs, casts and per-element intermediates). Same conditions as
+  :func:`keep_attention_outputs`.
 - :func:`store_layer_activations`: ``count`` decoder layers leave checkpointing altogether (softmax-attention
   layers first, then the others spread evenly) and keep everything their backward needs.
 
-Both stay in force whenever checkpointing is enabled again (TRL turns it off around generation and back on).
+All stay in force whenever checkpointing is enabled again (TRL turns it off around generation and back on).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ import torch
 from .._checks import check_bool, check_int
 from .core import zero3_enabled
 
-__all__ = ["checkpointed_layers", "keep_attention_outputs", "store_layer_activations"]
+__all__ = ["checkpointed_layers", "keep_attention_outputs", "keep_matmul_outputs", "store_layer_activations"]
 
 _ORIGINAL = "_harts_original_checkpoint"  # a layer's checkpoint function before the policy was added
 
@@ -58,16 +63,37 @@ def _attention_ops() -> frozenset:
     return frozenset(ops)
 
 
+@functools.cache
+def _matmul_ops() -> frozenset:
+    """The dispatcher ops of matrix products (what ``nn.Linear`` and MoE experts reach below autograd), and the
+    attention ops."""
+    names = ("mm", "addmm", "bmm", "baddbmm", "_grouped_mm")
+    return _attention_ops() | frozenset(getattr(torch.ops.aten, name).default for name in names
+                                        if hasattr(torch.ops.aten, name))
+
+
 def _keep_attention_policy(ctx, op, *args, **kwargs):
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if op in _attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def _keep_matmul_policy(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _matmul_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
 def _attention_contexts():
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     return create_selective_checkpoint_contexts(_keep_attention_policy)
+
+
+def _matmul_contexts():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_matmul_policy)
 
 
 def _non_reentrant(function) -> bool:
@@ -80,10 +106,11 @@ def _non_reentrant(function) -> bool:
 
 class _SetGradientCheckpointing:
     """A model's ``_set_gradient_checkpointing``: transformers' own, then harts_hf's settings (``stored`` layer
-    indices, ``keep_attention``). An object holding its model, so a deep copy of the model gets its own."""
+    indices, ``keep_attention``, ``matmul_layers`` indices). An object holding its model, so a deep copy of the
+    model gets its own."""
 
     def __init__(self, model):
-        self.model, self.stored, self.keep_attention = model, [], False
+        self.model, self.stored, self.keep_attention, self.matmul_layers = model, [], False, []
 
     def __call__(self, *args, **kwargs):
         type(self.model)._set_gradient_checkpointing(self.model, *args, **kwargs)
@@ -108,14 +135,17 @@ def _apply(model: torch.nn.Module) -> None:
     layers = _decoder_layers(model)
     if not _checkpointing_on(model, layers):
         return
-    keep_attention = settings.keep_attention and not zero3_enabled()
+    selective = not zero3_enabled()
+    matmul_layers = {id(layers[i]) for i in settings.matmul_layers if i < len(layers)}
     for module in model.modules():
         function = getattr(module, "_gradient_checkpointing_func", None)
         if function is None:
             continue
         original = getattr(function, _ORIGINAL, function)
-        if keep_attention and _non_reentrant(original):
-            function = functools.partial(original, context_fn=_attention_contexts)
+        contexts = _matmul_contexts if id(module) in matmul_layers else (
+            _attention_contexts if settings.keep_attention else None)
+        if selective and contexts is not None and _non_reentrant(original):
+            function = functools.partial(original, context_fn=contexts)
             setattr(function, _ORIGINAL, original)
         else:
             function = original
@@ -149,19 +179,34 @@ def store_layer_activations(model: torch.nn.Module, count: int) -> list[int]:
     """Leave ``count`` decoder layers of ``model`` (a transformers model) out of gradient checkpointing, now and
     whenever it is enabled again; 0 checkpoints every layer again. Returns the indices of the stored layers."""
     settings = _settings(model)
-    model = settings.model
+    settings.stored = _count_layers(settings.model, count, "tree_stored_layers")
+    _apply(settings.model)
+    return settings.stored
+
+
+def _count_layers(model: torch.nn.Module, count: int, name: str) -> list[int]:
+    """``count`` decoder layer indices of ``model`` by :func:`_choose` (``name``: the setting, for errors)."""
     layers = _decoder_layers(model)
-    count = check_int(count, "tree_stored_layers", minimum=0)
+    count = check_int(count, name, minimum=0)
     if count > len(layers):
-        raise ValueError(f"tree_stored_layers={count} exceeds the model's {len(layers)} decoder layers; pass at most "
-                         f"{len(layers)} (every layer keeps its activations) or 0 (every layer is checkpointed)")
+        raise ValueError(f"{name}={count} exceeds the model's {len(layers)} decoder layers; pass at most "
+                         f"{len(layers)} (every layer) or 0 (none)")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layer_types = list(getattr(config, "layer_types", None) or [])
     if len(layer_types) != len(layers):
         layer_types = ["full_attention"] * len(layers)
-    settings.stored = _choose(layer_types, count)
-    _apply(model)
-    return settings.stored
+    return _choose(layer_types, count)
+
+
+def keep_matmul_outputs(model: torch.nn.Module, count: int) -> list[int]:
+    """Under non-reentrant gradient checkpointing, keep every matrix product's output from the forward in ``count``
+    decoder layers of ``model`` (softmax-attention layers first, then the others spread evenly), so their rerun in
+    the backward skips the GEMMs; now and whenever checkpointing is enabled again; 0 turns it off. Returns the
+    layers' indices. The gradients are the same (checkpointing changes what is kept, not the arithmetic)."""
+    settings = _settings(model)
+    settings.matmul_layers = _count_layers(settings.model, count, "keep_matmul_outputs")
+    _apply(settings.model)
+    return settings.matmul_layers
 
 
 def keep_attention_outputs(model: torch.nn.Module, enable: bool = True) -> None:
