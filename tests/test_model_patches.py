@@ -149,15 +149,16 @@ def test_qwen3_next_projection_in_weight_row_order_is_transformers_split():
     """Qwen3-Next's tree projection reads in_proj_qkvz / in_proj_ba's weight rows in q, k, v, z / b, a order (no
     activation reordering); a wrapped projection (a hook here, PEFT's layers alike) runs its own forward instead.
     Both give transformers' fix_query_key_value_ordering split, bit for bit."""
-    from harts_hf.model_patches.qwen3_next import _plain_linear, _project
+    from harts_hf.model_patches.core import plain_linear
+    from harts_hf.model_patches.qwen3_next import _project
 
     model = build("qwen3_next")
     module = next(m for m in model.modules() if type(m).__name__ == "Qwen3NextGatedDeltaNet")
     assert module.num_v_heads > module.num_k_heads  # several value heads per key-head group
     x = torch.randn(1, 9, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    assert _plain_linear(module.in_proj_qkvz)
+    assert plain_linear(module.in_proj_qkvz)
     fast = _project(module, x)
     module.in_proj_qkvz.register_forward_hook(lambda *args: None)
-    assert not _plain_linear(module.in_proj_qkvz)
+    assert not plain_linear(module.in_proj_qkvz)
     for got, expected in zip(fast, _project(module, x)):
         assert torch.equal(got, expected)

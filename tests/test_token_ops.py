@@ -297,3 +297,46 @@ def test_fa4_dispatcher_op_gradients_and_kept_under_checkpointing(monkeypatch, w
         torch.autograd.grad((again * weight).sum(), inputs)
         assert calls.count("forward") == forwards
         assert torch.allclose(again, expected.sin(), atol=1e-12)
+
+
+def test_autocast_copies_cast_once_with_the_same_products_and_gradients():
+    """Under autocast, the projections of one activation share one cast (model_patches.core.autocast_copies): the
+    same products bit for bit, the same weight gradients, the input's gradient summed in fp32 as autocast's own
+    casts sum it; without autocast the input itself."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from harts_hf.model_patches.core import autocast_copies
+
+    generator = torch.Generator().manual_seed(0)
+    leaf = torch.randn(37, 16, generator=generator).requires_grad_()
+    weights = [torch.randn(n, 16, generator=generator).requires_grad_() for n in (8, 5, 3)]
+    upstream = [torch.randn(37, n, generator=generator) for n in (8, 5, 3)]
+
+    class CastsOfX(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].shape == leaf.shape:
+                CastsOfX.casts += 1
+            return func(*args, **(kwargs or {}))
+
+    def run(shared: bool):
+        CastsOfX.casts = 0
+        x = leaf * 1.0  # an activation: autocast caches casts of leaves (weights) only
+        with torch.autocast("cpu", dtype=torch.bfloat16), CastsOfX():
+            inputs = autocast_copies(x, 3) if shared else [x] * 3
+            outputs = [F.linear(a, w) for a, w in zip(inputs, weights)]
+        forward_casts = CastsOfX.casts
+        loss = sum((out.float() * g).sum() for out, g in zip(outputs, upstream))
+        return [out.detach() for out in outputs], torch.autograd.grad(loss, [leaf, *weights]), forward_casts
+
+    plain_outputs, plain_grads, plain_casts = run(False)
+    outputs, grads, casts = run(True)
+    assert (plain_casts, casts) == (3, 1)
+    for a, b in zip(outputs, plain_outputs):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    assert grads[0].dtype == torch.float32
+    torch.testing.assert_close(grads[0], plain_grads[0], rtol=1e-6, atol=1e-6)
+    for a, b in zip(grads[1:], plain_grads[1:]):
+        assert torch.equal(a, b)
+    assert all(copy is leaf for copy in autocast_copies(leaf, 3))  # no autocast: nothing to cast

@@ -315,6 +315,52 @@ def check_decoder_layers(model, family: TreeFamily) -> None:
                 "class, register a TreeFamily for this module, or train without trees (TreeGRPOConfig(use_tree=False)).")
 
 
+def autocast_copies(x: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """``count`` inputs for ``count`` matrix products of the same activation ``x`` under autocast, cast once.
+
+    Autocast casts a product's activation input to its dtype at every call (it caches casts of weights only), and
+    in the backward turns each product's input gradient back into ``x``'s dtype before they are summed: for an fp32
+    residual stream feeding q/k/v/z projections, one fp32 read and one bf16 write per projection forward, and a cast
+    plus an fp32 sum per projection backward. Here ``x`` is cast once (the same rounding autocast applies, so every
+    product sees the same bits) and the gradients are summed in ``x``'s dtype in one buffer. Without autocast, or
+    when ``x`` is already in autocast's dtype, ``x`` itself ``count`` times."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device) or not x.is_floating_point():
+        return [x] * count
+    dtype = torch.get_autocast_dtype(device)
+    if x.dtype == dtype or count < 2:
+        return [x] * count
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return [x.to(dtype)] * count
+    return list(_CastOnce.apply(x, dtype, count))
+
+
+class _CastOnce(torch.autograd.Function):
+    """``x.to(dtype)`` as ``count`` outputs; the backward sums their gradients into one buffer of ``x``'s dtype."""
+
+    @staticmethod
+    def forward(ctx, x, dtype, count):
+        ctx.input_dtype = x.dtype
+        y = x.to(dtype)
+        return tuple(y.view_as(y) for _ in range(count))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        total = None
+        for grad in grads:
+            if grad is not None:
+                total = grad.to(ctx.input_dtype) if total is None else total.add_(grad)
+        return total, None, None
+
+
+def plain_linear(linear) -> bool:
+    """A bias-free ``nn.Linear`` whose weight can be read outside its own forward (no adapter, hook or ZeRO-3
+    partitioning between the module and its weight); anything else runs through its own forward."""
+    return (type(linear) is torch.nn.Linear and linear.bias is None and not linear._forward_hooks
+            and not linear._forward_pre_hooks and not hasattr(linear, "_hf_hook") and not zero3_enabled()
+            and type(linear.weight) in (torch.Tensor, torch.nn.Parameter))
+
+
 def zero3_enabled() -> bool:
     """DeepSpeed ZeRO-3 is on (transformers' global flag, set by the Trainer's DeepSpeed config)."""
     from transformers.integrations import is_deepspeed_zero3_enabled

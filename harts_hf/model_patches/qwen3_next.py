@@ -7,37 +7,29 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .core import TreeFamily, register_family, zero3_enabled
+from .core import TreeFamily, autocast_copies, plain_linear, register_family
 from .gated_deltanet import gdn_gates, make_tree_gdn_forward
 
 
 def _project(module, hidden_states):
     """Qwen3-Next packs q, k, v, z per key-head group in one projection and b, a in another."""
     U = hidden_states.shape[1]
-    if _plain_linear(module.in_proj_qkvz) and _plain_linear(module.in_proj_ba):
+    if plain_linear(module.in_proj_qkvz) and plain_linear(module.in_proj_ba):
         # the projections' weight rows taken in [q | k | v | z] and [b | a] order: mixed_qkv and z come out of their
         # GEMMs contiguous, with none of the activation copies (and their backward) of transformers' reordering
         qkv_rows, z_rows, b_rows, a_rows = _row_order(module.num_k_heads, module.num_v_heads, module.head_k_dim,
                                                       module.head_v_dim, hidden_states.device)
-        x = hidden_states[0]
+        x_qkv, x_z, x_b, x_a = autocast_copies(hidden_states[0], 4)  # one autocast cast for the four GEMMs
         weight, ba_weight = module.in_proj_qkvz.weight, module.in_proj_ba.weight
-        mixed_qkv = F.linear(x, weight.index_select(0, qkv_rows))
-        z = F.linear(x, weight.index_select(0, z_rows)).reshape(U, -1, module.head_v_dim)
-        b, a = F.linear(x, ba_weight.index_select(0, b_rows)), F.linear(x, ba_weight.index_select(0, a_rows))
+        mixed_qkv = F.linear(x_qkv, weight.index_select(0, qkv_rows))
+        z = F.linear(x_z, weight.index_select(0, z_rows)).reshape(U, -1, module.head_v_dim)
+        b, a = F.linear(x_b, ba_weight.index_select(0, b_rows)), F.linear(x_a, ba_weight.index_select(0, a_rows))
         return mixed_qkv, z, *gdn_gates(module, b, a)
     qkvz = module.in_proj_qkvz(hidden_states)
     ba = module.in_proj_ba(hidden_states)
     query, key, value, z, b, a = module.fix_query_key_value_ordering(qkvz, ba)
     mixed_qkv = torch.cat([x[0].reshape(U, -1) for x in (query, key, value)], dim=-1)
     return mixed_qkv, z[0], *gdn_gates(module, b[0], a[0])
-
-
-def _plain_linear(linear) -> bool:
-    """A bias-free ``nn.Linear`` whose weight can be read outside its own forward (no adapter, hook or ZeRO-3
-    partitioning between the module and its weight); anything else runs through its own forward."""
-    return (type(linear) is torch.nn.Linear and linear.bias is None and not linear._forward_hooks
-            and not linear._forward_pre_hooks and not hasattr(linear, "_hf_hook") and not zero3_enabled()
-            and type(linear.weight) in (torch.Tensor, torch.nn.Parameter))
 
 
 @functools.lru_cache(maxsize=64)
