@@ -66,11 +66,13 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
     vocab_size=163840)
 
 
-KERNEL_SETS = {"fused": ("auto", "auto", "torch", "fla"), "reference": ("torch", "torch", "torch", "fla"),
-               "fused_fa4": ("auto", "auto", "fa4", "fla"), "fused_fa4_norm": ("auto", "auto", "fa4", "harts")}
+KERNEL_SETS = {"fused": ("auto", "auto", "torch", "fla", True), "reference": ("torch", "torch", "torch", "fla", True),
+               "fused_fa4": ("auto", "auto", "fa4", "fla", True), "fused_fa4_norm": ("auto", "auto", "fa4", "harts", True),
+               "fused_fa4_casts": ("auto", "auto", "fa4", "fla", False)}
 """Kernel sets the benchmarks time: (``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
-``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``). ``fused`` is harts_hf's default;
-``fused_fa4_norm`` is ``fused_fa4`` with harts_hf's own RMSNorm kernel in place of fla's."""
+``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``). ``fused``
+is harts_hf's default; ``fused_fa4_norm`` is ``fused_fa4`` with harts_hf's own RMSNorm kernel in place of fla's;
+``fused_fa4_casts`` is ``fused_fa4`` with autocast's cast per projection (before shared casts)."""
 
 
 def use_kernels(name: str) -> None:
@@ -78,8 +80,10 @@ def use_kernels(name: str) -> None:
     from harts_hf.kernels.logprob_stats import ops as logprob_ops
     from harts_hf.kernels.token_ops import ops as token_ops
     from harts_hf.kernels.tree_attention import varlen
+    from harts_hf.model_patches import core
 
-    token_ops.BACKEND, logprob_ops.BACKEND, varlen.KERNEL, token_ops.NORM_KERNEL = KERNEL_SETS[name]
+    (token_ops.BACKEND, logprob_ops.BACKEND, varlen.KERNEL, token_ops.NORM_KERNEL,
+     core.SHARED_CASTS) = KERNEL_SETS[name]
 
 
 def build_model(name: str, family: str, device, dtype):

@@ -305,6 +305,7 @@ def test_autocast_copies_cast_once_with_the_same_products_and_gradients():
     casts sum it; without autocast the input itself."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from harts_hf.model_patches import core
     from harts_hf.model_patches.core import autocast_copies
 
     generator = torch.Generator().manual_seed(0)
@@ -340,3 +341,8 @@ def test_autocast_copies_cast_once_with_the_same_products_and_gradients():
     for a, b in zip(grads[1:], plain_grads[1:]):
         assert torch.equal(a, b)
     assert all(copy is leaf for copy in autocast_copies(leaf, 3))  # no autocast: nothing to cast
+    core.SHARED_CASTS = False
+    try:
+        assert run(True)[2] == 3  # switched off: autocast's own cast per product
+    finally:
+        core.SHARED_CASTS = True

@@ -315,6 +315,11 @@ def check_decoder_layers(model, family: TreeFamily) -> None:
                 "class, register a TreeFamily for this module, or train without trees (TreeGRPOConfig(use_tree=False)).")
 
 
+SHARED_CASTS = True
+"""Whether :func:`autocast_copies` shares one cast (False: each product casts its input as autocast does; the
+benchmarks' A/B)."""
+
+
 def autocast_copies(x: torch.Tensor, count: int) -> list[torch.Tensor]:
     """``count`` inputs for ``count`` matrix products of the same activation ``x`` under autocast, cast once.
 
@@ -325,7 +330,7 @@ def autocast_copies(x: torch.Tensor, count: int) -> list[torch.Tensor]:
     product sees the same bits) and the gradients are summed in ``x``'s dtype in one buffer. Without autocast, or
     when ``x`` is already in autocast's dtype, ``x`` itself ``count`` times."""
     device = x.device.type
-    if not torch.is_autocast_enabled(device) or not x.is_floating_point():
+    if not SHARED_CASTS or not torch.is_autocast_enabled(device) or not x.is_floating_point():
         return [x] * count
     dtype = torch.get_autocast_dtype(device)
     if x.dtype == dtype or count < 2:
