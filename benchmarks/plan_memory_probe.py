@@ -13,13 +13,16 @@ innermost frame inside harts_hf / transformers / fla, and the innermost frame of
     python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --loop-sample -1
     python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --profile
     python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --packed-groups 0
+    python3 benchmarks/plan_memory_probe.py --workload tau grpo distinct --scale 1.0 --budget 0 --no-history \
+        --kernels fused_fa4 --repeats 2 --packed-groups 0 --out results/headline   # the headline, one process
 
 ``--loop-sample`` also times trajectories alone through the same kernels (the per-trajectory baseline at lengths
 where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the cost fit's price;
 ``--packed-groups`` times the strongest per-trajectory path over all trajectories: packed (each its own tree, no
 padding) into calls of at most as many path tokens as the tree has unique ones (the same memory envelope).
 
-Needs CUDA. Writes ``OUT/probe.json`` (and ``OUT/run.json``: command, date, machine, versions) and prints the tables.
+Needs CUDA. Writes ``OUT/probe.json`` (and ``OUT/run.json``: command, date, machine, versions; with several
+workloads ``OUT/<workload>/`` each) and prints the tables.
 Also ``python -m benchmarks step ...``.
 """
 
@@ -359,8 +362,9 @@ def packed_fit(rows: list[dict], sequences) -> dict:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=0.2)
-    parser.add_argument("--workload", default="swe", choices=["swe", "tau", "grpo", "search", "distinct"],
-                        help="swe: one task; the others: the preset's whole batch")
+    parser.add_argument("--workload", nargs="+", default=["swe"], choices=["swe", "tau", "grpo", "search", "distinct"],
+                        help="swe: one task; the others: the preset's whole batch; several: one after the other in "
+                             "this process, each written to OUT/<workload>")
     parser.add_argument("--budget", type=int, nargs="+", default=[0, 32768],
                         help="token budgets to run, 0 = the whole forest as one piece (default: %(default)s)")
     parser.add_argument("--model", default="qwen3_next_2b", choices=sorted(MODELS))
@@ -412,9 +416,15 @@ def main(argv=None):
         raise SystemExit("plan_memory_probe needs CUDA (the allocator trace is CUDA's)")
     device = torch.device("cuda", 0)
     model = build_model(args.model, "qwen3_next", device, torch.float32)
-    sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"], workload=args.workload)
+    for workload in args.workload:  # one process: kernels compile and autotune once for all of them
+        probe_workload(args, model, device, workload,
+                       Path(args.out) if len(args.workload) == 1 else Path(args.out) / workload)
+
+
+def probe_workload(args, model, device, workload: str, out: Path) -> None:
+    """Every run ``args`` asks for on one workload preset's batch, written to ``out``."""
+    sequences = task_sequences(args.scale, MODELS[args.model]["vocab_size"], workload=workload)
     rows = []
-    out = Path(args.out)
     write_run_record(out)
 
     def save():  # after every stage: a run stopped by a time limit keeps what it measured
@@ -466,7 +476,7 @@ def main(argv=None):
         store_layer_activations(model, args.stored_layers[0])
         keep_matmul_outputs(model, args.matmul_layers[0])
     if args.profile is not None:
-        rows.append(dict(profile=profile(model, sequences, device, args.attention, Path(args.out),
+        rows.append(dict(profile=profile(model, sequences, device, args.attention, out,
                                          max(args.loop_sample, 8), args.profile or ("tree", "loop", "packed"))))
     if args.packed_groups is not None:
         from harts_hf.trees import PrefixForest
