@@ -66,13 +66,21 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
     vocab_size=163840)
 
 
-KERNEL_SETS = {"fused": ("auto", "auto", "torch", "fla", True), "reference": ("torch", "torch", "torch", "fla", True),
-               "fused_fa4": ("auto", "auto", "fa4", "fla", True), "fused_fa4_norm": ("auto", "auto", "fa4", "harts", True),
-               "fused_fa4_casts": ("auto", "auto", "fa4", "fla", False)}
-"""Kernel sets the benchmarks time: (``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
-``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``). ``fused``
-is harts_hf's default; ``fused_fa4_norm`` is ``fused_fa4`` with harts_hf's own RMSNorm kernel in place of fla's;
-``fused_fa4_casts`` is ``fused_fa4`` with autocast's cast per projection (before shared casts)."""
+_FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="fla", shared_casts=True, gdn_public=False)
+KERNEL_SETS = {
+    "fused": _FUSED,
+    "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch"),
+    "fused_fa4": dict(_FUSED, varlen="fa4"),
+    "fused_fa4_norm": dict(_FUSED, varlen="fa4", norm="harts"),
+    "fused_fa4_casts": dict(_FUSED, varlen="fa4", shared_casts=False),
+    "fused_fa4_public_gdn": dict(_FUSED, varlen="fa4", gdn_public=True),
+}
+"""Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
+``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS`` and
+``tree_gated_delta_rule.fla_backend.PUBLIC_PER_ROUND``. ``fused`` is harts_hf's default; ``fused_fa4`` puts the
+tree attention on FlashAttention-4; the others change one thing against it: harts_hf's own RMSNorm kernel, autocast's
+cast per projection (before shared casts), fla's public Gated DeltaNet function per round (FlashQLA where
+importable)."""
 
 
 def use_kernels(name: str) -> None:
@@ -80,10 +88,13 @@ def use_kernels(name: str) -> None:
     from harts_hf.kernels.logprob_stats import ops as logprob_ops
     from harts_hf.kernels.token_ops import ops as token_ops
     from harts_hf.kernels.tree_attention import varlen
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend
     from harts_hf.model_patches import core
 
-    (token_ops.BACKEND, logprob_ops.BACKEND, varlen.KERNEL, token_ops.NORM_KERNEL,
-     core.SHARED_CASTS) = KERNEL_SETS[name]
+    kernels = KERNEL_SETS[name]
+    token_ops.BACKEND, logprob_ops.BACKEND = kernels["token_ops"], kernels["logprob_stats"]
+    varlen.KERNEL, token_ops.NORM_KERNEL = kernels["varlen"], kernels["norm"]
+    core.SHARED_CASTS, fla_backend.PUBLIC_PER_ROUND = kernels["shared_casts"], kernels["gdn_public"]
 
 
 def build_model(name: str, family: str, device, dtype):

@@ -1,8 +1,8 @@
 """Run the ``"fla"`` tree gated delta rule nodes through fla's real Triton kernels on the CPU (Triton's interpreter).
 
-Both fla nodes (the fused per-round node and the round-batched node, ``fla_backend.BATCH_ROUNDS``, with fla's state
-pass per round, with the one-launch serial state pass and with its heavy-path lanes, ``fla_backend.STATE_PASS``)
-against the fp32 torch backend, on a forest of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state,
+The fla nodes (the fused per-round node and the round-batched node, ``fla_backend.BATCH_ROUNDS``, with fla's state
+pass per round, with the one-launch serial state pass and with its heavy-path lanes, ``fla_backend.STATE_PASS``;
+fla's public function once per round, ``fla_backend.PUBLIC_PER_ROUND``) against the fp32 torch backend, on a forest of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state,
 context rows, requested states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
 (log-probs and every parameter gradient); the tree conv with fla's ``causal_conv1d`` for its bulk; Kimi Delta
 Attention through fla's ``chunk_kda`` per round (kernel, planner piece, a tiny Ling 3 model); the fused per-token
@@ -185,10 +185,14 @@ def main() -> None:
 
     def run_all(run, leaves):
         outs = {}
-        for name in ("torch", "fla", "fla_batched", "fla_serial", "fla_lanes"):
+        for name in ("torch", "fla", "fla_batched", "fla_serial", "fla_lanes", "fla_public"):
             fla_backend.BATCH_ROUNDS = name in ("fla_batched", "fla_serial", "fla_lanes")
             fla_backend.STATE_PASS = {"fla_serial": "serial", "fla_lanes": "lanes"}.get(name, "rounds")
-            out, states = run("torch" if name == "torch" else "fla")
+            fla_backend.PUBLIC_PER_ROUND = name == "fla_public"  # fla's public function per round
+            try:
+                out, states = run("torch" if name == "torch" else "fla")
+            finally:
+                fla_backend.PUBLIC_PER_ROUND = False
             loss = out.square().sum() + sum(s.square().sum() for s in states if s is not None)
             outs[name] = (out.detach(), [s.detach() for s in states if s is not None],
                           torch.autograd.grad(loss, leaves))
@@ -199,7 +203,7 @@ def main() -> None:
         line = [label]
         for name, against in (("fla", "torch"), ("fla_batched", "torch"), ("fla_batched", "fla"),
                               ("fla_serial", "torch"), ("fla_serial", "fla"), ("fla_lanes", "torch"),
-                              ("fla_lanes", "fla")):
+                              ("fla_lanes", "fla"), ("fla_public", "torch")):
             mine, ref = outs[name], outs[against]
             errors = [rel(mine[0], ref[0]), max([rel(a, b) for a, b in zip(mine[1], ref[1])], default=0.0),
                       max(rel(a, b) for a, b in zip(mine[2], ref[2]))]

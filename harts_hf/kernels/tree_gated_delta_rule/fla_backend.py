@@ -40,6 +40,10 @@ from .plan import CONTEXT_STATE, GatedDeltaPlan
 from .serial_state_pass import one_save_per_unit, serial_units, tree_state_backward, tree_state_forward
 
 BATCH_ROUNDS = True  # False: the fused per-round node (see the module docstring)
+PUBLIC_PER_ROUND = False
+"""True: fla's public ``chunk_gated_delta_rule`` once per round (:func:`tree_gated_delta_rule_fla_autograd`), which
+fla dispatches to its backends, FlashQLA among them (the benchmarks' A/B for FlashQLA inside the tree node; not yet
+timed at the model level). False: harts_hf's own nodes over fla's Triton stages (above)."""
 # The round-batched node's state pass: "rounds" (fla's state pass once per round), "serial" (every unit in one
 # launch per direction, harts_hf.kernels.tree_gated_delta_rule.serial_state_pass), "lanes" (the serial kernels on
 # heavy-path lanes, one launch per wave; exact, and on the H200 never faster than "serial": ~2 programs per SM
@@ -477,6 +481,11 @@ def tree_gated_delta_rule_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: 
     if any(round_.chunk_indices is None for round_ in plan.rounds):
         raise ValueError("the fla backend needs the chunk grid of every round; build the plan with "
                          "build_gated_delta_plan (it fills GatedDeltaRound.chunk_indices)")
+    if PUBLIC_PER_ROUND:
+        return tree_gated_delta_rule_fla_autograd(q, k, v, g, beta, plan, scale=scale,
+                                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                                  initial_state=initial_state,
+                                                  output_requested_states=output_requested_states)
     node = _TreeGatedDeltaRuleFlaBatched if BATCH_ROUNDS else _TreeGatedDeltaRuleFla
     out, requested = node.apply(q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel)
     if not output_requested_states:
@@ -485,13 +494,16 @@ def tree_gated_delta_rule_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: 
 
 
 def tree_gated_delta_rule_fla_autograd(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float,
-                                       use_qk_l2norm_in_kernel: bool) -> torch.Tensor:
-    """fla's public ``chunk_gated_delta_rule`` once per round, states handed over through autograd."""
+                                       use_qk_l2norm_in_kernel: bool, initial_state: torch.Tensor | None = None,
+                                       output_requested_states: bool = False):
+    """fla's public ``chunk_gated_delta_rule`` once per round, states handed over through autograd: fla picks its
+    backend per call (on Hopper FlashQLA's TileLang kernels where ``flash_qla`` is importable, its checks pass and
+    ``FLA_FLASH_QLA`` is not 0). Same contract as :func:`tree_gated_delta_rule_fla`."""
     _check(q, plan)
     chunk_gated_delta_rule = _import_fla()[0]
-    U, HV, V = v.shape
+    U, HV, V = plan.num_tokens, v.shape[1], v.shape[2]
     K = k.shape[-1]
-    states: dict = {}
+    states: dict = {} if initial_state is None else {CONTEXT_STATE: initial_state.float()}
     out_tokens, out_values = [], []
     for round_ in plan.rounds:
         round_ = _on(round_, q.device)
@@ -507,5 +519,7 @@ def tree_gated_delta_rule_fla_autograd(q, k, v, g, beta, plan: GatedDeltaPlan, *
             states[key] = final[slot]
         out_tokens.append(round_.output_token)
         out_values.append(o[0, round_.output_position])
-    out = v.new_zeros(U, HV, V)
-    return out.index_copy(0, torch.cat(out_tokens), torch.cat(out_values).to(v.dtype))
+    out = v.new_zeros(U, HV, V).index_copy(0, torch.cat(out_tokens), torch.cat(out_values).to(v.dtype))
+    if not output_requested_states:
+        return out
+    return out, [None if key is None else states[key] for key in plan.requested_states]
