@@ -94,13 +94,16 @@ def test_bad_counts_are_refused():
         store_layer_activations(model, -1)
 
 
-class _CountAttention(TorchDispatchMode):
-    def __init__(self):
+class _CountOps(TorchDispatchMode):
+    """Counts the dispatcher calls of the ops in ``ops`` (default: the attention ops)."""
+
+    def __init__(self, ops=None):
         super().__init__()
+        self.ops = _attention_ops() if ops is None else ops
         self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in _attention_ops()
+        self.calls += func in self.ops
         return func(*args, **(kwargs or {}))
 
 
@@ -115,7 +118,7 @@ def test_kept_attention_outputs_give_the_same_gradients_and_run_attention_once(f
     counts, results = {}, {}
     for keep in (False, True):
         keep_attention_outputs(model, keep)
-        with _CountAttention() as counter:
+        with _CountOps() as counter:
             results[keep] = _fwd_bwd(model, forest)
         counts[keep] = counter.calls
     assert counts == {False: 2 * attention_layers, True: attention_layers}  # forward and rerun; forward only
@@ -125,19 +128,9 @@ def test_kept_attention_outputs_give_the_same_gradients_and_run_attention_once(f
         torch.testing.assert_close(grad, results[False][1][name], rtol=1e-6, atol=1e-7, msg=name)
     model.gradient_checkpointing_disable()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with _CountAttention() as counter:
+    with _CountOps() as counter:
         _fwd_bwd(model, forest)
     assert counter.calls == attention_layers  # the policy survives re-enabling
-
-
-class _CountMatmuls(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in _matmul_ops() and func not in _attention_ops()
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "llama"])
@@ -155,7 +148,7 @@ def test_kept_matmul_outputs_give_the_same_gradients_and_run_no_gemm_twice(famil
         else:
             assert keep_matmul_outputs(model, count) == _choose(
                 getattr(model.config, "layer_types", None) or ["full_attention"] * layers, count)
-        with _CountMatmuls() as counter:
+        with _CountOps(_matmul_ops() - _attention_ops()) as counter:
             results[count] = _fwd_bwd(model, forest)
         counts[count] = counter.calls
     # every layer kept: as many matrix products as without checkpointing; fewer layers: in between
@@ -169,7 +162,7 @@ def test_kept_matmul_outputs_give_the_same_gradients_and_run_no_gemm_twice(famil
     keep_matmul_outputs(model, layers)
     model.gradient_checkpointing_disable()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    with _CountMatmuls() as counter:
+    with _CountOps(_matmul_ops() - _attention_ops()) as counter:
         _fwd_bwd(model, forest)
     assert counter.calls == counts[layers]  # the setting survives re-enabling
     with pytest.raises(ValueError, match=rf"keep_matmul_outputs={layers + 1} exceeds the model's {layers} decoder"):
