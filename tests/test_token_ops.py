@@ -300,9 +300,9 @@ def test_fa4_dispatcher_op_gradients_and_kept_under_checkpointing(monkeypatch, w
 
 
 def test_autocast_copies_cast_once_with_the_same_products_and_gradients():
-    """Under autocast, the projections of one activation share one cast (model_patches.core.autocast_copies): the
-    same products bit for bit, the same weight gradients, the input's gradient summed in fp32 as autocast's own
-    casts sum it; without autocast the input itself."""
+    """With model_patches.core.SHARED_CASTS (off by default), the projections of one activation share one autocast
+    cast (autocast_copies): the same products bit for bit, the same weight gradients, the input's gradient summed in
+    fp32 as autocast's own casts sum it; without autocast the input itself."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from harts_hf.model_patches import core
@@ -332,7 +332,12 @@ def test_autocast_copies_cast_once_with_the_same_products_and_gradients():
         return [out.detach() for out in outputs], torch.autograd.grad(loss, [leaf, *weights]), forward_casts
 
     plain_outputs, plain_grads, plain_casts = run(False)
-    outputs, grads, casts = run(True)
+    assert run(True)[2] == 3  # off by default: autocast's own cast per product
+    core.SHARED_CASTS = True
+    try:
+        outputs, grads, casts = run(True)
+    finally:
+        core.SHARED_CASTS = False
     assert (plain_casts, casts) == (3, 1)
     for a, b in zip(outputs, plain_outputs):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)
@@ -341,8 +346,3 @@ def test_autocast_copies_cast_once_with_the_same_products_and_gradients():
     for a, b in zip(grads[1:], plain_grads[1:]):
         assert torch.equal(a, b)
     assert all(copy is leaf for copy in autocast_copies(leaf, 3))  # no autocast: nothing to cast
-    core.SHARED_CASTS = False
-    try:
-        assert run(True)[2] == 3  # switched off: autocast's own cast per product
-    finally:
-        core.SHARED_CASTS = True

@@ -315,9 +315,9 @@ def check_decoder_layers(model, family: TreeFamily) -> None:
                 "class, register a TreeFamily for this module, or train without trees (TreeGRPOConfig(use_tree=False)).")
 
 
-SHARED_CASTS = True
-"""Whether :func:`autocast_copies` shares one cast (False: each product casts its input as autocast does; the
-benchmarks' A/B)."""
+SHARED_CASTS = False
+"""Whether :func:`autocast_copies` shares one cast; False (the default until it is timed on a GPU): each product
+casts its input as autocast does. The benchmarks' ``fused_fa4_shared_casts`` kernel set turns it on."""
 
 
 def autocast_copies(x: torch.Tensor, count: int) -> list[torch.Tensor]:

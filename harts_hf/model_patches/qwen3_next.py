@@ -19,7 +19,7 @@ def _project(module, hidden_states):
         # GEMMs contiguous, with none of the activation copies (and their backward) of transformers' reordering
         qkv_rows, z_rows, b_rows, a_rows = _row_order(module.num_k_heads, module.num_v_heads, module.head_k_dim,
                                                       module.head_v_dim, hidden_states.device)
-        x_qkv, x_z, x_b, x_a = autocast_copies(hidden_states[0], 4)  # one autocast cast for the four GEMMs
+        x_qkv, x_z, x_b, x_a = autocast_copies(hidden_states[0], 4)  # SHARED_CASTS: one autocast cast for four GEMMs
         weight, ba_weight = module.in_proj_qkvz.weight, module.in_proj_ba.weight
         mixed_qkv = F.linear(x_qkv, weight.index_select(0, qkv_rows))
         z = F.linear(x_z, weight.index_select(0, z_rows)).reshape(U, -1, module.head_v_dim)

@@ -138,6 +138,6 @@ def _mlp_call(module, original, *args, **kwargs):
     if not _one_tensor(args, kwargs) or token_ops.token_ops_backend(args[0]) == "torch":
         return original(*args, **kwargs)
     x = args[0]
-    # plain projections: one autocast cast of the input for both (PEFT-wrapped ones see the input as it came)
+    # SHARED_CASTS, plain projections: one autocast cast for both (PEFT-wrapped ones see the input as it came)
     x_gate, x_up = autocast_copies(x, 2) if plain_linear(module.gate_proj) and plain_linear(module.up_proj) else (x, x)
     return module.down_proj(token_ops.swiglu(module.gate_proj(x_gate), module.up_proj(x_up), backend="fla"))
