@@ -130,6 +130,20 @@ def test_num_items_in_batch_normalisation(saved_model, tmp_path):
     assert_same_loss_and_grads(base, tree, num_items_in_batch=torch.tensor(37))
 
 
+def test_stored_layers_match_sft_trainer(saved_model, tmp_path):
+    """tree_stored_layers: the stored layers stay out of checkpointing through the trainer's own enabling, and the
+    loss and gradients are SFTTrainer's (which checkpoints every layer)."""
+    from harts_hf.model_patches import checkpointed_layers
+
+    base, tree = make_trainers(saved_model, tmp_path, completion_dataset(), tree_args=dict(tree_stored_layers=2),
+                               gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    for trainer in (base, tree):  # as Trainer.train() does
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed_layers(base.model) == [0, 1, 2, 3]
+    assert checkpointed_layers(tree.model) == [0, 2]  # the two attention layers keep their activations
+    assert_same_loss_and_grads(base, tree)
+
+
 def test_training_steps_give_the_same_parameters(saved_model, tmp_path):
     base, tree = make_trainers(saved_model, tmp_path, text_dataset(), max_steps=2, per_device_train_batch_size=3,
                                gradient_accumulation_steps=2)
@@ -144,6 +158,8 @@ def test_training_steps_give_the_same_parameters(saved_model, tmp_path):
     (dict(tree_varlen_kernel="fa3"), ["tree_varlen_kernel", "'fa4'"]),
     (dict(tree_head_chunk_size=0), ["tree_head_chunk_size"]),
     (dict(tree_token_budget=0), ["tree_token_budget", "None"]),
+    (dict(tree_stored_layers=2, gradient_checkpointing=False), ["tree_stored_layers=2", "gradient_checkpointing=True"]),
+    (dict(tree_stored_layers=-1), ["tree_stored_layers", ">= 0"]),
     (dict(tree_per_turn_rows=True, completion_only_loss=False), ["tree_per_turn_rows=True", "completion_only_loss"]),
     (dict(tree_per_turn_rows=True, dataset_kwargs={"skip_prepare_dataset": True}), ["skip_prepare_dataset"]),
 ])

@@ -19,6 +19,20 @@ VARLEN_KERNEL_HELP = ("The tree attention's varlen kernel on CUDA: 'torch' (torc
                       "where installed on Hopper / Blackwell, else torch); process-wide "
                       "(harts_hf.kernels.tree_attention.varlen.KERNEL). None leaves that setting as it is "
                       "('torch' unless changed).")
+STORED_LAYERS_HELP = ("With gradient_checkpointing: how many decoder layers keep their activations for the "
+                      "backward instead of recomputing their forward (softmax-attention layers first, then the others "
+                      "spread evenly). Less compute, more memory; the gradients are the same. 0: every layer is "
+                      "checkpointed (transformers' default).")
+
+
+def check_stored_layers(config) -> None:
+    """``config.tree_stored_layers`` is a count >= 0, and needs gradient checkpointing when it is not 0."""
+    config.tree_stored_layers = check_int(config.tree_stored_layers, "tree_stored_layers", minimum=0)
+    if config.tree_stored_layers and not config.gradient_checkpointing:
+        raise ValueError(f"tree_stored_layers={config.tree_stored_layers} picks layers to leave out of gradient "
+                         "checkpointing, which is off; set gradient_checkpointing=True or tree_stored_layers=0.")
+
+
 _BOOL_FIELDS = ("use_tree", "tree_share_across_groups", "tree_keep_groups_together", "tree_balance_replicas",
                 "tree_cross_replica_handoffs", "tree_keep_attention_outputs")
 
@@ -120,13 +134,7 @@ class TreeGRPOConfig(GRPOConfig):
                           "output per attention layer). The gradients are the same. False reruns it, as "
                           "transformers does."},
     )
-    tree_stored_layers: int = field(
-        default=0,
-        metadata={"help": "With gradient_checkpointing: how many decoder layers keep their activations for the "
-                          "backward instead of recomputing their forward (softmax-attention layers first, then "
-                          "the others spread evenly). Less compute, more memory; the gradients are the same. 0: "
-                          "every layer is checkpointed (transformers' default)."},
-    )
+    tree_stored_layers: int = field(default=0, metadata={"help": STORED_LAYERS_HELP})
 
     def __post_init__(self):
         self._check_tree_field_types()
@@ -161,9 +169,7 @@ class TreeGRPOConfig(GRPOConfig):
         if self.tree_cross_replica_handoffs and self.tree_token_budget is None:
             raise ValueError("tree_cross_replica_handoffs=True plans microbatches into pieces: set tree_token_budget "
                              "(the most unique tokens of one piece), or tree_cross_replica_handoffs=False.")
-        if self.tree_stored_layers and not self.gradient_checkpointing:
-            raise ValueError(f"tree_stored_layers={self.tree_stored_layers} picks layers to leave out of gradient "
-                             "checkpointing, which is off; set gradient_checkpointing=True or tree_stored_layers=0.")
+        check_stored_layers(self)
         if self.use_tree and self.use_liger_kernel:
             raise ValueError("use_tree=True and use_liger_kernel=True both replace how log-probs are computed; set "
                              "use_liger_kernel=False to train on trees, or use_tree=False to keep Liger.")
