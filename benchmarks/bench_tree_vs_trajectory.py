@@ -70,6 +70,7 @@ _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="fla"
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch"),
+    "fused_norm": dict(_FUSED, norm="harts"),
     "fused_fa4": dict(_FUSED, varlen="fa4"),
     "fused_fa4_norm": dict(_FUSED, varlen="fa4", norm="harts"),
     "fused_fa4_shared_casts": dict(_FUSED, varlen="fa4", shared_casts=True),
@@ -77,7 +78,8 @@ KERNEL_SETS = {
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS`` and
-``tree_gated_delta_rule.fla_backend.PUBLIC_PER_ROUND``. ``fused`` is harts_hf's default; ``fused_fa4`` puts the
+``tree_gated_delta_rule.fla_backend.PUBLIC_PER_ROUND``. ``fused`` is harts_hf's default (``fused_norm``: with
+harts_hf's own RMSNorm kernel, for the op-level table); ``fused_fa4`` puts the
 tree attention on FlashAttention-4; the others change one thing against it: harts_hf's own RMSNorm kernel, one
 autocast cast shared by the projections of an activation, fla's public Gated DeltaNet function per round (FlashQLA
 where importable)."""

@@ -453,9 +453,10 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
                     print(f"{kernels} kernels, budget {budget}, attention outputs kept {keep}, {stored} stored layers, "
                           f"{matmul} matmul layers: out of memory", flush=True)
                     continue
+                checkpointed = checkpointed_layers(model)
                 rows.append(dict(repeats[0], kernels=kernels, stored_layers=stored, keep_attention=keep,
-                                 matmul_layers=matmul, checkpointed_layers=checkpointed_layers(model),
-                                 recomputing_matmuls=[i for i in checkpointed_layers(model) if i not in matmul_layers],
+                                 matmul_layers=matmul, checkpointed_layers=checkpointed,
+                                 recomputing_matmuls=[i for i in checkpointed if i not in matmul_layers],
                                  seconds_all=[r["seconds"] for r in repeats],
                                  seconds=float(np.mean([r["seconds"] for r in repeats])),
                                  peak_gib=max(r["peak_gib"] for r in repeats)))

@@ -2,8 +2,9 @@
 
 The fla nodes (the fused per-round node and the round-batched node, ``fla_backend.BATCH_ROUNDS``, with fla's state
 pass per round, with the one-launch serial state pass and with its heavy-path lanes, ``fla_backend.STATE_PASS``;
-fla's public function once per round, ``fla_backend.PUBLIC_PER_ROUND``) against the fp32 torch backend, on a forest of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state,
-context rows, requested states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
+fla's public function once per round, ``fla_backend.PUBLIC_PER_ROUND``) against the fp32 torch backend, on a forest
+of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state, context rows, requested
+states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
 (log-probs and every parameter gradient); the tree conv with fla's ``causal_conv1d`` for its bulk; Kimi Delta
 Attention through fla's ``chunk_kda`` per round (kernel, planner piece, a tiny Ling 3 model); the fused per-token
 kernels (with fla's RMSNorm and with harts_hf's own). fp32 throughout; a few minutes on 2 cores.

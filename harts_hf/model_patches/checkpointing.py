@@ -72,28 +72,21 @@ def _matmul_ops() -> frozenset:
                                         if hasattr(torch.ops.aten, name))
 
 
-def _keep_attention_policy(ctx, op, *args, **kwargs):
+def _keep_policy(kept_ops, ctx, op, *args, **kwargs):
+    """Selective checkpointing: keep the outputs of the ops in ``kept_ops()``, recompute the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_SAVE if op in _attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if op in kept_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _keep_matmul_policy(ctx, op, *args, **kwargs):
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return CheckpointPolicy.MUST_SAVE if op in _matmul_ops() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _attention_contexts():
+def _contexts(kept_ops):
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    return create_selective_checkpoint_contexts(_keep_attention_policy)
+    return create_selective_checkpoint_contexts(functools.partial(_keep_policy, kept_ops))
 
 
-def _matmul_contexts():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts(_keep_matmul_policy)
+_attention_contexts = functools.partial(_contexts, _attention_ops)  # a checkpoint's context_fn
+_matmul_contexts = functools.partial(_contexts, _matmul_ops)
 
 
 def _non_reentrant(function) -> bool:

@@ -320,8 +320,10 @@ SHARED_CASTS = False
 casts its input as autocast does. The benchmarks' ``fused_fa4_shared_casts`` kernel set turns it on."""
 
 
-def autocast_copies(x: torch.Tensor, count: int) -> list[torch.Tensor]:
+def autocast_copies(x: torch.Tensor, count: int, through: tuple = ()) -> list[torch.Tensor]:
     """``count`` inputs for ``count`` matrix products of the same activation ``x`` under autocast, cast once.
+    ``through``: the modules the products run in; unless each is a :func:`plain_linear`, ``x`` is passed as it is
+    (an adapter, e.g. PEFT's LoRA, sees its input as it came).
 
     Autocast casts a product's activation input to its dtype at every call (it caches casts of weights only), and
     in the backward turns each product's input gradient back into ``x``'s dtype before they are summed: for an fp32
@@ -333,7 +335,7 @@ def autocast_copies(x: torch.Tensor, count: int) -> list[torch.Tensor]:
     if not SHARED_CASTS or not torch.is_autocast_enabled(device) or not x.is_floating_point():
         return [x] * count
     dtype = torch.get_autocast_dtype(device)
-    if x.dtype == dtype or count < 2:
+    if x.dtype == dtype or count < 2 or not all(map(plain_linear, through)):
         return [x] * count
     if not (torch.is_grad_enabled() and x.requires_grad):
         return [x.to(dtype)] * count

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..kernels import token_ops
 from ..kernels.token_ops import gated_rms_norm_reference, rms_norm_reference
-from .core import PatchedForward, autocast_copies, plain_linear
+from .core import PatchedForward, autocast_copies
 
 __all__ = ["token_module_forwards"]
 
@@ -138,6 +138,5 @@ def _mlp_call(module, original, *args, **kwargs):
     if not _one_tensor(args, kwargs) or token_ops.token_ops_backend(args[0]) == "torch":
         return original(*args, **kwargs)
     x = args[0]
-    # SHARED_CASTS, plain projections: one autocast cast for both (PEFT-wrapped ones see the input as it came)
-    x_gate, x_up = autocast_copies(x, 2) if plain_linear(module.gate_proj) and plain_linear(module.up_proj) else (x, x)
+    x_gate, x_up = autocast_copies(x, 2, through=(module.gate_proj, module.up_proj))  # SHARED_CASTS: one cast
     return module.down_proj(token_ops.swiglu(module.gate_proj(x_gate), module.up_proj(x_up), backend="fla"))
