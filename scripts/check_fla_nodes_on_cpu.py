@@ -380,7 +380,8 @@ def check_fewer_stages(run, leaves) -> None:
 
 def check_model() -> float:
     """A tiny Qwen3-Next through the patched model: tree log-probs and every parameter gradient with the fla
-    backend (round-batched node) against the torch backend, on a forest with forks at and around chunk edges."""
+    backend (round-batched node; fla's public function per round) against the torch backend, on a forest with forks
+    at and around chunk edges."""
     import torch
 
     from harts_hf import tree_logprobs
@@ -394,16 +395,20 @@ def check_model() -> float:
 
     results = {}
     for backend, state_pass in (("torch", "rounds"), ("fla", "rounds"), ("fla_serial", "serial"),
-                                ("fla_lanes", "lanes")):
+                                ("fla_lanes", "lanes"), ("fla_public", "rounds")):
         fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS = True, state_pass
-        out = tree_logprobs(model, sequences, gdn_backend=backend.split("_")[0], attention_backend="sdpa")
+        fla_backend.PUBLIC_PER_ROUND = backend == "fla_public"  # fla's public function per round
+        try:
+            out = tree_logprobs(model, sequences, gdn_backend=backend.split("_")[0], attention_backend="sdpa")
+        finally:
+            fla_backend.PUBLIC_PER_ROUND = False
         weights = [torch.randn(lp.shape, generator=torch.Generator().manual_seed(i)) for i, lp in
                    enumerate(out.logprobs)]
         loss = sum((lp * w).sum() for lp, w in zip(out.logprobs, weights))
         results[backend] = (torch.cat(out.logprobs).detach(), torch.autograd.grad(loss, params, allow_unused=True))
     fla_backend.STATE_PASS = "auto"
     worst_values = 0.0
-    for name in ("fla", "fla_serial", "fla_lanes"):
+    for name in ("fla", "fla_serial", "fla_lanes", "fla_public"):
         values = rel(results[name][0], results["torch"][0])
         grads = {n: rel(a, b) for n, a, b in zip(names, results[name][1], results["torch"][1])
                  if b is not None and b.norm() > 0}
