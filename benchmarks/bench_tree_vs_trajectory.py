@@ -75,6 +75,7 @@ KERNEL_SETS = {
     "fused_fa4_norm": dict(_FUSED, varlen="fa4", norm="harts"),
     "fused_fa4_shared_casts": dict(_FUSED, varlen="fa4", shared_casts=True),
     "fused_fa4_public_gdn": dict(_FUSED, varlen="fa4", gdn_public=True),
+    "fused_fa4_norm_casts": dict(_FUSED, varlen="fa4", norm="harts", shared_casts=True),
     "fused_fa4_all": dict(_FUSED, varlen="fa4", norm="harts", shared_casts=True, gdn_public=True),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
@@ -83,7 +84,8 @@ KERNEL_SETS = {
 harts_hf's own RMSNorm kernel, for the op-level table); ``fused_fa4`` puts the
 tree attention on FlashAttention-4; the others change one thing against it: harts_hf's own RMSNorm kernel, one
 autocast cast shared by the projections of an activation, fla's public Gated DeltaNet function per round (FlashQLA
-where importable); ``fused_fa4_all`` changes all three."""
+where importable); ``fused_fa4_norm_casts`` changes the first two, ``fused_fa4_all``
+all three."""
 
 
 def use_kernels(name: str) -> None:

@@ -316,8 +316,9 @@ def check_decoder_layers(model, family: TreeFamily) -> None:
 
 
 SHARED_CASTS = False
-"""Whether :func:`autocast_copies` shares one cast; False (the default until it is timed on a GPU): each product
-casts its input as autocast does. The benchmarks' ``fused_fa4_shared_casts`` kernel set turns it on."""
+"""Whether :func:`autocast_copies` shares one cast; False (the default): each product casts its input as autocast
+does. The benchmarks' ``fused_fa4_shared_casts`` kernel set turns it on: on the H200 full-size ``tau``'s tree step
+took 5.01 against 5.08 s (inside the runs' spread) and peaked 1.1 GiB lower (BENCHMARKS.md)."""
 
 
 def autocast_copies(x: torch.Tensor, count: int, through: tuple = ()) -> list[torch.Tensor]:

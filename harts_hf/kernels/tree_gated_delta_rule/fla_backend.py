@@ -42,8 +42,9 @@ from .serial_state_pass import one_save_per_unit, serial_units, tree_state_backw
 BATCH_ROUNDS = True  # False: the fused per-round node (see the module docstring)
 PUBLIC_PER_ROUND = False
 """True: fla's public ``chunk_gated_delta_rule`` once per round (:func:`tree_gated_delta_rule_fla_autograd`), which
-fla dispatches to its backends, FlashQLA among them (the benchmarks' A/B for FlashQLA inside the tree node; not yet
-timed at the model level). False: harts_hf's own nodes over fla's Triton stages (above)."""
+fla dispatches to its backends, FlashQLA among them (the benchmarks' ``fused_fa4_public_gdn`` kernel set). False:
+harts_hf's own nodes over fla's Triton stages (above), the default: on the H200 with flash-qla 0.1.3 installed the
+public path took full-size ``tau``'s tree step from 5.08 to 7.10 s, at a 9 GiB lower peak (BENCHMARKS.md)."""
 # The round-batched node's state pass: "rounds" (fla's state pass once per round), "serial" (every unit in one
 # launch per direction, harts_hf.kernels.tree_gated_delta_rule.serial_state_pass), "lanes" (the serial kernels on
 # heavy-path lanes, one launch per wave; exact, and on the H200 never faster than "serial": ~2 programs per SM
