@@ -347,6 +347,21 @@ def test_one_entry_point_runs_every_script(tmp_path):
     assert {"command", "date", "host", "device", "versions"} <= record.keys() and record["versions"]["torch"]
 
 
+def test_planner_benchmark_writes_its_rows(tmp_path):
+    """``python -m benchmarks planner --out DIR``: every (batch, replicas, method) row in DIR/planner.json beside the
+    run record; the planner duplicates no token and its max/mean is a finite ratio >= 1."""
+    subprocess.run([sys.executable, "-m", "benchmarks", "planner", "--scale", "0.02", "--replicas", "2",
+                    "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, check=True)
+    rows = json.loads((tmp_path / "planner.json").read_text())["rows"]
+    assert {(r["batch"], r["method"]) for r in rows} == {(b, m) for b in ("swe", "tau", "grpo")
+                                                         for m in ("planner", "lpt", "dfs_cuts")}
+    for row in rows:
+        assert row["replicas"] == 2 and is_finite_nonnegative(row["plan_seconds"])
+        assert math.isfinite(row["max_over_mean"]) and row["max_over_mean"] >= 1.0 - 1e-9
+        assert row["method"] != "planner" or row["duplicated_tokens"] == 0
+    assert json.loads((tmp_path / "run.json").read_text())["command"].startswith("python -m benchmarks planner")
+
+
 def test_kimi_delta_attention_presets_and_latent_attention_flops():
     """The Ling-3-shaped and Kimi-Linear-shaped presets build (on the meta device) with their KDA:MLA ratios, and a
     latent-attention layer's per-pair FLOPs use its q/k and v head dims."""
