@@ -4,6 +4,8 @@ loss, MFU, peak memory.
     python -m benchmarks sft --preset 2b --workload tau --scale 1.0 --steps 3 --warmup 1 --trainer tree --out results/sft/tree
     python -m benchmarks sft --preset 2b --workload tau --scale 1.0 --steps 3 --warmup 1 --trainer trl --batch 4 \
         --out results/sft/trl
+    python -m benchmarks sft --preset 2b --workload tau --scale 1.0 --steps 3 --warmup 1 --trainer packed --batch 8 \
+        --out results/sft/packed
     python -m benchmarks sft --preset tiny --workload tau --scale 0.01 --steps 2 --out /tmp/sft   # CPU smoke run
 
 Data: optimizer step ``s`` trains one instance of the preset (``make_workload(workload, scale, seed=s)``), every
@@ -16,15 +18,17 @@ micro-batches in the same order (no shuffling). The rows are handed to the train
 (``input_ids``, ``assistant_masks``; TRL turns the mask into labels).
 
 - ``--trainer tree``: TreeSFTTrainer, the ``R`` rows of a step as one prefix forest (one micro-batch).
+- ``--trainer packed``: the packed per-row path with the tree's kernels: TreeSFTTrainer with every row its own tree
+  (no token shared), micro-batches of ``--batch`` rows packed without padding, gradient accumulation over the step.
 - ``--trainer trl``: TRL's SFTTrainer, micro-batches of ``--batch`` rows padded to their longest (or to a multiple
   of ``--pad-to-multiple-of``), gradient accumulation over the step's ``R / batch`` micro-batches. Not
   ``padding_free``: transformers' Gated DeltaNet layers do not keep packed sequences apart, so packing would not
   train these rows.
 
 Both: fp32 weights, bf16 autocast and non-reentrant gradient checkpointing on CUDA (fp32 on the CPU), AdamW, the same
-learning rate; the per-step losses agree when both train the same rows. The MFU counts the model FLOPs of the work
-each trainer does (the tree's unique tokens, the rows' tokens for TRL; ``benchmarks/model_flops.py``) over the step's
-wall time; the FLOP ratio is the rows' work over the tree's. Writes ``OUT/sft.json`` (per step: seconds, peak GiB,
+learning rate; the per-step losses agree when they train the same rows. The MFU counts the model FLOPs of the work
+each trainer does (the tree's unique tokens, the rows' tokens for the others; ``benchmarks/model_flops.py``) over the
+step's wall time; the FLOP ratio is the rows' work over the tree's. Writes ``OUT/sft.json`` (per step: seconds, peak GiB,
 loss, ``tree/*`` metrics; the mean over the steps after ``--warmup``) and ``OUT/run.json``.
 """
 
@@ -65,12 +69,14 @@ def step_rows(workload: str, scale: float, steps: int, vocab_size: int,
 
 
 def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], device: torch.device):
-    """TreeSFTTrainer or TRL's SFTTrainer over ``rows`` in order, one optimizer step per instance."""
+    """TreeSFTTrainer (``tree``, or ``packed``: no row shares a token) or TRL's SFTTrainer over ``rows`` in order, one
+    optimizer step per instance."""
     from datasets import Dataset
     from torch.utils.data import SequentialSampler
     from trl import SFTConfig, SFTTrainer
 
     from harts_hf import TreeSFTConfig, TreeSFTTrainer
+    from harts_hf.trees import PrefixForest
 
     per_step = len(rows[0])
     batch = per_step if args.trainer == "tree" else args.batch
@@ -82,8 +88,8 @@ def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], dev
                   logging_steps=1, save_strategy="no", report_to="none", max_length=None, bf16=on_cuda,
                   use_cpu=not on_cuda, gradient_checkpointing=True,
                   gradient_checkpointing_kwargs={"use_reentrant": False}, dataloader_num_workers=0, seed=0)
-    config, trainer_class = (TreeSFTConfig, TreeSFTTrainer) if args.trainer == "tree" else (SFTConfig, SFTTrainer)
-    if args.trainer == "tree":
+    config, trainer_class = (SFTConfig, SFTTrainer) if args.trainer == "trl" else (TreeSFTConfig, TreeSFTTrainer)
+    if args.trainer != "trl":
         common["tree_varlen_kernel"] = args.varlen_kernel
     elif args.pad_to_multiple_of is not None:
         common["pad_to_multiple_of"] = args.pad_to_multiple_of
@@ -91,6 +97,10 @@ def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], dev
     class InOrder(trainer_class):  # the rows in dataset order: micro-batch k of every run holds the same rows
         def _get_train_sampler(self, *unused, **kwargs):
             return SequentialSampler(self.train_dataset)
+
+        if args.trainer == "packed":
+            def _microbatch_forest(self, rows, masks):  # every row its own tree: packing without sharing
+                return PrefixForest.from_sequences(rows, loss_masks=masks, groups=list(range(len(rows))))
 
     if not on_cuda and args.trainer == "trl":  # SFTTrainer's plain forwards on CPU stay off Triton (CUDA torch)
         from harts_hf.model_patches import cpu_safe
@@ -132,11 +142,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (one workload instance each)")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the mean (compilation)")
-    parser.add_argument("--trainer", choices=["tree", "trl"], default="tree")
-    parser.add_argument("--batch", type=int, default=4, help="TRL's micro-batch size (rows); the tree takes a step's "
-                                                             "rows as one micro-batch")
+    parser.add_argument("--trainer", choices=["tree", "packed", "trl"], default="tree")
+    parser.add_argument("--batch", type=int, default=4, help="micro-batch size (rows) of trl and packed; the tree "
+                                                             "takes a step's rows as one micro-batch")
     parser.add_argument("--varlen-kernel", default=None, choices=["torch", "fa4", "auto"],
-                        help="the tree trainer's tree_varlen_kernel (default: harts_hf's, torch)")
+                        help="tree_varlen_kernel of tree and packed (default: harts_hf's, torch)")
     parser.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="TOKENS",
                         help="TRL's SFTConfig.pad_to_multiple_of: each micro-batch padded to a multiple of TOKENS, so "
                              "new batch widths compile fewer kernel variants (default: TRL's, the longest row)")

@@ -457,10 +457,11 @@ def test_gpu_attention_features_stage_on_cpu():
             assert is_finite_nonnegative(entry[f"{path}_s"])  # timed (fwd+bwd repeated), its size unchecked
 
 
-def test_sft_benchmark_trains_the_same_rows_with_both_trainers(tmp_path):
-    """`python -m benchmarks sft` on the CPU: TreeSFTTrainer (a step's rows as one forest) and TRL's SFTTrainer
-    (micro-batches of 4 padded to a multiple of 64, gradient accumulation) train the same agent-trace rows to the
-    same per-step loss; token counts are exact, times only present."""
+def test_sft_benchmark_trains_the_same_rows_with_every_trainer(tmp_path):
+    """`python -m benchmarks sft` on the CPU: TreeSFTTrainer (a step's rows as one forest), the packed per-row path
+    (TreeSFTTrainer with every row its own tree, micro-batches of 4) and TRL's SFTTrainer (micro-batches of 4 padded
+    to a multiple of 64, gradient accumulation) train the same agent-trace rows to the same per-step loss; token
+    counts are exact, times only present."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from sft_step import main
 
@@ -469,9 +470,12 @@ def test_sft_benchmark_trains_the_same_rows_with_both_trainers(tmp_path):
     trl = main(common + ["--trainer", "trl", "--pad-to-multiple-of", "64", "--out", str(tmp_path / "trl")])
     assert json.loads((tmp_path / "tree" / "sft.json").read_text())["steps"] == json.loads(json.dumps(tree["steps"]))
     assert (tmp_path / "trl" / "run.json").exists()
-    for a, b in zip(tree["steps"], trl["steps"], strict=True):
-        assert a["rows"] == b["rows"] and a["rows"] % 4 == 0 and a["path_tokens"] == b["path_tokens"]
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    packed = main(common + ["--trainer", "packed", "--out", str(tmp_path / "packed")])
+    for a, b, c in zip(tree["steps"], trl["steps"], packed["steps"], strict=True):
+        assert a["rows"] == b["rows"] == c["rows"] and a["rows"] % 4 == 0
+        assert a["path_tokens"] == b["path_tokens"] == c["path_tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["loss"] == pytest.approx(c["loss"], rel=1e-5)
+        assert c["tree"]["tree/R_tok"] == pytest.approx(1.0) and c["flop_ratio"] == 1.0
         assert a["R_tok"] > 2 and a["tree"]["tree/R_tok"] == pytest.approx(a["R_tok"])
         assert is_finite_nonnegative(a["seconds"]) and is_finite_nonnegative(b["seconds"])
         assert a["flop_ratio"] > 2 and b["flop_ratio"] == 1.0

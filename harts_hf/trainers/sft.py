@@ -174,7 +174,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
         rows, masks = forest_rows(inputs)
-        forest = PrefixForest.from_sequences(rows, loss_masks=masks)
+        forest = self._microbatch_forest(rows, masks)
         budget = self.args.tree_token_budget
         over = budget is not None and forest.pack().num_tokens > budget
         if budget is not None and self.is_deepspeed_enabled and (torch.is_grad_enabled() or self._zero_stage() == 3):
@@ -195,6 +195,11 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(out.aux_loss.detach()).mean().item())
         self._record_metrics(mode, log_probs, entropies, correct, dict(out.stats, pieces=1, handoffs=0), rows)
         return loss
+
+    def _microbatch_forest(self, rows: list, masks: list) -> PrefixForest:
+        """The prefix forest of a microbatch's ``rows`` (token-id lists) with their label ``masks``: rows share their
+        common prefixes. (The benchmarks' packed per-row baseline overrides it to keep every row its own tree.)"""
+        return PrefixForest.from_sequences(rows, loss_masks=masks)
 
     def _planned_loss(self, model, forest: PrefixForest, rows, masks, num_items_in_batch) -> torch.Tensor:
         """The microbatch as planner pieces (:func:`harts_hf.planner.execute_plan`). With gradients each piece runs its

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The packages the H200 test machine lacks beyond the shared bundle (../shared/device/make-bundle.sh), as archives
+# under .device/ for the device tool's `carry` (64 MiB per call):
+#
+#   .device/fa4libs.tar.xz  nvidia-cutlass-dsl-libs-cu13 (~61 MiB: carry it alone in a first call and extract it into
+#                           .device/fa4x, which stays on a warm machine between calls)
+#   .device/fa4rest.tar.xz  flash-attn-4 4.0.0b36 and the rest of FlashAttention-4's stack, flash-qla 0.1.3 (~8 MiB)
+#   .device/tf.tar.xz       transformers 5.24.0 with the hub / tokenizers / safetensors it needs (~7 MiB; the machine
+#                           has 5.17, which lacks bailing_hybrid)
+#
+# On the machine: tar -C .device/fa4x -xJf .device/fa4libs.tar.xz (call 1), then in every call
+#   S=$(mktemp -d) && tar -C "$S" -xJf .device/site.tar.xz && export PYTHONPATH="$PWD:$S:$PWD/.device/fa4x:$PWD/.device/fa4x/nvidia_cutlass_dsl/dsl_packages"
+# (extract fa4rest.tar.xz into .device/fa4x once; tf.tar.xz into a folder placed before "$S" on PYTHONPATH).
+# Usage: bash scripts/device_extras.sh [--force]   (from anywhere inside the checkout; ~3 minutes on 2 cores)
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+out="$root/.device"
+mkdir -p "$out"
+grep -qxF '/.device/' "$root/.git/info/exclude" 2>/dev/null || echo '/.device/' >> "$root/.git/info/exclude"
+if [ -f "$out/fa4libs.tar.xz" ] && [ -f "$out/fa4rest.tar.xz" ] && [ -f "$out/tf.tar.xz" ] && [ "${1:-}" != "--force" ]; then
+  echo "reusing .device/{fa4libs,fa4rest,tf}.tar.xz; pass --force to rebuild"
+  exit 0
+fi
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+plat=(--only-binary=:all: --python-version 3.12 --implementation cp
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+get() { python3 -m pip download -q --no-deps "${plat[@]}" -d "$tmp/$1" "${@:2}"; }
+get libs 'nvidia-cutlass-dsl-libs-cu13==4.8.1'
+get rest flash-attn-4==4.0.0b36 flash-qla==0.1.3 'nvidia-cutlass-dsl==4.8.1' 'nvidia-cutlass-dsl-libs-base==4.8.1' \
+  'nvidia-cutlass-dsl-libs-core==4.8.1' quack-kernels einops cuda-bindings cuda-pathfinder
+get tf transformers==5.24.0 huggingface-hub tokenizers safetensors
+for part in libs rest tf; do
+  mkdir "$tmp/$part.site"
+  for wheel in "$tmp/$part"/*.whl; do python3 -m zipfile -e "$wheel" "$tmp/$part.site"; done
+done
+pack() { tar -C "$tmp/$1.site" -cf - . | xz -9 -T0 > "$out/$2.part" && mv "$out/$2.part" "$out/$2"; }
+pack libs fa4libs.tar.xz &
+pack rest fa4rest.tar.xz &
+pack tf tf.tar.xz &
+wait
+ls -la "$out"
