@@ -84,8 +84,7 @@ KERNEL_SETS = {
 harts_hf's own RMSNorm kernel, for the op-level table); ``fused_fa4`` puts the
 tree attention on FlashAttention-4; the others change one thing against it: harts_hf's own RMSNorm kernel, one
 autocast cast shared by the projections of an activation, fla's public Gated DeltaNet function per round (FlashQLA
-where importable); ``fused_fa4_norm_casts`` changes the first two, ``fused_fa4_all``
-all three."""
+where importable); ``fused_fa4_norm_casts`` changes the first two, ``fused_fa4_all`` all three."""
 
 
 def use_kernels(name: str) -> None:
