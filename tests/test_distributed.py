@@ -15,10 +15,11 @@ SCRIPT = Path(__file__).parent / "scripts" / "two_process_tree_grpo.py"
 ENV = dict(os.environ, ACCELERATE_USE_CPU="true", OMP_NUM_THREADS="1", TRL_EXPERIMENTAL_SILENCE="1")
 
 
-def launch(out_dir: Path, mode: str | None, port: int, script: Path = SCRIPT, timeout: float = 600) -> list[dict]:
-    """``script`` on 2 processes; a run still going after ``timeout`` seconds (a hang: ranks waiting in different
-    collectives) is stopped with its workers and fails the test."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+def launch(out_dir: Path, mode: str | None, port: int, script: Path = SCRIPT, timeout: float = 600,
+           processes: int = 2) -> list[dict]:
+    """``script`` on ``processes`` processes; a run still going after ``timeout`` seconds (a hang: ranks waiting in
+    different collectives) is stopped with its workers and fails the test."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes),
                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
                str(port), str(script), str(out_dir), *([mode] if mode else [])]
     with subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -33,13 +34,14 @@ def launch(out_dir: Path, mode: str | None, port: int, script: Path = SCRIPT, ti
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 stdout, stderr = process.communicate()
-            pytest.fail(f"the 2-process run ({script.name} {mode}) did not finish in {timeout} s (hung in a "
-                        f"collective?)\n{stdout[-3000:]}{stderr[-3000:]}")
+            pytest.fail(f"the {processes}-process run ({script.name} {mode}) did not finish in {timeout} s (hung "
+                        f"in a collective?)\n{stdout[-3000:]}{stderr[-3000:]}")
     assert process.returncode == 0, stdout[-3000:] + stderr[-3000:]
-    ranks = [torch.load(out_dir / f"rank{k}.pt", weights_only=False) for k in range(2)]
-    assert [r["world_size"] for r in ranks] == [2, 2], "accelerate ran fewer than 2 processes"
-    for name, value in ranks[0]["params"].items():
-        assert torch.equal(value, ranks[1]["params"][name]), f"{name} differs between ranks"
+    ranks = [torch.load(out_dir / f"rank{k}.pt", weights_only=False) for k in range(processes)]
+    assert [r["world_size"] for r in ranks] == [processes] * processes, f"accelerate ran fewer than {processes}"
+    for rank in ranks[1:]:
+        for name, value in ranks[0]["params"].items():
+            assert torch.equal(value, rank["params"][name]), f"{name} differs between ranks"
     return ranks
 
 
@@ -70,12 +72,12 @@ def compare_final_parameters(rank: dict, single: dict, *, value_tol: float, step
 
 
 def compare_first_gradients(ranks: list[dict], single: dict) -> float:
-    """The first optimizer step's gradients (after DDP's all-reduce): bit-identical on both ranks and within 1e-5
+    """The first optimizer step's gradients (after DDP's all-reduce): bit-identical on every rank and within 1e-5
     of the 1-process run's; returns the worst relative difference."""
     worst = 0.0
     assert ranks[0]["gradients"].keys() == single["gradients"].keys()
     for name, reference in single["gradients"].items():
-        assert torch.equal(ranks[0]["gradients"][name], ranks[1]["gradients"][name]), name
+        assert all(torch.equal(ranks[0]["gradients"][name], rank["gradients"][name]) for rank in ranks[1:]), name
         difference = (ranks[0]["gradients"][name] - reference).norm()
         assert difference <= 1e-5 * reference.norm() + 1e-8, f"{name}: {difference / reference.norm():.2e}"
         if reference.norm() > 0:
@@ -153,6 +155,24 @@ def test_two_processes_with_cross_replica_handoffs_match_one_process(tmp_path, m
           f"{worst_gradient:.2e}; after 2 steps worst |2-proc - 1-proc| / |step| = {worst:.2e}")
     trees = [[{k: v for k, v in e.items() if k.startswith("tree/")} for e in rank["logged"]] for rank in ranks]
     assert trees[0] == trees[1] and ranks[0]["logged"][0]["tree/handoffs"] > 0
+
+
+def test_three_processes_with_cross_replica_handoffs_match_one_process(tmp_path):
+    """The cross-replica run on 3 processes, 6 rows each (a prefix's hand-offs may go to either of two other
+    processes): one plan built alike on every process, hand-offs crossing processes, every process running pieces,
+    and the first gradient and the parameters after 2 optimizer steps equal one process over the same 18 rows per
+    microbatch."""
+    ranks = launch(tmp_path / "three", "cross_three", 29522, processes=3)
+    single = run_one_process(tmp_path / "one", "cross_three")
+    crossing = [[c for _, c in rank["pieces"]] for rank in ranks]
+    assert crossing[0] == crossing[1] == crossing[2] and sum(crossing[0]) > 0, [r["pieces"] for r in ranks]
+    here = [sum(h for h, _ in rank["pieces"]) for rank in ranks]
+    assert all(here), f"a process ran no piece: {[r['pieces'] for r in ranks]}"
+    worst_gradient = compare_first_gradients(ranks, single)
+    worst, _ = compare_final_parameters(ranks[0], single, value_tol=1e-5, step_tol=1e-3)
+    print(f"\n[3 processes, cross-replica hand-offs] (pieces here, crossing hand-offs) per microbatch: "
+          f"{[r['pieces'] for r in ranks]}; first-step gradient vs 1 process {worst_gradient:.2e}; after 2 steps "
+          f"worst |3-proc - 1-proc| / |step| = {worst:.2e}")
 
 
 def test_two_processes_balance_whole_groups_and_match_one_process(tmp_path):

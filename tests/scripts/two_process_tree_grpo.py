@@ -6,7 +6,8 @@ that some prompts' trees fit and others' do not (ranks run different numbers of 
 also runs as one process over the same global batch (``per_device_train_batch_size`` doubled), for the test to
 compare parameters. Mode ``cross`` (``cross_grpo``: loss_type 'grpo'): ``planner`` with
 ``tree_cross_replica_handoffs`` (on 2 processes, one plan over both processes' rows, pieces of a tree on either
-process). Mode ``balance``: TRL's split gives process 0 the two big trees of every generation batch
+process); ``cross_three``: ``cross`` with 18 rows per microbatch over all processes (3 processes: 6 each, so every
+process generates whole prompt groups, as the 1-process reference does). Mode ``balance``: TRL's split gives process 0 the two big trees of every generation batch
 (``shuffle_dataset=False``; prompts marked "!" get a long draft); ``tree_balance_replicas`` moves whole groups;
 also records the first optimizer step's gradient and the prompts each process trains on; as one process it is
 the reference over the same global batch.
@@ -52,7 +53,7 @@ def main(out_dir: str, mode: str):
     pieces, held, gradients = [], [], {}
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # PartialState may not be initialised for 2 processes yet
     dataset = prompt_dataset(16)
-    if mode in ("planner", "cross", "cross_grpo") or mode.startswith("mixed"):
+    if mode in ("planner", "cross", "cross_grpo", "cross_three") or mode.startswith("mixed"):
         if mode.startswith("mixed"):  # process 0: the marked prompts (pieces); process 1: the others (one forward)
             marker = tokenizer.convert_tokens_to_ids("!")
             model = patch_generate(model, tokenizer, draft_width=lambda prompt: 40 if marker in prompt else 4)
@@ -65,7 +66,8 @@ def main(out_dir: str, mode: str):
             model = patch_generate(model, tokenizer, draft_width=lambda prompt: 30 if sum(prompt) % 2 else 10)
         if mode == "cross_grpo":  # per-row normalisers over each process's own rows
             common["loss_type"] = "grpo"
-        args = TreeGRPOConfig(**common, per_device_train_batch_size=12 // world_size,
+        rows = 18 if mode == "cross_three" else 12  # per microbatch over all processes
+        args = TreeGRPOConfig(**common, per_device_train_batch_size=rows // world_size,
                               router_aux_loss_coef=0.0, tree_token_budget=40 if mode.startswith("mixed") else 30,
                               tree_cross_replica_handoffs=mode.startswith("cross"))
         execute_plan = grpo_module.execute_plan
