@@ -77,11 +77,12 @@ def main():
     parser.add_argument("--cross", type=int, nargs=2, action="append", metavar=("Q", "K"),
                         help="query and key lengths of a maskless block (default: 8192 43008 and 1024 43008)")
     args = parser.parse_args()
+    from run_record import write_run_record
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.varlen import varlen_attn
 
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    write_run_record(out)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(), "rows": []}
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731

@@ -309,8 +309,10 @@ def main():
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(args.model, args.family, device, dtype)
     vocab = model.config.vocab_size
+    from run_record import write_run_record
+
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    write_run_record(out)
     results = {"model": args.model, "family": args.family, "device": str(device), "scale": args.scale,
                "torch": torch.__version__, "workloads": {}}
     fit_lengths = [256, 1024, 2048, 4096, 8192] if device.type == "cuda" else [64, 128, 256, 512]

@@ -5,15 +5,19 @@
 
 Times one tree forward+backward (gradient checkpointing on) for forests of several shapes and sizes drawn from the
 workload presets, reads each forest's features (unique tokens, attention pairs, replay tokens, rounds, leaves),
-fits the non-negative coefficients of ``harts_hf.planner.CostModel`` and saves them; ``CostModel.load(path)`` reads
-them back for ``plan(..., cost_model=...)``. Prints each sample's measured and predicted time.
+fits the non-negative coefficients of ``harts_hf.planner.CostModel`` and saves them (the run record beside them, in
+``<out>_run.json``); ``CostModel.load(path)`` reads them back for ``plan(..., cost_model=...)``. Prints each
+sample's measured and predicted time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from bench_tree_vs_trajectory import MODELS, build_model, run_tree, timed
+from run_record import run_record
 
 from harts_hf.planner import CostModel
 from harts_hf.trees import PrefixForest
@@ -50,6 +54,8 @@ def main():
             seconds.append(elapsed)
     fitted = CostModel.fit(samples, seconds)
     fitted.save(args.out)
+    record = Path(args.out).with_name(Path(args.out).stem + "_run.json")  # CostModel.load reads only coefficients
+    record.write_text(json.dumps(run_record(), indent=1))
     print(f"{'unique':>8s} {'pairs':>12s} {'replay':>7s} {'rounds':>6s} {'measured s':>10s} {'predicted s':>11s}")
     for features, measured in zip(samples, seconds):
         print(f"{features['unique_tokens']:8d} {features['attention_pairs']:12.0f} {features['replay_tokens']:7d} "

@@ -717,8 +717,10 @@ def main():
         from harts_hf.kernels.tree_attention import varlen
 
         varlen.KERNEL = args.varlen_kernel
+    from run_record import write_run_record
+
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    write_run_record(out)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
 
     def save():

@@ -253,8 +253,10 @@ def main():
     parser.add_argument("--family", default="qwen3_next", choices=["qwen3_next", "qwen3_5"])
     parser.add_argument("--no-timing", dest="timing", action="store_false", help="parity only")
     args = parser.parse_args()
+    from run_record import write_run_record
+
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    write_run_record(out)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     import transformers
 

@@ -53,8 +53,10 @@ def main():
     parser.add_argument("--skip", nargs="*", default=[], choices=["parity", "kernels", "padded", "loop", "packed", "profile"])
     args = parser.parse_args()
     began = time.perf_counter()
+    from run_record import write_run_record
+
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    write_run_record(out)
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
 

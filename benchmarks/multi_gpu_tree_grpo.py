@@ -522,6 +522,10 @@ def main(argv=None):
                       distributed_type=str(trainer.accelerator.distributed_type), torch=torch.__version__,
                       zero_stage=getattr(trainer.accelerator.state.deepspeed_plugin, "zero_stage", None))
     out.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        from run_record import write_run_record
+
+        write_run_record(out)
     (out / f"rank{rank}.json").write_text(json.dumps(
         dict(rank=rank, world_size=world, device=device, config=run_config, steps=records, logged=logged), indent=1))
     trainer.accelerator.wait_for_everyone()  # every rank's file is written; no collective follows

@@ -93,7 +93,10 @@ def main(argv=None):
     coefficients = {name: getattr(refit, name) for name in FEATURES}
     print("refit (seconds per unit):", {k: float(f"{v:.4g}") for k, v in coefficients.items()})
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(coefficients=coefficients, samples=table), indent=1))
+        from run_record import run_record
+
+        Path(args.out).write_text(json.dumps(dict(coefficients=coefficients, samples=table, run=run_record()),
+                                             indent=1))
     return refit, table
 
 

@@ -112,8 +112,10 @@ def main():
                                                    zip(("out", "dq", "dk", "dv"), (out,) + grads, reference)}
     results["max_call_elements"] = MAX_CALL_ELEMENTS
     print(json.dumps(results, indent=1), flush=True)
+    from run_record import write_run_record
+
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    write_run_record(out_dir)
     (out_dir / "varlen_limits.json").write_text(json.dumps(results, indent=1))
 
 

@@ -31,6 +31,7 @@ def test_gpu_suite_model_stages_on_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((tmp_path / "gpu_suite.json").read_text())
     assert not [key for key in results if key.endswith("_error")], run.stdout[-3000:]
+    assert json.loads((tmp_path / "run.json").read_text())["command"].startswith("gpu_suite.py --device cpu")
     stages = results["stages"]
     assert [s.split(":")[0] for s in stages] == ["parity", "kernels", "warmup", "cost_fit", "swe", "profile",
                                                  "padded"], stages
@@ -335,6 +336,9 @@ def test_one_entry_point_runs_every_script(tmp_path):
 
     scripts = {p.stem for p in bench.glob("*.py") if "def main(" in p.read_text()} - {"__main__"}
     assert {module for module, _ in COMMANDS.values()} == scripts
+    for script in scripts:  # whatever writes results writes the run record (command, date, machine) with them
+        source = (bench / f"{script}.py").read_text()
+        assert '"--out"' not in source or "run_record" in source, f"{script}.py writes results without a run record"
     for module, _ in COMMANDS.values():
         assert callable(importlib.import_module(module).main)
     listing = subprocess.run([sys.executable, "-m", "benchmarks"], cwd=ROOT, capture_output=True, text=True,
