@@ -25,8 +25,8 @@ micro-batches in the same order (no shuffling). The rows are handed to the train
   ``padding_free``: transformers' Gated DeltaNet layers do not keep packed sequences apart, so packing would not
   train these rows.
 
-Both: fp32 weights, bf16 autocast and non-reentrant gradient checkpointing on CUDA (fp32 on the CPU), AdamW, the same
-learning rate; the per-step losses agree when they train the same rows. The MFU counts the model FLOPs of the work
+All three: fp32 weights, bf16 autocast and non-reentrant gradient checkpointing on CUDA (fp32 on the CPU), AdamW, the
+same learning rate; the per-step losses agree when they train the same rows. The MFU counts the model FLOPs of the work
 each trainer does (the tree's unique tokens, the rows' tokens for the others; ``benchmarks/model_flops.py``) over the
 step's wall time; the FLOP ratio is the rows' work over the tree's. Writes ``OUT/sft.json`` (per step: seconds, peak GiB,
 loss, ``tree/*`` metrics; the mean over the steps after ``--warmup``) and ``OUT/run.json``.
