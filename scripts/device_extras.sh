@@ -11,7 +11,8 @@
 # On the machine: tar -C .device/fa4x -xJf .device/fa4libs.tar.xz (call 1), then in every call
 #   S=$(mktemp -d) && tar -C "$S" -xJf .device/site.tar.xz && export PYTHONPATH="$PWD:$S:$PWD/.device/fa4x:$PWD/.device/fa4x/nvidia_cutlass_dsl/dsl_packages"
 # (extract fa4rest.tar.xz into .device/fa4x once; tf.tar.xz into a folder placed before "$S" on PYTHONPATH).
-# Usage: bash scripts/device_extras.sh [--force]   (from anywhere inside the checkout; ~3 minutes on 2 cores)
+# Usage: bash scripts/device_extras.sh [--force]   (from anywhere inside the checkout; ~8 minutes on 2 cores)
+# The versions are the ones the 2026-12-02 H200 runs used (BENCHMARKS.md).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 out="$root/.device"
@@ -29,8 +30,8 @@ plat=(--only-binary=:all: --python-version 3.12 --implementation cp
 get() { python3 -m pip download -q --no-deps "${plat[@]}" -d "$tmp/$1" "${@:2}"; }
 get libs 'nvidia-cutlass-dsl-libs-cu13==4.8.1'
 get rest flash-attn-4==4.0.0b36 flash-qla==0.1.3 'nvidia-cutlass-dsl==4.8.1' 'nvidia-cutlass-dsl-libs-base==4.8.1' \
-  'nvidia-cutlass-dsl-libs-core==4.8.1' quack-kernels einops cuda-bindings cuda-pathfinder
-get tf transformers==5.24.0 huggingface-hub tokenizers safetensors
+  'nvidia-cutlass-dsl-libs-core==4.8.1' quack-kernels==0.6.5 einops==0.8.2 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1
+get tf transformers==5.24.0 huggingface-hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0
 for part in libs rest tf; do
   mkdir "$tmp/$part.site"
   for wheel in "$tmp/$part"/*.whl; do python3 -m zipfile -e "$wheel" "$tmp/$part.site"; done
