@@ -105,9 +105,10 @@ def check_value_blocks() -> float:
 
 
 def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int = 64) -> float:
-    """One of the per-round fla nodes vs the fp32 torch backend: Kimi Delta Attention (per-channel gates, fla's
-    ``chunk_kda``, :mod:`.fla_kda`) or gated linear attention (``delta=False``, per-head gates, fla's
-    ``chunk_simple_gla`` on the plan's chunk grid, :mod:`.fla_simple_gla`). The whole forest of forks at chunk
+    """The fla nodes of the other recurrences vs the fp32 torch backend: Kimi Delta Attention (per-channel gates,
+    fla's ``chunk_kda`` per round, :mod:`.fla_kda`) or gated linear attention (``delta=False``, per-head gates,
+    :mod:`.fla_simple_gla` on the plan's chunk grid: the round-batched node over fla's ``chunk_simple_gla`` stages and
+    fla's public function per round, bit-identical to each other). The whole forest of forks at chunk
     offsets 0, 1, 63, 64, 65, 127-129 (several rounds), and a planner piece below a branch point (handed-in state,
     context rows, requested states); outputs, states and every input gradient."""
     import torch
@@ -123,19 +124,41 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
         gate = -torch.rand(rows, HV, K) * 0.3 if per_channel else -torch.rand(rows, HV) * 0.3
         return [t.requires_grad_() for t in (q, k, v, gate, torch.rand(rows, HV))]
 
+    from harts_hf.kernels.tree_gated_delta_rule import fla_simple_gla
+
     options = dict(use_qk_l2norm_in_kernel=delta, delta=delta)
+    # gated linear attention has two fla nodes: the round-batched one (the default) and fla's public function per
+    # round; KDA has the per-round one
+    variants = ("fla", "fla_per_round") if not delta else ("fla",)
+
+    def through(name, run):
+        fla_simple_gla.BATCH_ROUNDS = name != "fla_per_round"
+        try:
+            return run("torch" if name == "torch" else "fla")
+        finally:
+            fla_simple_gla.BATCH_ROUNDS = True
+
     packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
     torch.manual_seed(2)
     leaves = inputs(packed.num_tokens)
     outs = {}
-    for backend in ("torch", "fla"):
-        the_plan = build_gated_delta_plan(packed, final_states_only=backend == "fla", chunk_size=chunk_size)
-        out = tree_gated_delta_rule(*leaves, the_plan, backend=backend, **options)
-        outs[backend] = (out.detach(), torch.autograd.grad(out.square().sum(), leaves))
-    errors = [rel(outs["fla"][0], outs["torch"][0])] + [rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])]
-    print(f"{label}, fla per round vs torch ({packed.num_tokens} tokens, {len(the_plan.rounds)} rounds, chunks of "
-          f"{chunk_size}): out {errors[0]:.1e} grads {max(errors[1:]):.1e}", flush=True)
-    worst = max(errors)
+    for name in ("torch", *variants):
+        def run(backend):
+            the_plan = build_gated_delta_plan(packed, final_states_only=backend == "fla", chunk_size=chunk_size)
+            return tree_gated_delta_rule(*leaves, the_plan, backend=backend, **options), len(the_plan.rounds)
+        out, rounds = through(name, run)
+        outs[name] = (out.detach(), torch.autograd.grad(out.square().sum(), leaves))
+    worst = 0.0
+    for name in variants:
+        errors = [rel(outs[name][0], outs["torch"][0])] + [rel(a, b) for a, b in zip(outs[name][1], outs["torch"][1])]
+        print(f"{label}, {name} vs torch ({packed.num_tokens} tokens, {rounds} rounds, chunks of {chunk_size}): "
+              f"out {errors[0]:.1e} grads {max(errors[1:]):.1e}", flush=True)
+        worst = max(worst, *errors)
+    if len(variants) > 1:
+        between = [rel(outs["fla"][0], outs["fla_per_round"][0])] + \
+            [rel(a, b) for a, b in zip(outs["fla"][1], outs["fla_per_round"][1])]
+        print(f"{label}, round-batched vs per round: out {between[0]:.1e} grads {max(between[1:]):.1e}", flush=True)
+        assert max(between) == 0.0, f"{label}: the round-batched node differs from the per-round one: {between}"
     # a piece below a branch token at depth 69: roots at depth 70, the state after 64 tokens, 6 replayed rows
     common = [1 + i % 5 for i in range(70)]
     whole = PrefixForest.from_sequences([common + [7] * 80, common + [8] * 9 + [9] * 60, common + [6] * 5]).pack()
@@ -145,19 +168,23 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     state = (torch.randn(HV, K, V) * 0.1).requires_grad_()
     context, piece = inputs(rows), inputs(sub.num_tokens)
     outs = {}
-    for backend in ("torch", "fla"):
-        the_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=[5, 60],
-                                          chunk_size=chunk_size)
-        out, states = tree_gated_delta_rule(*piece, the_plan, backend=backend, initial_state=state,
-                                            context=tuple(context), output_requested_states=True, **options)
+    for name in ("torch", *variants):
+        def run(backend):
+            the_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=[5, 60],
+                                              chunk_size=chunk_size)
+            return tree_gated_delta_rule(*piece, the_plan, backend=backend, initial_state=state,
+                                         context=tuple(context), output_requested_states=True, **options)
+        out, states = through(name, run)
         total = out.square().sum() + sum(s.square().sum() for s in states if s is not None)
-        outs[backend] = ([out.detach()] + [s.detach() for s in states if s is not None],
-                         torch.autograd.grad(total, piece + context + [state]))
-    errors = [rel(a, b) for a, b in zip(outs["fla"][0], outs["torch"][0])] + \
-        [rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])]
-    print(f"{label} piece (root at depth {depth}, {rows} replayed rows, handed-in state, 2 requested states): "
-          f"out/states {max(errors[:3]):.1e} grads {max(errors[3:]):.1e}", flush=True)
-    return max(worst, *errors)
+        outs[name] = ([out.detach()] + [s.detach() for s in states if s is not None],
+                      torch.autograd.grad(total, piece + context + [state]))
+    for name in variants:
+        errors = [rel(a, b) for a, b in zip(outs[name][0], outs["torch"][0])] + \
+            [rel(a, b) for a, b in zip(outs[name][1], outs["torch"][1])]
+        print(f"{label} piece, {name} (root at depth {depth}, {rows} replayed rows, handed-in state, 2 requested "
+              f"states): out/states {max(errors[:3]):.1e} grads {max(errors[3:]):.1e}", flush=True)
+        worst = max(worst, *errors)
+    return worst
 
 
 def main() -> None:
@@ -424,8 +451,8 @@ def check_model() -> float:
 
 def check_model_backends(family: str, label: str) -> float:
     """A tiny patched model through its fla node (Ling 3: Kimi Delta Attention with the safe gate, gated latent
-    attention, experts, ``chunk_kda`` per round; Nemotron-H: Mamba-2 blocks, ``chunk_simple_gla`` per round on its
-    16-token chunks): tree log-probs and every parameter gradient with the fla backend against the torch backend."""
+    attention, experts, ``chunk_kda`` per round; Nemotron-H: Mamba-2 blocks, the round-batched node over
+    ``chunk_simple_gla``'s stages on its 16-token chunks): tree log-probs and every parameter gradient with the fla backend against the torch backend."""
     import torch
 
     from harts_hf import tree_logprobs

@@ -1,11 +1,20 @@
-"""The ``"fla"`` backend without the delta rule (gated linear attention: Mamba-2's scan, CUDA only): fla's
-``chunk_simple_gla`` once per round of the plan, varlen over the round's units, states handed between rounds through
-autograd, on the plan's own chunk grid (fla's ``chunk_size``: Mamba-2's 128 where the mixer says so).
+"""The ``"fla"`` backend without the delta rule (gated linear attention: Mamba-2's scan, CUDA only), on the plan's
+own chunk grid (fla's ``chunk_size``: Mamba-2's 128 where the mixer says so).
 
-Keys and queries are repeated to the value heads (fla's kernel takes one key head per value head) and ``beta``
+Keys and queries are repeated to the value heads (fla's state kernels take one key head per value head) and ``beta``
 scales the values (``S = exp(g) S + k (beta v)^T``). The plan must be built with ``final_states_only=True``, as for
-:mod:`.fla_backend` and :mod:`.fla_kda`. Checked through fla's Triton kernels on the CPU (Triton's interpreter;
-``scripts/check_fla_nodes_on_cpu.py``, ``check_round_nodes`` and ``check_mamba2_model``) against the torch backend.
+:mod:`.fla_backend` and :mod:`.fla_kda`.
+
+With :data:`BATCH_ROUNDS` (the default), :class:`_TreeSimpleGlaBatched` is one autograd node for all rounds: only the
+state pass (forward) and the state-gradient pass (backward) depend on a unit's initial state, so fla's other stages of
+``chunk_simple_gla`` (gate cumsum, output, dq / dk / dg, dv) run ONCE over the executed tokens of every round, laid
+out round after round (:func:`~.fla_backend.round_batch`), and per round only fla's state kernel runs on that
+round's slice, on a host-built chunk grid: no device-to-host read, three launches per round. Every kernel works
+chunk by chunk within a unit, so the arithmetic is the per-round function's. ``BATCH_ROUNDS = False``: fla's public
+``chunk_simple_gla`` once per round, states handed over through autograd (:func:`~.fla_kda.per_round`; on the
+H200 full-size ``tau`` reached 0.70 of its FLOP ratio that way, BENCHMARKS.md). Both are checked through fla's
+Triton kernels on the CPU (Triton's interpreter; ``scripts/check_fla_nodes_on_cpu.py``, ``check_round_node`` and
+``check_mamba2_model``) against the torch backend.
 """
 
 from __future__ import annotations
@@ -18,20 +27,138 @@ from .plan import GatedDeltaPlan
 
 __all__ = ["tree_simple_gla_fla"]
 
+BATCH_ROUNDS = True
+"""True: the round-batched node (:class:`_TreeSimpleGlaBatched`); False: fla's public function once per round."""
+
 
 def tree_simple_gla_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float,
                         initial_state: torch.Tensor | None = None, output_requested_states: bool = False):
     """Same contract as :func:`~.ops.tree_gated_delta_rule` with ``delta=False`` and ``g [U + R, HV]`` (rows: packed,
     then the plan's context rows; ``initial_state``: the state under :data:`CONTEXT_STATE`)."""
     fla_backend._check(q, plan)
-    chunk_simple_gla = import_fla_op("fla.ops.simple_gla", "chunk_simple_gla", "gated linear attention (Mamba-2)")
     HV = v.shape[1]
     q, k = (x.repeat_interleave(HV // k.shape[1], dim=1) for x in (q, k))
+    v = v * beta.unsqueeze(-1).to(v.dtype)
+    if BATCH_ROUNDS:
+        out, requested = _TreeSimpleGlaBatched.apply(q, k, v, g, initial_state, plan, scale)
+        if not output_requested_states:
+            return out
+        return out, [None if key is None else requested[i] for i, key in enumerate(plan.requested_states)]
+    chunk_simple_gla = import_fla_op("fla.ops.simple_gla", "chunk_simple_gla", "gated linear attention (Mamba-2)")
 
     def call(round_, inputs, initial):
         q_, k_, v_, g_ = inputs
         return chunk_simple_gla(q_, k_, v_, g=g_.float(), scale=scale, initial_state=initial, output_final_state=True,
                                 cu_seqlens=round_.cu_seqlens.long(), chunk_size=plan.chunk_size)
 
-    return per_round(call, (q, k, v * beta.unsqueeze(-1).to(v.dtype), g), plan, initial_state,
-                     output_requested_states)
+    return per_round(call, (q, k, v, g), plan, initial_state, output_requested_states)
+
+
+def _stages() -> dict:
+    """fla 0.6's stages of ``chunk_simple_gla`` (the ones its own forward and backward call; the state kernels
+    themselves, so that the chunk offsets come from the host)."""
+    try:
+        import triton
+        from fla.ops.common.chunk_h import chunk_bwd_kernel_dh, chunk_fwd_kernel_h
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv, chunk_fwd_o
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+    except ImportError as error:  # pragma: no cover - depends on the machine
+        raise ImportError("gated linear attention (Mamba-2) on the 'fla' backend needs fla 0.6's chunk stages "
+                          "(fla.ops.common.chunk_h, chunk_o): pip install 'flash-linear-attention>=0.6,<0.7'; or "
+                          "set fla_simple_gla.BATCH_ROUNDS = False") from error
+    return dict(cdiv=triton.cdiv, fwd_h=chunk_fwd_kernel_h, bwd_dh=chunk_bwd_kernel_dh, fwd_o=chunk_fwd_o,
+                bwd_dqkwg=chunk_bwd_dqkwg, bwd_dv=chunk_bwd_dv, cumsum=chunk_local_cumsum, rcp_ln2=RCP_LN2)
+
+
+_NO_GATES = dict(g_gamma=None, gk=None, gv=None)
+_FLAGS = dict(USE_G=True, USE_G_GAMMA=False, USE_GK=False, USE_GV=False, STATE_V_FIRST=False)
+
+
+def _state_pass(st, batch, chunk_size: int, k, v, g, bank, dtype) -> torch.Tensor:
+    """fla's state kernel round by round over ``k, v, g [1, E, H, ...]`` (all rounds' executed tokens): each
+    round's units start from their rows of the fp32 state ``bank``, and the final states the plan saves are
+    written back to it. Returns the chunk states ``h [1, NT, H, K, V]`` (``dtype``) of all rounds."""
+    H, K, V = k.shape[2], k.shape[3], v.shape[3]
+    h = k.new_empty(1, batch.chunk_indices.shape[0], H, K, V, dtype=dtype)
+    for r, (t, c) in enumerate(zip(batch.tokens, batch.chunks)):
+        units = batch.round_cu[r].numel() - 1
+        final = k.new_empty(units, H, K, V, dtype=torch.float32)
+        st["fwd_h"][lambda meta, n=units: (st["cdiv"](K, meta["BK"]) * st["cdiv"](V, meta["BV"]) * n * H,)](
+            k=k[:, t], v=v[:, t], h=h[:, c], g=g[:, t], **_NO_GATES, h0=bank[batch.initial_ids[r]], ht=final,
+            cu_seqlens=batch.round_cu[r], split_offsets=batch.round_chunk_offsets[r], T=t.stop - t.start, H=H, K=K,
+            V=V, BT=chunk_size, BS=chunk_size, **_FLAGS)
+        bank.index_copy_(0, batch.save_ids[r], final[batch.save_slots[r]])
+    return h
+
+
+def _state_gradient_pass(st, batch, chunk_size: int, q, g, do, d_bank, scale: float, V: int) -> torch.Tensor:
+    """fla's state-gradient kernel round by round, in reverse: a unit that starts from a state runs in a later
+    round than the one saving it, so a row of ``d_bank`` is complete before the unit that saved it reads it.
+    Returns the fp32 chunk-state gradients ``dh [1, NT, H, K, V]`` of all rounds."""
+    H, K = q.shape[2], q.shape[3]
+    dh = q.new_empty(1, batch.chunk_indices.shape[0], H, K, V, dtype=torch.float32)
+    for r in reversed(range(len(batch.tokens))):
+        t, c = batch.tokens[r], batch.chunks[r]
+        units = batch.round_cu[r].numel() - 1
+        dht = d_bank.new_zeros(units, H, K, V).index_copy_(0, batch.save_slots[r], d_bank[batch.save_ids[r]])
+        dh0 = torch.empty_like(dht)
+        st["bwd_dh"][lambda meta, n=units: (st["cdiv"](K, meta["BK"]) * st["cdiv"](V, meta["BV"]) * n * H,)](
+            q=q[:, t], g=g[:, t], **_NO_GATES, do=do[:, t], dh=dh[:, c], dht=dht, dh0=dh0,
+            cu_seqlens=batch.round_cu[r], split_offsets=batch.round_chunk_offsets[r], scale=scale, T=t.stop - t.start,
+            HQ=H, H=H, K=K, V=V, BT=chunk_size, BS=chunk_size, NG=1, **_FLAGS)
+        d_bank.index_add_(0, batch.initial_ids[r], dh0)
+    return dh
+
+
+class _TreeSimpleGlaBatched(torch.autograd.Function):
+    """All rounds of the plan as one autograd node; fp32 states stay inside it. Rows of ``q, k [rows, HV, K]``,
+    ``v [rows, HV, V]`` (beta applied), ``g [rows, HV]``: the ``U`` packed tokens, then the plan's context rows.
+    Returns ``o [U, HV, V]`` and the plan's requested states stacked ``[R, HV, K, V]`` (zeros where a request is
+    None). The backward recomputes the chunk states in fp32 (as fla's own backward does), the hand-offs included."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, initial_state, plan, scale):
+        st = _stages()
+        batch = fla_backend.round_batch(plan, q.device)
+        HV, K, V = v.shape[1], k.shape[2], v.shape[2]
+        grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
+        qe, ke, ve = (x[batch.token_index].unsqueeze(0) for x in (q, k, v))
+        g_cumsum = st["cumsum"](g[batch.token_index].float().unsqueeze(0), scale=st["rcp_ln2"], **grid)
+        bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
+        h = _state_pass(st, batch, plan.chunk_size, ke, ve, g_cumsum, bank, k.dtype)
+        o = st["fwd_o"](q=qe, k=ke, v=ve, g=g_cumsum, g_gamma=None, h=h, scale=scale, **grid)
+        ctx.save_for_backward(q, k, v, g_cumsum, *(() if initial_state is None else (initial_state,)))
+        ctx.plan, ctx.scale, ctx.g_dtype = plan, scale, g.dtype
+        ctx.initial_dtype = None if initial_state is None else initial_state.dtype
+        return o[0].index_select(0, batch.own_position).to(v.dtype), bank[batch.requested_ids]
+
+    @staticmethod
+    def backward(ctx, d_out, d_requested):
+        st = _stages()
+        q, k, v, g_cumsum, *initial = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        batch = fla_backend.round_batch(plan, q.device)
+        rows, HV, V = v.shape
+        K = k.shape[2]
+        grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
+        qe, ke, ve = (x[batch.token_index].unsqueeze(0) for x in (q, k, v))
+        bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)
+        h = _state_pass(st, batch, plan.chunk_size, ke, ve, g_cumsum, bank, torch.float32)
+        do = d_out.index_select(0, batch.position_token)  # replayed positions output nothing: zero there
+        if batch.replay_position.numel():
+            do.index_fill_(0, batch.replay_position, 0)
+        do = do.unsqueeze(0)
+        d_bank = torch.zeros_like(bank)  # gradient flowing into every bank row: requested states, then starting units
+        if d_requested is not None and batch.requested_ids.numel():
+            d_bank.index_add_(0, batch.requested_ids, d_requested.float())
+        dh = _state_gradient_pass(st, batch, plan.chunk_size, qe, g_cumsum, do, d_bank, scale, V)
+        dq, dk, _, dg = st["bwd_dqkwg"](q=qe, k=ke, v=ve, g=g_cumsum, g_gamma=None, h=h, do=do, dh=dh, scale=scale,
+                                        **grid)
+        dv = st["bwd_dv"](q=qe, k=ke, g=g_cumsum, g_gamma=None, do=do, dh=dh, scale=scale, **grid)
+        dg = st["cumsum"](dg, reverse=True, **grid)
+        dq, dk, dv, dg = (batch.sum_by_token(grad[0].float(), rows) for grad in (dq, dk, dv, dg))
+        d_initial = None
+        if ctx.initial_dtype is not None and batch.context_id is not None:
+            d_initial = d_bank[batch.context_id].to(ctx.initial_dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), d_initial, None, None

@@ -52,7 +52,7 @@ def tree_gated_delta_rule(
         output_requested_states: also return the states of the plan's ``state_requests``.
         delta: False drops the delta rule's correction (``S = exp(g) S + k (beta v)^T``: gated linear attention, the
             form Mamba-2's state-space duality takes with ``q = C``, ``k = B``, ``v = dt x``, ``g = dt A``); on the
-            "fla" backend fla's ``chunk_simple_gla`` per round (:mod:`.fla_simple_gla`).
+            "fla" backend fla's ``chunk_simple_gla`` stages, the state pass per round (:mod:`.fla_simple_gla`).
 
     Returns:
         ``o [U, HV, V]`` in ``q.dtype``; with ``output_requested_states``, ``(o, states)``: one ``[HV, K, V]`` fp32
