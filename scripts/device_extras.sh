@@ -5,8 +5,9 @@
 #   .device/fa4libs.tar.xz  nvidia-cutlass-dsl-libs-cu13 (~61 MiB: carry it alone in a first call and extract it into
 #                           .device/fa4x, which stays on a warm machine between calls)
 #   .device/fa4rest.tar.xz  flash-attn-4 4.0.0b36 and the rest of FlashAttention-4's stack, flash-qla 0.1.3 (~8 MiB)
-#   .device/tf.tar.xz       transformers 5.24.0 with the hub / tokenizers / safetensors it needs (~7 MiB; the machine
-#                           has 5.17, which lacks bailing_hybrid)
+#   .device/tf.tar.xz       transformers 5.24.0 alone (~5 MiB; the machine has 5.17, which lacks bailing_hybrid, and
+#                           the huggingface-hub 1.33 / tokenizers 0.23.2 / safetensors 0.8 it needs: huggingface-hub
+#                           2.x would need httpx2, which the machine lacks)
 #
 # On the machine: tar -C .device/fa4x -xJf .device/fa4libs.tar.xz (call 1), then in every call
 #   S=$(mktemp -d) && tar -C "$S" -xJf .device/site.tar.xz && export PYTHONPATH="$PWD:$S:$PWD/.device/fa4x:$PWD/.device/fa4x/nvidia_cutlass_dsl/dsl_packages"
@@ -31,7 +32,7 @@ get() { python3 -m pip download -q --no-deps "${plat[@]}" -d "$tmp/$1" "${@:2}";
 get libs 'nvidia-cutlass-dsl-libs-cu13==4.8.1'
 get rest flash-attn-4==4.0.0b36 flash-qla==0.1.3 'nvidia-cutlass-dsl==4.8.1' 'nvidia-cutlass-dsl-libs-base==4.8.1' \
   'nvidia-cutlass-dsl-libs-core==4.8.1' quack-kernels==0.6.5 einops==0.8.2 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1
-get tf transformers==5.24.0 huggingface-hub==2.4.0 tokenizers==0.23.3 safetensors==0.8.0
+get tf transformers==5.24.0
 for part in libs rest tf; do
   mkdir "$tmp/$part.site"
   for wheel in "$tmp/$part"/*.whl; do python3 -m zipfile -e "$wheel" "$tmp/$part.site"; done
