@@ -7,8 +7,9 @@ of nested forks (several rounds) and on planner pieces with hand-offs (handed-in
 states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
 (log-probs and every parameter gradient); the tree conv with fla's ``causal_conv1d`` for its bulk; Kimi Delta
 Attention through fla's ``chunk_kda`` per round (kernel, planner piece, a tiny Ling 3 model); gated linear attention
-(Mamba-2) through the round-batched node and fla's public function per round (kernel, planner piece, a tiny Nemotron-H); the fused per-token
-kernels (with fla's RMSNorm and with harts_hf's own). fp32 throughout; a few minutes on 2 cores.
+(Mamba-2) through the round-batched node and fla's public function per round (kernel, planner piece, a tiny
+Nemotron-H); the fused per-token kernels (with fla's RMSNorm and with harts_hf's own). fp32 throughout; a few
+minutes on 2 cores.
 
 Triton must be importable, at the version the interpreter bridges below were written for (3.6.0, the GPU
 machine's): ``bash scripts/run.sh test`` runs this in a helper venv (``.harts-env/triton``) that sees the active
