@@ -108,9 +108,9 @@ def check_value_blocks() -> float:
 
 def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int = 64) -> float:
     """The fla nodes of the other recurrences vs the fp32 torch backend: Kimi Delta Attention (per-channel gates,
-    fla's ``chunk_kda`` per round, :mod:`.fla_kda`) or gated linear attention (``delta=False``, per-head gates,
-    :mod:`.fla_simple_gla` on the plan's chunk grid: the round-batched node over fla's ``chunk_simple_gla`` stages and
-    fla's public function per round, bit-identical to each other). The whole forest of forks at chunk
+    :mod:`.fla_kda`, fla's ``chunk_kda``) or gated linear attention (``delta=False``, per-head gates,
+    :mod:`.fla_simple_gla` on the plan's chunk grid, fla's ``chunk_simple_gla``): each as the round-batched node over
+    fla's stages and as fla's public function per round (the same to rounding). The whole forest of forks at chunk
     offsets 0, 1, 63, 64, 65, 127-129 (several rounds), and a planner piece below a branch point (handed-in state,
     context rows, requested states); outputs, states and every input gradient."""
     import torch
@@ -126,19 +126,18 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
         gate = -torch.rand(rows, HV, K) * 0.3 if per_channel else -torch.rand(rows, HV) * 0.3
         return [t.requires_grad_() for t in (q, k, v, gate, torch.rand(rows, HV))]
 
-    from harts_hf.kernels.tree_gated_delta_rule import fla_simple_gla
+    from harts_hf.kernels.tree_gated_delta_rule import fla_kda, fla_simple_gla
 
     options = dict(use_qk_l2norm_in_kernel=delta, delta=delta)
-    # gated linear attention has two fla nodes: the round-batched one (the default) and fla's public function per
-    # round; KDA has the per-round one
-    variants = ("fla", "fla_per_round") if not delta else ("fla",)
+    # two fla nodes each: the round-batched one (the default) and fla's public function per round
+    variants = ("fla", "fla_per_round")
 
     def through(name, run):
-        fla_simple_gla.BATCH_ROUNDS = name != "fla_per_round"
+        fla_kda.BATCH_ROUNDS = fla_simple_gla.BATCH_ROUNDS = name != "fla_per_round"
         try:
             return run("torch" if name == "torch" else "fla")
         finally:
-            fla_simple_gla.BATCH_ROUNDS = True
+            fla_kda.BATCH_ROUNDS = fla_simple_gla.BATCH_ROUNDS = True
 
     packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
     torch.manual_seed(2)
@@ -156,11 +155,12 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
         print(f"{label}, {name} vs torch ({packed.num_tokens} tokens, {rounds} rounds, chunks of {chunk_size}): "
               f"out {errors[0]:.1e} grads {max(errors[1:]):.1e}", flush=True)
         worst = max(worst, *errors)
-    if len(variants) > 1:
-        between = [rel(outs["fla"][0], outs["fla_per_round"][0])] + \
-            [rel(a, b) for a, b in zip(outs["fla"][1], outs["fla_per_round"][1])]
-        print(f"{label}, round-batched vs per round: out {between[0]:.1e} grads {max(between[1:]):.1e}", flush=True)
-        assert max(between) == 0.0, f"{label}: the round-batched node differs from the per-round one: {between}"
+    between = [rel(outs["fla"][0], outs["fla_per_round"][0])] + \
+        [rel(a, b) for a, b in zip(outs["fla"][1], outs["fla_per_round"][1])]
+    print(f"{label}, round-batched vs per round: out {between[0]:.1e} grads {max(between[1:]):.1e}", flush=True)
+    # the same kernels on the same chunks; only the order in which a replayed token's gradient terms (and, with
+    # grouped value heads, the groups') are summed differs
+    assert max(between) < 1e-6, f"{label}: the round-batched node differs from the per-round one: {between}"
     # a piece below a branch token at depth 69: roots at depth 70, the state after 64 tokens, 6 replayed rows
     common = [1 + i % 5 for i in range(70)]
     whole = PrefixForest.from_sequences([common + [7] * 80, common + [8] * 9 + [9] * 60, common + [6] * 5]).pack()

@@ -208,17 +208,18 @@ def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
     return batch
 
 
-def _state_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, k, w, u, g, initials, bank=None):
+def _state_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, k, w, u, g, initials, bank=None, gate: str = "g"):
     """fla's state pass round by round. Forward (``bank`` given): each round's initial states are gathered from the
     state bank into ``initials`` and its saved final states scattered back; backward recomputation (``bank``
-    None): ``initials`` are the saved per-round initial states. Returns ``h`` and ``v_new`` of all rounds."""
+    None): ``initials`` are the saved per-round initial states. ``gate``: the keyword ``g`` takes (``"g"``, one
+    gate per head; ``"gk"``, one per key channel: Kimi Delta Attention). Returns ``h`` and ``v_new`` of all rounds."""
     hs, v_news = [], []
     for r in range(len(plan.rounds)):
         t = batch.tokens[r]
         if bank is not None:
             initials.append(bank[batch.initial_ids[r]])
         h, v_new, final = stages["fwd_h"](
-            k=k[:, t], w=w[:, t], u=u[:, t], g=g[:, t], initial_state=initials[r],
+            k=k[:, t], w=w[:, t], u=u[:, t], **{gate: g[:, t]}, initial_state=initials[r],
             output_final_state=bank is not None, chunk_size=plan.chunk_size, cu_seqlens=batch.round_cu[r],
             chunk_indices=batch.round_chunk_indices[r], chunk_offsets=batch.round_chunk_offsets[r])
         if bank is not None:
@@ -229,16 +230,17 @@ def _state_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, k, w, u, g, ini
 
 
 def _state_gradient_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, qe, ke, w, g, do, dv, initials, d_bank,
-                         scale):
+                         scale, gate: str = "g"):
     """fla's state-gradient pass round by round, in reverse: every unit that starts from a state runs in a later
     round than the one saving it, so a row of ``d_bank`` is complete (requested-state gradients plus every
-    starting unit's) before the unit that saved it reads it. Returns ``dh`` and ``dv2`` of all rounds."""
+    starting unit's) before the unit that saved it reads it. ``gate`` as for :func:`_state_pass`. Returns ``dh``
+    and ``dv2`` of all rounds."""
     dh_parts, dv_parts = [None] * len(plan.rounds), [None] * len(plan.rounds)
     for r in reversed(range(len(plan.rounds))):
         t = batch.tokens[r]
         dht = torch.zeros_like(initials[r]).index_copy_(0, batch.save_slots[r], d_bank[batch.save_ids[r]])
         dh_parts[r], dh0, dv_parts[r] = stages["bwd_dhu"](
-            q=qe[:, t], k=ke[:, t], w=w[:, t], do=do[:, t], dv=dv[:, t], g=g[:, t], h0=initials[r],
+            q=qe[:, t], k=ke[:, t], w=w[:, t], do=do[:, t], dv=dv[:, t], **{gate: g[:, t]}, h0=initials[r],
             dht=dht, scale=scale, cu_seqlens=batch.round_cu[r], chunk_size=plan.chunk_size,
             chunk_indices=batch.round_chunk_indices[r], chunk_offsets=batch.round_chunk_offsets[r])
         d_bank.index_add_(0, batch.initial_ids[r], dh0)

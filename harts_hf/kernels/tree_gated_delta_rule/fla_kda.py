@@ -1,13 +1,18 @@
-"""The ``"fla"`` backend for per-channel gates (Kimi Delta Attention, CUDA only): fla's ``chunk_kda`` once per round
-of the plan, varlen over the round's units, states handed between rounds through autograd.
+"""The ``"fla"`` backend for per-channel gates (Kimi Delta Attention, CUDA only).
 
 The plan must be built with ``final_states_only=True`` (fla returns each unit's final state only; runs are cut at
-the chunk boundaries their children restart from), as for the Gated DeltaNet nodes of :mod:`.fla_backend`. Each
-round is one fla call (its own autograd node, its own recomputation in the backward): the plain per-round scheme,
-without the round-batched node's shared stages. Checked through fla's Triton kernels on the CPU (Triton's
-interpreter; ``scripts/check_fla_nodes_on_cpu.py``, ``check_kda``) against the torch backend.
-"""
+the chunk boundaries their children restart from), as for the Gated DeltaNet nodes of :mod:`.fla_backend`.
 
+With :data:`BATCH_ROUNDS` (the default), :class:`_TreeKdaBatched` is one autograd node for all rounds, as the Gated
+DeltaNet's round-batched node: only fla's state pass (forward) and state-gradient pass (backward) depend on a unit's
+initial state, so every other stage of ``chunk_kda`` (gate cumsum, intra-chunk solve, output, dA / dv, the fused WY
+and dq / dk / dg backward, the intra-chunk backward) runs ONCE over the executed tokens of every round, and per round
+only the state kernels run on the round's slice, on the host-built chunk grid. ``BATCH_ROUNDS = False``: fla's
+public ``chunk_kda`` once per round, each its own autograd node, states handed between rounds through autograd
+(:func:`per_round`). Both are checked through fla's Triton kernels on the CPU (Triton's interpreter;
+``scripts/check_fla_nodes_on_cpu.py``, ``check_round_node``, ``check_model_backends``) against the torch backend,
+and against each other bit for bit.
+"""
 from __future__ import annotations
 
 import torch
@@ -16,6 +21,9 @@ from . import fla_backend
 from .plan import CONTEXT_STATE, GatedDeltaPlan
 
 __all__ = ["import_fla_op", "per_round", "tree_kda_fla"]
+
+BATCH_ROUNDS = True
+"""True: the round-batched node (:class:`_TreeKdaBatched`); False: fla's public ``chunk_kda`` once per round."""
 
 
 def import_fla_op(module: str, name: str, what: str):
@@ -32,6 +40,11 @@ def tree_kda_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float, use_qk
     """Same contract as :func:`~.ops.tree_gated_delta_rule` with ``g [U + R, HV, K]`` (rows: packed, then the
     plan's context rows; ``initial_state``: the state under :data:`CONTEXT_STATE`)."""
     fla_backend._check(q, plan)
+    if BATCH_ROUNDS:
+        out, requested = _TreeKdaBatched.apply(q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel)
+        if not output_requested_states:
+            return out
+        return out, [None if key is None else requested[i] for i, key in enumerate(plan.requested_states)]
     chunk_kda = import_fla_op("fla.ops.kda", "chunk_kda", "per-channel gates (Kimi Delta Attention)")
 
     def call(round_, inputs, initial):
@@ -66,3 +79,85 @@ def per_round(call, inputs: tuple, plan: GatedDeltaPlan, initial_state: torch.Te
     if not output_requested_states:
         return out
     return out, [None if key is None else states[key] for key in plan.requested_states]
+
+
+def _kda_stages() -> dict:
+    """fla 0.6's stages of ``chunk_kda`` (the ones its own forward and backward call), with the state passes of
+    :func:`~.fla_backend._import_fla_stages`."""
+    try:
+        from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+        from fla.ops.kda.chunk_bwd import chunk_kda_bwd_dAv, chunk_kda_bwd_wy_dqkg_fused
+        from fla.ops.kda.chunk_intra import chunk_kda_bwd_intra, chunk_kda_fwd_intra
+        from fla.ops.kda.wy_fast import recompute_w_u_fwd
+    except ImportError as error:  # pragma: no cover - depends on the machine
+        raise ImportError("per-channel gates (Kimi Delta Attention) on the 'fla' backend need fla 0.6's chunk_kda "
+                          "stages: pip install 'flash-linear-attention>=0.6,<0.7'; or set fla_kda.BATCH_ROUNDS = "
+                          "False") from error
+    return dict(fla_backend._import_fla_stages(), fwd_intra_kda=chunk_kda_fwd_intra, fwd_o_gk=chunk_gla_fwd_o_gk,
+                recompute_w_u_kda=recompute_w_u_fwd, bwd_dav=chunk_kda_bwd_dAv, bwd_wy_dqkg=chunk_kda_bwd_wy_dqkg_fused,
+                bwd_intra=chunk_kda_bwd_intra)
+
+
+class _TreeKdaBatched(torch.autograd.Function):
+    """All rounds of the plan as one autograd node; fp32 states stay inside it. Rows of ``q, k [rows, H, K]``,
+    ``v [rows, HV, V]``, ``g [rows, HV, K]``, ``beta [rows, HV]``: the ``U`` packed tokens, then the plan's context
+    rows. Returns ``o [U, HV, V]`` and the plan's requested states stacked ``[R, HV, K, V]`` (zeros where a request
+    is None). The backward recomputes w / u and the chunk states, as fla's own backward does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel):
+        st, l2norm_fwd = _kda_stages(), fla_backend._import_fla()[3]
+        batch = fla_backend.round_batch(plan, q.device)
+        HV, K, V = v.shape[1], k.shape[2], v.shape[2]
+        q_rstd = k_rstd = None
+        if use_qk_l2norm_in_kernel:
+            q, q_rstd = fla_backend._l2norm(l2norm_fwd, q)
+            k, k_rstd = fla_backend._l2norm(l2norm_fwd, k)
+        grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
+        qe, ke, ve, be = (x[batch.token_index].unsqueeze(0) for x in (q, k, v, beta))
+        g_cumsum = st["cumsum"](g[batch.token_index].float().unsqueeze(0), scale=st["rcp_ln2"], **grid)
+        w, u, _, kg, Aqk, Akk = st["fwd_intra_kda"](q=qe, k=ke, v=ve, gk=g_cumsum, beta=be, scale=scale, **grid)
+        bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
+        h, v_new = fla_backend._state_pass(st, batch, plan, kg, w, u, g_cumsum, [], bank, gate="gk")
+        o = st["fwd_o_gk"](q=qe, v=v_new, g=g_cumsum, A=Aqk, h=h, scale=scale, **grid)
+        ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, Aqk, Akk,
+                              *(() if initial_state is None else (initial_state,)))
+        ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
+        ctx.g_dtype, ctx.initial_dtype = g.dtype, None if initial_state is None else initial_state.dtype
+        return o[0].index_select(0, batch.own_position).to(v.dtype), bank[batch.requested_ids]
+
+    @staticmethod
+    def backward(ctx, d_out, d_requested):
+        st, l2norm_bwd = _kda_stages(), fla_backend._import_fla()[4]
+        q, k, v, beta, q_rstd, k_rstd, g_cumsum, Aqk, Akk, *initial = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        batch = fla_backend.round_batch(plan, q.device)
+        rows, HV, V = v.shape
+        H, K = k.shape[1], k.shape[2]
+        grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
+        qe, ke, ve, be = (x[batch.token_index].unsqueeze(0) for x in (q, k, v, beta))
+        w, u, qg, kg = st["recompute_w_u_kda"](q=qe, k=ke, v=ve, beta=be, A=Akk, gk=g_cumsum,
+                                               cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
+        bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)
+        initials: list = []
+        h, v_new = fla_backend._state_pass(st, batch, plan, kg, w, u, g_cumsum, initials, bank, gate="gk")
+        do = d_out.index_select(0, batch.position_token)  # replayed positions output nothing: zero there
+        if batch.replay_position.numel():
+            do.index_fill_(0, batch.replay_position, 0)
+        do = do.unsqueeze(0)
+        dAqk, dv = st["bwd_dav"](q=qe, k=ke, v=v_new, do=do, A=Aqk, scale=scale, **grid)
+        d_bank = torch.zeros_like(bank)  # gradient flowing into every bank row: requested states, then starting units
+        if d_requested is not None and batch.requested_ids.numel():
+            d_bank.index_add_(0, batch.requested_ids, d_requested.float())
+        dh, dv = fla_backend._state_gradient_pass(st, batch, plan, qg, kg, w, g_cumsum, do, dv, initials, d_bank,
+                                                  scale, gate="gk")
+        dq, dk, dv, db, dg, dAkk = st["bwd_wy_dqkg"](q=qe, k=ke, v=ve, v_new=v_new, g=g_cumsum, beta=be, A=Akk, h=h,
+                                                     do=do, dh=dh, dv=dv, scale=scale, **grid)
+        dq, dk, db, dg = st["bwd_intra"](q=qe, k=ke, g=g_cumsum, beta=be, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
+                                         dg=dg, **grid)
+        if HV > H:  # grouped value heads: the per-value-head key gradients summed over each group
+            dq, dk = (x.view(*x.shape[:2], H, HV // H, K).sum(3) for x in (dq, dk))
+        dg = st["cumsum"](dg, reverse=True, **grid)
+        grads = tuple(batch.sum_by_token(grad[0].float(), rows) for grad in (dq, dk, dv, dg, db))
+        d_state = {} if batch.context_id is None else {CONTEXT_STATE: d_bank[batch.context_id]}
+        return fla_backend._input_grads(ctx, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd), grads, d_state)
