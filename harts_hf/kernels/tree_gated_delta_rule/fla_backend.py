@@ -140,6 +140,22 @@ class RoundBatch:
                           self.requested_ids.to(device), self.context_id, *move(
                               [self.own_position, self.position_token, self.replay_position, self.replay_token]))
 
+    def executed_grad(self, d_out: torch.Tensor) -> torch.Tensor:
+        """``[1, E, ...]``: the output gradient ``d_out [U, ...]`` at every executed position, zero at the replayed
+        ones (they output nothing)."""
+        do = d_out.index_select(0, self.position_token)
+        if self.replay_position.numel():
+            do.index_fill_(0, self.replay_position, 0)
+        return do.unsqueeze(0)
+
+    def bank_grad(self, bank: torch.Tensor, d_requested: torch.Tensor | None) -> torch.Tensor:
+        """The gradient flowing into every row of a state bank like ``bank``, to start the backward from: the
+        requested states' (the units that started from a row add theirs round by round, in reverse)."""
+        d_bank = torch.zeros_like(bank)
+        if d_requested is not None and self.requested_ids.numel():
+            d_bank.index_add_(0, self.requested_ids, d_requested.float())
+        return d_bank
+
     def sum_by_token(self, grad: torch.Tensor, rows: int) -> torch.Tensor:
         """``[rows, ...]``: the gradient of every input row from ``grad [E, ...]`` over the executed positions,
         its own position gathered plus its replayed positions added (rows past U are handed-in context rows, which
@@ -331,16 +347,12 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
             h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
         else:
             h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials)
-        do = d_out.index_select(0, batch.position_token)  # replayed positions output nothing: zero there
-        if batch.replay_position.numel():
-            do.index_fill_(0, batch.replay_position, 0)
-        do = do.unsqueeze(0)
+        do = batch.executed_grad(d_out)
         dv = stages["bwd_dv_local"](q=qe, k=ke, g=g_cumsum, do=do, scale=scale, chunk_size=plan.chunk_size, **grid)
         # gradient flowing into every bank row: from requested states, then from the units that started from it
         # (rounds in reverse: every unit that starts from a state runs in a later round than the one saving it)
-        d_bank = torch.zeros(batch.num_states, HV, k.shape[-1], V, dtype=torch.float32, device=v.device)
-        if d_requested is not None and batch.requested_ids.numel():
-            d_bank.index_add_(0, batch.requested_ids, d_requested.float())
+        d_bank = batch.bank_grad(torch.empty(batch.num_states, HV, k.shape[-1], V, dtype=torch.float32,
+                                             device=v.device), d_requested)
         if ctx.state_pass != "rounds":
             dh, dv = tree_state_backward(units, qe, ke, w, g_cumsum, do, dv, d_bank, scale, plan.chunk_size)
         else:
@@ -490,7 +502,14 @@ def tree_gated_delta_rule_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: 
                                                   initial_state=initial_state,
                                                   output_requested_states=output_requested_states)
     node = _TreeGatedDeltaRuleFlaBatched if BATCH_ROUNDS else _TreeGatedDeltaRuleFla
-    out, requested = node.apply(q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel)
+    return node_result(node.apply(q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel), plan,
+                       output_requested_states)
+
+
+def node_result(result: tuple, plan: GatedDeltaPlan, output_requested_states: bool):
+    """A round-batched node's ``(o, requested states stacked)`` as :func:`~.ops.tree_gated_delta_rule` returns it:
+    ``o``, or ``(o, [state or None per request])``."""
+    out, requested = result
     if not output_requested_states:
         return out
     return out, [None if key is None else requested[i] for i, key in enumerate(plan.requested_states)]

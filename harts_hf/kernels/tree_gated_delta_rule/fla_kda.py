@@ -11,7 +11,7 @@ only the state kernels run on the round's slice, on the host-built chunk grid. `
 public ``chunk_kda`` once per round, each its own autograd node, states handed between rounds through autograd
 (:func:`per_round`). Both are checked through fla's Triton kernels on the CPU (Triton's interpreter;
 ``scripts/check_fla_nodes_on_cpu.py``, ``check_round_node``, ``check_model_backends``) against the torch backend,
-and against each other bit for bit.
+and against each other (the same to rounding: a replayed token's gradient terms are summed in another order).
 """
 from __future__ import annotations
 
@@ -41,10 +41,8 @@ def tree_kda_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float, use_qk
     plan's context rows; ``initial_state``: the state under :data:`CONTEXT_STATE`)."""
     fla_backend._check(q, plan)
     if BATCH_ROUNDS:
-        out, requested = _TreeKdaBatched.apply(q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel)
-        if not output_requested_states:
-            return out
-        return out, [None if key is None else requested[i] for i, key in enumerate(plan.requested_states)]
+        result = _TreeKdaBatched.apply(q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel)
+        return fla_backend.node_result(result, plan, output_requested_states)
     chunk_kda = import_fla_op("fla.ops.kda", "chunk_kda", "per-channel gates (Kimi Delta Attention)")
 
     def call(round_, inputs, initial):
@@ -141,14 +139,9 @@ class _TreeKdaBatched(torch.autograd.Function):
         bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)
         initials: list = []
         h, v_new = fla_backend._state_pass(st, batch, plan, kg, w, u, g_cumsum, initials, bank, gate="gk")
-        do = d_out.index_select(0, batch.position_token)  # replayed positions output nothing: zero there
-        if batch.replay_position.numel():
-            do.index_fill_(0, batch.replay_position, 0)
-        do = do.unsqueeze(0)
+        do = batch.executed_grad(d_out)
         dAqk, dv = st["bwd_dav"](q=qe, k=ke, v=v_new, do=do, A=Aqk, scale=scale, **grid)
-        d_bank = torch.zeros_like(bank)  # gradient flowing into every bank row: requested states, then starting units
-        if d_requested is not None and batch.requested_ids.numel():
-            d_bank.index_add_(0, batch.requested_ids, d_requested.float())
+        d_bank = batch.bank_grad(bank, d_requested)
         dh, dv = fla_backend._state_gradient_pass(st, batch, plan, qg, kg, w, g_cumsum, do, dv, initials, d_bank,
                                                   scale, gate="gk")
         dq, dk, dv, db, dg, dAkk = st["bwd_wy_dqkg"](q=qe, k=ke, v=ve, v_new=v_new, g=g_cumsum, beta=be, A=Akk, h=h,

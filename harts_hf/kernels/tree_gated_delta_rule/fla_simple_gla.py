@@ -40,10 +40,8 @@ def tree_simple_gla_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float,
     q, k = (x.repeat_interleave(HV // k.shape[1], dim=1) for x in (q, k))
     v = v * beta.unsqueeze(-1).to(v.dtype)
     if BATCH_ROUNDS:
-        out, requested = _TreeSimpleGlaBatched.apply(q, k, v, g, initial_state, plan, scale)
-        if not output_requested_states:
-            return out
-        return out, [None if key is None else requested[i] for i, key in enumerate(plan.requested_states)]
+        result = _TreeSimpleGlaBatched.apply(q, k, v, g, initial_state, plan, scale)
+        return fla_backend.node_result(result, plan, output_requested_states)
     chunk_simple_gla = import_fla_op("fla.ops.simple_gla", "chunk_simple_gla", "gated linear attention (Mamba-2)")
 
     def call(round_, inputs, initial):
@@ -145,13 +143,8 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
         qe, ke, ve = (x[batch.token_index].unsqueeze(0) for x in (q, k, v))
         bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)
         h = _state_pass(st, batch, plan.chunk_size, ke, ve, g_cumsum, bank, torch.float32)
-        do = d_out.index_select(0, batch.position_token)  # replayed positions output nothing: zero there
-        if batch.replay_position.numel():
-            do.index_fill_(0, batch.replay_position, 0)
-        do = do.unsqueeze(0)
-        d_bank = torch.zeros_like(bank)  # gradient flowing into every bank row: requested states, then starting units
-        if d_requested is not None and batch.requested_ids.numel():
-            d_bank.index_add_(0, batch.requested_ids, d_requested.float())
+        do = batch.executed_grad(d_out)
+        d_bank = batch.bank_grad(bank, d_requested)
         dh = _state_gradient_pass(st, batch, plan.chunk_size, qe, g_cumsum, do, d_bank, scale, V)
         dq, dk, _, dg = st["bwd_dqkwg"](q=qe, k=ke, v=ve, g=g_cumsum, g_gamma=None, h=h, do=do, dh=dh, scale=scale,
                                         **grid)
