@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tree_vs_trajectory import MODELS, build_model  # noqa: E402
 from model_flops import forest_throughput  # noqa: E402
 from multi_gpu_tree_grpo import PRESETS, SPECIAL, id_tokenizer  # noqa: E402
-from run_record import write_run_record  # noqa: E402
+from run_record import TritonCompiles, write_run_record  # noqa: E402
 
 WORKLOADS = ("tau", "swe", "coding_agent", "search")
 
@@ -111,10 +111,11 @@ def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], dev
 
 
 def step_timer(trainer, records: list):
-    """Callback: wall time (CUDA-synchronised) and peak memory of every optimizer step."""
+    """Callback: wall time (CUDA-synchronised), peak memory and Triton compilations of every optimizer step."""
     from transformers import TrainerCallback
 
     device = trainer.accelerator.device
+    compiles = TritonCompiles()
 
     def synchronize():
         if device.type == "cuda":
@@ -125,12 +126,14 @@ def step_timer(trainer, records: list):
             synchronize()
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            compiles.take()
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
             synchronize()
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            records.append(dict(step=state.global_step, seconds=time.perf_counter() - self.start, peak_gib=peak))
+            records.append(dict(step=state.global_step, seconds=time.perf_counter() - self.start, peak_gib=peak,
+                                triton_compiles=compiles.take()))
 
     return StepTimer()
 
@@ -190,7 +193,8 @@ def main(argv=None) -> dict:
           f"mean step {result['mean_step_s']:.2f} s over steps {result['measured_steps']} | MFU {result['mean_mfu']:.3f} |")
     for s in steps:
         print(f"  step {s['step']}: {s['seconds']:.2f} s, loss {s['loss']}, R_tok {s['R_tok']:.2f}, "
-              f"peak {s['peak_gib']} GiB", flush=True)
+              f"peak {s['peak_gib']} GiB, Triton compilations {s['triton_compiles']['count']} "
+              f"({s['triton_compiles']['seconds']} s)", flush=True)
     return result
 
 
