@@ -66,12 +66,14 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
     vocab_size=163840)
 
 
-_FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="fla", shared_casts=False, gdn_public=False)
+_FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False)
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch"),
+    "fused_fla_norm": dict(_FUSED, norm="fla"),
     "fused_norm": dict(_FUSED, norm="harts"),
     "fused_fa4": dict(_FUSED, varlen="fa4"),
+    "fused_fa4_fla_norm": dict(_FUSED, varlen="fa4", norm="fla"),
     "fused_fa4_norm": dict(_FUSED, varlen="fa4", norm="harts"),
     "fused_fa4_shared_casts": dict(_FUSED, varlen="fa4", shared_casts=True),
     "fused_fa4_public_gdn": dict(_FUSED, varlen="fa4", gdn_public=True),
@@ -80,11 +82,13 @@ KERNEL_SETS = {
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS`` and
-``tree_gated_delta_rule.fla_backend.PUBLIC_PER_ROUND``. ``fused`` is harts_hf's default (``fused_norm``: with
-harts_hf's own RMSNorm kernel, for the op-level table); ``fused_fa4`` puts the
-tree attention on FlashAttention-4; the others change one thing against it: harts_hf's own RMSNorm kernel, one
-autocast cast shared by the projections of an activation, fla's public Gated DeltaNet function per round (FlashQLA
-where importable); ``fused_fa4_norm_casts`` changes the first two, ``fused_fa4_all`` all three."""
+``tree_gated_delta_rule.fla_backend.PUBLIC_PER_ROUND``. ``fused`` is harts_hf's default, ``fused_fa4`` the same with
+the tree attention on FlashAttention-4. Since 2026-12-02 the default RMSNorm kernel is harts_hf's own
+(``token_ops.NORM_KERNEL = "harts"``); ``fused_fla_norm`` / ``fused_fa4_fla_norm`` run fla's, as ``fused`` /
+``fused_fa4`` did before (rows measured earlier name the sets as they were: ``fused_norm``, ``fused_fa4_norm`` and
+``fused_fa4_norm_casts`` were the ones with harts_hf's kernel, the others had fla's). The other sets change one
+thing against ``fused_fa4``: one autocast cast shared by the projections of an activation, fla's public Gated
+DeltaNet function per round (FlashQLA where importable); ``fused_fa4_all`` both."""
 
 
 def use_kernels(name: str) -> None:

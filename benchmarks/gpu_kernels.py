@@ -648,10 +648,10 @@ def token_ops_step(results: dict, rows: int = 97_199) -> None:
         leaves = [x.requires_grad_() for x in inputs]
         row = token.setdefault(name, {})
         outputs = {}
-        # harts_norm: the norms on harts_hf's own RMSNorm kernel (token_ops.ops.NORM_KERNEL = "harts")
+        # fused: fla's kernels (fla's RMSNorm); harts_norm: the norms on harts_hf's own RMSNorm kernel (the default)
         fused = ["fused"] + (["harts_norm"] if name in ("decoder_norm", "qk_norm") else [])
         for kernels in ["reference", *fused, "fp64"]:
-            use_kernels({"fused": "fused", "harts_norm": "fused_norm"}.get(kernels, "reference"))
+            use_kernels({"fused": "fused_fla_norm", "harts_norm": "fused_norm"}.get(kernels, "reference"))
             args = [x.detach().double().requires_grad_() for x in leaves] if kernels == "fp64" else leaves
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=name == "lm_head" and kernels != "fp64"):
                 out = (truth if kernels == "fp64" else function)(*args)

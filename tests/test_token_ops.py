@@ -110,14 +110,14 @@ def test_norm_kernel_setting_is_checked():
     kernels themselves run under Triton's interpreter in scripts/check_fla_nodes_on_cpu.py)."""
     from harts_hf.kernels.token_ops import ops
 
-    assert ops.NORM_KERNEL == "fla"
+    assert ops.NORM_KERNEL == "harts"
     x, weight = torch.randn(3, 8), torch.randn(8)
     ops.NORM_KERNEL = "liger"
     try:
         with pytest.raises(ValueError, match="NORM_KERNEL must be 'fla' or 'harts', got 'liger'"):
             ops.rms_norm(x, weight, 1e-6, offset=True, backend="fla")
     finally:
-        ops.NORM_KERNEL = "fla"
+        ops.NORM_KERNEL = "harts"
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-6, offset=True), rms_norm_reference(x, weight, 1e-6, offset=True))
 
 

@@ -21,11 +21,14 @@ BACKEND = "auto"
 """``"auto"``: fla's kernels for CUDA tensors where fla imports, the references otherwise; ``"torch"``: always the
 references (benchmarks' A/B); ``"fla"``: always fla (CUDA, or CPU under Triton's interpreter)."""
 
-NORM_KERNEL = "fla"
-"""Which fused kernel :func:`rms_norm` runs where :data:`BACKEND` resolves to ``"fla"``: ``"fla"`` (fla's
-``rms_norm`` on fixed row blocks, the default) or ``"harts"`` (harts_hf's Triton kernel, :mod:`._triton`: one call
-per norm whatever the row count; the benchmarks' ``fused_fa4_norm`` kernel set: 5.00 against 5.08 s for
-full-size ``tau``'s tree step on the H200, inside the runs' spread, so not the default)."""
+NORM_KERNEL = "harts"
+"""Which fused kernel :func:`rms_norm` runs where :data:`BACKEND` resolves to ``"fla"``: ``"harts"`` (harts_hf's
+Triton kernel, :mod:`._triton`: one compilation per width and dtype, one call per norm whatever the row count; the
+default) or ``"fla"`` (fla's ``rms_norm`` on fixed row blocks). Same speed on full-size ``tau``'s tree step on the
+H200 (5.00 against 5.08 s, inside the runs' spread: BENCHMARKS.md, the kernel A/B table), but in training, where
+every step's forest has a new size, fla's kernel compiled and autotuned again whenever a new row block appeared:
+TreeSFTTrainer steps on the 2.3B preset took 16 s instead of 1.5 s, 12 s of it compiling 15 RMSNorm variants
+(``python -m benchmarks sft``'s per-step Triton compilations, 2026-12-02)."""
 
 _NORM_ROW_TILE = 2048
 """fla's RMSNorm kernels specialise on the row count: the backward's rows per program (``ceil(rows / SMs)``) is a
