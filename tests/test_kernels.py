@@ -558,9 +558,17 @@ def test_round_batch_lays_the_rounds_back_to_back(seed):
     assert torch.equal(batch.replay_token, batch.token_index[batch.replay_position])
     assert not set(batch.replay_position.tolist()) & set(batch.own_position.tolist())
     # sum_by_token: a gather plus the replays' scatter equals the full scatter into zeros (context rows past U too)
-    grad = torch.randn(batch.token_index.numel(), 3, dtype=torch.float64)
+    grad = torch.randn(batch.token_index.numel(), 3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     expected = torch.zeros(packed.num_tokens + 2, 3, dtype=torch.float64).index_add_(0, batch.token_index, grad)
     torch.testing.assert_close(batch.sum_by_token(grad, packed.num_tokens + 2), expected, rtol=0, atol=1e-12)
+    # in a low-precision dtype: summed in fp32 at the replayed rows, rounded once (what an fp32 sum then a cast gives)
+    assert sorted(set(batch.replay_token.tolist())) == batch.replay_rows.tolist()
+    assert torch.equal(batch.replay_rows[batch.replay_slot], batch.replay_token)
+    low = grad.to(torch.bfloat16)
+    rounded_once = torch.zeros(packed.num_tokens + 2, 3).index_add_(0, batch.token_index, low.float()).bfloat16()
+    summed = batch.sum_by_token(low, packed.num_tokens + 2, torch.bfloat16)
+    assert summed.dtype == torch.bfloat16 and torch.equal(summed, rounded_once)
+    assert batch.sum_by_token(low, packed.num_tokens + 2, torch.float32).dtype == torch.float32
     # the state bank: a unit starts from the row its state was saved in (row 0: zeros, never written)
     row = {}
     for r, round_ in enumerate(plan.rounds):

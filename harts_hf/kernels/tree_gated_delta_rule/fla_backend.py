@@ -104,6 +104,7 @@ class RoundBatch:
     its gradient's other terms). Per round ``r``:
     ``tokens[r]`` / ``chunks[r]`` slice that round's executed tokens and chunks out of the batch, and
     ``round_cu[r]``, ``round_chunk_indices[r]``, ``round_chunk_offsets[r]`` are the round's own varlen grid.
+    ``replay_rows`` are the distinct replayed tokens and ``replay_slot`` each replayed position's row among them.
 
     States handed between rounds live in a bank of ``num_states`` rows (row 0: zeros, never written): unit ``i`` of
     round ``r`` starts from row ``initial_ids[r][i]``; after the round, unit ``save_slots[r][j]``'s final state is
@@ -130,6 +131,8 @@ class RoundBatch:
     position_token: torch.Tensor
     replay_position: torch.Tensor
     replay_token: torch.Tensor
+    replay_rows: torch.Tensor
+    replay_slot: torch.Tensor
 
     def to(self, device) -> RoundBatch:
         move = lambda items: [t.to(device) for t in items]  # noqa: E731
@@ -138,7 +141,8 @@ class RoundBatch:
                           move(self.round_cu), move(self.round_chunk_indices), move(self.round_chunk_offsets),
                           self.num_states, move(self.initial_ids), move(self.save_ids), move(self.save_slots),
                           self.requested_ids.to(device), self.context_id, *move(
-                              [self.own_position, self.position_token, self.replay_position, self.replay_token]))
+                              [self.own_position, self.position_token, self.replay_position, self.replay_token,
+                               self.replay_rows, self.replay_slot]))
 
     def executed_grad(self, d_out: torch.Tensor) -> torch.Tensor:
         """``[1, E, ...]``: the output gradient ``d_out [U, ...]`` at every executed position, zero at the replayed
@@ -156,16 +160,25 @@ class RoundBatch:
             d_bank.index_add_(0, self.requested_ids, d_requested.float())
         return d_bank
 
-    def sum_by_token(self, grad: torch.Tensor, rows: int) -> torch.Tensor:
+    def sum_by_token(self, grad: torch.Tensor, rows: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``[rows, ...]``: the gradient of every input row from ``grad [E, ...]`` over the executed positions,
         its own position gathered plus its replayed positions added (rows past U are handed-in context rows, which
-        only replays read). One gather and a small scatter instead of a full-size atomic scatter into zeros."""
-        total = grad.index_select(0, self.own_position)
+        only replays read). One gather and a small scatter instead of a full-size atomic scatter into zeros.
+        ``dtype`` (default ``grad``'s): the result's; a low-precision result is summed in fp32 at the replayed rows
+        only and rounded once there, so no fp32 copy of the whole gradient is made."""
+        work = grad.dtype if dtype is None else torch.promote_types(grad.dtype, dtype)
+        total = grad.index_select(0, self.own_position).to(work)
         if rows > total.shape[0]:
             total = torch.cat([total, total.new_zeros(rows - total.shape[0], *total.shape[1:])])
         if self.replay_position.numel():
-            total.index_add_(0, self.replay_token, grad.index_select(0, self.replay_position))
-        return total
+            replayed = grad.index_select(0, self.replay_position)
+            if work.itemsize >= 4:
+                total.index_add_(0, self.replay_token, replayed.to(work))
+            else:
+                sums = total.index_select(0, self.replay_rows).float()
+                sums.index_add_(0, self.replay_slot, replayed.float())
+                total.index_copy_(0, self.replay_rows, sums.to(work))
+        return total if dtype is None else total.to(dtype)
 
 
 def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
@@ -214,12 +227,14 @@ def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
     replayed = torch.ones(token_index.shape[0], dtype=torch.bool)
     replayed[output_position] = False
     replay_position = torch.nonzero(replayed)[:, 0]
+    replay_token = token_index[replay_position]
+    replay_rows, replay_slot = torch.unique(replay_token, return_inverse=True)
     batch = RoundBatch(token_index, torch.cat(cu), torch.cat(chunk_indices), output_position, output_token, tokens,
                        chunks, round_cu, round_chunk_indices, round_chunk_offsets, len(row_of),
                        [rows(r.initial_state) for r in cpu], [rows([key for _, _, key in r.saved_states]) for r in cpu],
                        [torch.tensor([slot for slot, _, _ in r.saved_states], dtype=torch.long) for r in cpu],
                        rows(plan.requested_states), row_of.get(CONTEXT_STATE), own_position, position_token,
-                       replay_position, token_index[replay_position])
+                       replay_position, replay_token, replay_rows, replay_slot)
     cache[str(device)] = batch = batch.to(device)
     return batch
 

@@ -150,8 +150,12 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
                                         **grid)
         dv = st["bwd_dv"](q=qe, k=ke, g=g_cumsum, g_gamma=None, do=do, dh=dh, scale=scale, **grid)
         dg = st["cumsum"](dg, reverse=True, **grid)
-        dq, dk, dv, dg = (batch.sum_by_token(grad[0].float(), rows) for grad in (dq, dk, dv, dg))
+        grads = [dq, dk, dv, dg]  # each summed by token in its parameter's dtype, the executed-size one freed
+        del dq, dk, dv, dg, h, dh, do, qe, ke, ve
+        for i, dtype in enumerate((q.dtype, k.dtype, v.dtype, ctx.g_dtype)):
+            grads[i] = batch.sum_by_token(grads[i][0], rows, dtype)
+        dq, dk, dv, dg = grads
         d_initial = None
         if ctx.initial_dtype is not None and batch.context_id is not None:
             d_initial = d_bank[batch.context_id].to(ctx.initial_dtype)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), d_initial, None, None
+        return dq, dk, dv, dg, d_initial, None, None
