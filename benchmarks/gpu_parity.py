@@ -270,7 +270,7 @@ def main():
         import bench_tree_vs_trajectory as bench
 
         model = spread_decays(bench.build_model(args.preset, args.family, torch.device("cuda"), torch.bfloat16))
-        results["preset"] = {"model": args.preset, "family": args.family}
+        results["preset"] = {"model": args.preset, "family": bench.MODELS[args.preset].get("family", args.family)}
     for name, step in (("kernel", kernel_parity),
                        ("model", lambda r: model_parity(r, args.scale, save, model=model, timing=args.timing))):
         if name in args.skip:

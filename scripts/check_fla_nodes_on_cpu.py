@@ -495,6 +495,7 @@ def check_token_ops() -> float:
         sequences = chunk_edge_sequences(vocab=VOCAB)
         names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
         results = {}
+        default = token_ops.NORM_KERNEL
         for fused in (False, True, "harts"):  # references; fla's norm kernel; harts_hf's (token_ops.NORM_KERNEL)
             token_ops.BACKEND, logprob_stats.BACKEND = ("fla", "triton") if fused else ("torch", "torch")
             token_ops.NORM_KERNEL = "harts" if fused == "harts" else "fla"
@@ -502,7 +503,7 @@ def check_token_ops() -> float:
                 out = tree_logprobs(model, sequences, gdn_backend="torch", attention_backend="sdpa",
                                     compute_entropy=True)
             finally:
-                token_ops.BACKEND, logprob_stats.BACKEND, token_ops.NORM_KERNEL = "auto", "auto", "fla"
+                token_ops.BACKEND, logprob_stats.BACKEND, token_ops.NORM_KERNEL = "auto", "auto", default
             weights = [torch.randn(lp.shape, generator=torch.Generator().manual_seed(i))
                        for i, lp in enumerate(out.logprobs)]
             loss = sum((lp * w).sum() + 0.1 * (h * w).sum() for lp, h, w in zip(out.logprobs, out.entropies, weights))
@@ -555,11 +556,11 @@ def check_norm_kernel() -> float:
             expected = rms_norm_reference(x.requires_grad_(), w.requires_grad_(), 1e-6, offset=offset)
             want = (expected.detach(), *torch.autograd.grad(expected, (x, w), g))
             x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
-            token_ops.NORM_KERNEL = "harts"
+            default, token_ops.NORM_KERNEL = token_ops.NORM_KERNEL, "harts"
             try:
                 y = token_ops.rms_norm(x32, w32, 1e-6, offset=offset, backend="fla")
             finally:
-                token_ops.NORM_KERNEL = "fla"
+                token_ops.NORM_KERNEL = default
             got = (y.detach(), *torch.autograd.grad(y, (x32, w32), g.float()))
             errors = [rel(a.double(), b) for a, b in zip(got, want)]
             assert y.dtype == torch.float32 and max(errors) < 1e-5, (offset, D, N, errors)
