@@ -8,6 +8,11 @@
 # PYTHONPATH then holds the checkout and the bundle; `PYTHONPATH=$TF524:$PYTHONPATH` puts transformers 5.24 first
 # (bailing_hybrid). Results go under $W; `finish` packs $W into $OUT/results.tgz (the tool returns at most 8 files)
 # with the size of Triton's cache beside them.
+# Compiled kernels: Triton's cache (compiled binaries, their metadata and autotuning results; the intermediate
+# representations left out) and TileLang's come back with `save_caches` as $OUT/kernels.tar.xz.aa, .ab, ... (15 MiB
+# parts: the tool returns files of at most 16 MiB). Copied into .device/kernels/ and carried by a later call
+# (`carry: [".device/kernels"]`, on its own: the bundle and the parts together exceed 64 MiB), they are unpacked into
+# ~ before anything compiles, so that machine loads the kernels instead of compiling and autotuning them again.
 for pair in site:site.tar.xz tf524:tf.tar.xz; do
   dir=.device/${pair%%:*}; archive=.device/${pair#*:}
   if [ ! -f "$dir/.ok" ] && [ -f "$archive" ]; then
@@ -15,9 +20,21 @@ for pair in site:site.tar.xz tf524:tf.tar.xz; do
   fi
 done
 [ -f .device/site/.ok ] || { echo "no .device/site: carry .device/site.tar.xz (a fresh machine)"; exit 3; }
+if compgen -G ".device/kernels/kernels.tar.xz.*" > /dev/null && [ ! -f ~/.harts_kernels_restored ]; then
+  cat .device/kernels/kernels.tar.xz.* | tar -C ~ -xJf - && touch ~/.harts_kernels_restored
+  du -sh ~/.triton/cache ~/.tilelang/cache 2>/dev/null
+fi
 export PYTHONPATH="$PWD:$PWD/.device/site" TF524="$PWD/.device/tf524" PYTHONUNBUFFERED=1
 W=$OUT/w
 mkdir -p "$W"
+save_caches() {
+  local dirs=() d
+  for d in .triton/cache .tilelang/cache; do [ -d ~/"$d" ] && dirs+=("$d"); done
+  [ ${#dirs[@]} -gt 0 ] || return 0
+  tar -C ~ -cf - --exclude='*.ptx' --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' \
+    "${dirs[@]}" | xz -T0 -6 | split -b 15M - "$OUT/kernels.tar.xz."
+  ls -l "$OUT"/kernels.tar.xz.* > "$W/kernels_saved.txt"
+}
 finish() {
   du -sh ~/.triton/cache > "$W/triton_cache_size.txt" 2>&1
   tar -C "$W" -czf "$OUT/results.tgz" . && rm -rf "$W"
