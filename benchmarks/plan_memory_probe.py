@@ -304,14 +304,16 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
 
 
 def packed_groups(model, sequences, max_tokens: int, device, attention: str = "auto", progress=None,
-                  repeats: int = 1) -> dict:
+                  repeats: int = 1, warmup: str = "each") -> dict:
     """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed into ONE
     forward each (every trajectory its own tree: same kernels, no padding, no sharing; ``tree_logprobs`` as the
     bench's ``packed``) of at most ``max_tokens`` path tokens, fwd+bwd, the second of two runs timed (the first
     compiles / autotunes new shapes; its time is kept as ``first_seconds``). Gradients accumulate over the calls,
     as over a trainer's microbatches (and over the tree's pieces), so every call after the first peaks with them.
     Sum of the calls' seconds, the largest peak, and ``c + a tokens + b pairs`` fitted to the calls (least squares;
-    pairs = sum L(L+1)/2) with the tree's price under it (:func:`packed_fit`)."""
+    pairs = sum L(L+1)/2) with the tree's price under it (:func:`packed_fit`). ``warmup="first"``: only the first
+    call gets the untimed run (the others' ``first_seconds`` is None), one pass fewer where nothing compiles per
+    call size (harts_hf's kernels with a warm kernel cache)."""
     from harts_hf.trees import PrefixForest
 
     rows = []
@@ -320,13 +322,15 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
         forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        first, *timed = (timed_run(model, forest, device, attention, zero_grad=False) for _ in range(1 + repeats))
+        warm = warmup == "each" or not rows
+        first, *timed = [None] * (not warm) + [timed_run(model, forest, device, attention, zero_grad=False)
+                                               for _ in range(warm + repeats)]
         rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)),
                          pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=float(np.mean(timed)),
                          seconds_all=timed, first_seconds=first,
                          peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))
         print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {rows[-1]['seconds']:.3f} s (first run "
-              f"{first:.3f}), peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
+              f"{'none' if first is None else f'{first:.3f}'}), peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
         if progress is not None:
             progress(rows)
     model.zero_grad(set_to_none=True)
@@ -391,9 +395,12 @@ def main(argv=None):
     parser.add_argument("--packed-groups", type=int, default=None, metavar="TOKENS",
                         help="also time the packed per-trajectory path over ALL trajectories, in calls of at most "
                              "TOKENS path tokens (0: the forest's unique-token count, i.e. the tree's memory envelope)")
+    parser.add_argument("--packed-warmup", choices=["each", "first"], default="each",
+                        help="an untimed run before each packed call's timed ones (each; the default) or before the "
+                             "first call only (one pass fewer; where no call size compiles anything new)")
     parser.add_argument("--kernels", nargs="+", default=["fused"], choices=sorted(KERNEL_SETS),
-                        help="kernel sets to time the tree with, each after its own warm-up: fused (fla's RMSNorm / "
-                             "gated RMSNorm / SwiGLU, harts_hf's log-prob kernels, torch's flash varlen; the default), "
+                        help="kernel sets to time the tree with, each after its own warm-up: fused (harts_hf's RMSNorm, "
+                             "fla's gated RMSNorm / SwiGLU, harts_hf's log-prob kernels, torch's flash varlen; the default), "
                              "reference (transformers' PyTorch code, the chunked fp32 log-softmax) or fused_fa4 "
                              "(fused, attention on FlashAttention-4); the packed, profile and loop runs use the first")
     parser.add_argument("--repeats", type=int, default=2,
@@ -486,7 +493,7 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
         rows.append(dict(packed_groups=packed_groups(
             model, sequences, cap, device, args.attention,
             progress=lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1)),
-            repeats=max(args.repeats, 1))))
+            repeats=max(args.repeats, 1), warmup=args.packed_warmup)))
         packed = rows[-1]["packed_groups"]
         packed["keep_attention"] = args.keep_attention[0]
         for tree in (r for r in rows if r.get("pieces") is not None):
