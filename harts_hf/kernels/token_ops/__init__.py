@@ -1,6 +1,6 @@
-"""Per-token ops of the decoder outside the mixers (RMSNorm, gated RMSNorm, SwiGLU), fused on CUDA through fla's
-Triton kernels (or, for RMSNorm, harts_hf's own: ``ops.NORM_KERNEL = "harts"``), with the formulas transformers
-computes as their references."""
+"""Per-token ops of the decoder outside the mixers (RMSNorm, gated RMSNorm, SwiGLU), fused on CUDA: RMSNorm on
+harts_hf's own Triton kernel (``ops.NORM_KERNEL``; fla's on request), the others on fla's, with the formulas
+transformers computes as their references."""
 
 from .naive import gated_rms_norm_reference, rms_norm_reference, swiglu_reference
 from .ops import gated_rms_norm, rms_norm, swiglu, token_ops_backend

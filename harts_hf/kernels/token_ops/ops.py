@@ -1,7 +1,9 @@
-"""RMSNorm, the gated RMSNorm and SwiGLU on fla's fused kernels for CUDA tensors; the references elsewhere.
+"""RMSNorm, the gated RMSNorm and SwiGLU on fused kernels for CUDA tensors (RMSNorm on harts_hf's own by default,
+the others on fla's); the references elsewhere.
 
-fla's ``rms_norm`` normalises in fp32 and rounds once to the input's dtype (one read and one write each way; the
-reference spends ~6 passes forward); an offset weight (``1 + w``) is passed to it as that sum. fla's ``swiglu``
+The fused RMSNorm (harts_hf's or fla's ``rms_norm``) normalises in fp32 and rounds once to the input's dtype (one
+read and one write each way; the reference spends ~6 passes forward); an offset weight (``1 + w``) is passed to
+fla's as that sum. fla's ``swiglu``
 reads gate and up once and writes the product (the reference writes ``silu(gate)`` first). Both differ from the
 references only by rounding (fp32 math, one rounding at the end).
 """
