@@ -321,10 +321,10 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
     for group in consecutive_groups(sequences, max_tokens):
         forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
         warm = warmup == "each" or not rows
-        first, *timed = [None] * (not warm) + [timed_run(model, forest, device, attention, zero_grad=False)
-                                               for _ in range(warm + repeats)]
+        first = timed_run(model, forest, device, attention, zero_grad=False) if warm else None
+        torch.cuda.reset_peak_memory_stats(device)  # the timed runs' peak (a warm-up's autotuning buffers left out)
+        timed = [timed_run(model, forest, device, attention, zero_grad=False) for _ in range(repeats)]
         rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)),
                          pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=float(np.mean(timed)),
                          seconds_all=timed, first_seconds=first,
@@ -373,6 +373,10 @@ def main(argv=None):
                         help="token budgets to run, 0 = the whole forest as one piece (default: %(default)s)")
     parser.add_argument("--model", default="qwen3_next_2b", choices=sorted(MODELS))
     parser.add_argument("--loop-only", action="store_true", help="only the per-trajectory sample (--loop-sample)")
+    parser.add_argument("--no-tree", action="store_true",
+                        help="no tree runs: the packed path (--packed-groups), profile and loop sample alone, with the "
+                             "first kernel set and settings in force (a large workload's packed path in a process of "
+                             "its own, under a device call's time limit)")
     parser.add_argument("--no-history", action="store_true", help="skip the allocator history (faster)")
     parser.add_argument("--no-recompute", action="store_true",
                         help="execute_plan(recompute=False): a hand-off source runs one forward with gradient and "
@@ -437,7 +441,8 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
     def save():  # after every stage: a run stopped by a time limit keeps what it measured
         (out / "probe.json").write_text(json.dumps(rows, indent=1))
 
-    for kernels in [] if args.loop_only else reversed(args.kernels):  # the first set last: it stays in force
+    use_kernels(args.kernels[0])  # in force for the packed, profile and loop runs when no tree runs
+    for kernels in [] if args.loop_only or args.no_tree else reversed(args.kernels):  # the first set ends in force
         use_kernels(kernels)
         run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
             attention=args.attention)                                      # cuDNN plans)
@@ -480,9 +485,9 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
                     print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
                     for where, gib in r.get(key, [])[:15]:
                         print(f"    {gib:8.3f}  {where}")
-        keep_attention_outputs(model, args.keep_attention[0] == "on")  # the first settings stay in force
-        store_layer_activations(model, args.stored_layers[0])
-        keep_matmul_outputs(model, args.matmul_layers[0])
+    keep_attention_outputs(model, args.keep_attention[0] == "on")  # the first settings stay in force
+    store_layer_activations(model, args.stored_layers[0])
+    keep_matmul_outputs(model, args.matmul_layers[0])
     if args.profile is not None:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, out,
                                          max(args.loop_sample, 8), args.profile or ("tree", "loop", "packed"))))
