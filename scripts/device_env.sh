@@ -7,7 +7,10 @@
 # .device/tf524, which stay on a warm machine, so later calls carry nothing (a fresh machine needs them again).
 # PYTHONPATH then holds the checkout and the bundle; `PYTHONPATH=$TF524:$PYTHONPATH` puts transformers 5.24 first
 # (bailing_hybrid). Results go under $W; `finish` packs $W into $OUT/results.tgz (the tool returns at most 8 files)
-# with the size of Triton's cache beside them.
+# with the size of Triton's cache beside them. FlashAttention-4 (`--kernels fused_fa4`): a fresh machine's first call
+# carries .device/fa4libs.tar.xz alone (this script unpacks it and ends the command), the next carries the bundle and
+# .device/fa4rest.tar.xz; both then stay in .device/fa4x and are on PYTHONPATH. A machine released when idle (30 s)
+# comes back bare: the `warm` field of each call's answer says whether the archives must travel again.
 # Compiled kernels: Triton's cache (compiled binaries, their metadata and autotuning results; the intermediate
 # representations left out) and TileLang's come back with `save_caches` as $OUT/kernels.tar.xz.aa, .ab, ... (15 MiB
 # parts: the tool returns files of at most 16 MiB). Copied into .device/kernels/ and carried by a later call
@@ -19,12 +22,25 @@ for pair in site:site.tar.xz tf524:tf.tar.xz; do
     mkdir -p "$dir" && tar -C "$dir" -xJf "$archive" && touch "$dir/.ok"
   fi
 done
+# FlashAttention-4's stack (scripts/device_extras.sh): fa4libs.tar.xz (61 MiB) travels alone in a call of its own,
+# fa4rest.tar.xz beside the bundle; both unpack into .device/fa4x, which stays on a warm machine
+for part in fa4libs fa4rest; do
+  if [ ! -f ".device/fa4x/.$part" ] && [ -f ".device/$part.tar.xz" ]; then
+    mkdir -p .device/fa4x && tar -C .device/fa4x -xJf ".device/$part.tar.xz" && touch ".device/fa4x/.$part"
+  fi
+done
+if [ -f .device/fa4libs.tar.xz ] && [ ! -f .device/site.tar.xz ] && [ ! -f .device/site/.ok ]; then
+  echo "unpacked FlashAttention-4's libraries; carry .device/site.tar.xz next"; exit 0
+fi
 [ -f .device/site/.ok ] || { echo "no .device/site: carry .device/site.tar.xz (a fresh machine)"; exit 3; }
 if compgen -G ".device/kernels/kernels.tar.xz.*" > /dev/null && [ ! -f ~/.harts_kernels_restored ]; then
   cat .device/kernels/kernels.tar.xz.* | tar -C ~ -xJf - && touch ~/.harts_kernels_restored
   du -sh ~/.triton/cache ~/.tilelang/cache 2>/dev/null
 fi
 export PYTHONPATH="$PWD:$PWD/.device/site" TF524="$PWD/.device/tf524" PYTHONUNBUFFERED=1
+if [ -f .device/fa4x/.fa4libs ] && [ -f .device/fa4x/.fa4rest ]; then
+  PYTHONPATH="$PYTHONPATH:$PWD/.device/fa4x:$PWD/.device/fa4x/nvidia_cutlass_dsl/dsl_packages"
+fi
 W=$OUT/w
 mkdir -p "$W"
 save_caches() {
