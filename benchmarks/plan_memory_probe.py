@@ -15,11 +15,16 @@ innermost frame inside harts_hf / transformers / fla, and the innermost frame of
     python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --packed-groups 0
     python3 benchmarks/plan_memory_probe.py --workload tau grpo distinct --scale 1.0 --budget 0 --no-history \
         --kernels fused_fa4 --repeats 2 --packed-groups 0 --out results/headline   # the headline, one process
+    python3 benchmarks/plan_memory_probe.py --workload swe --scale 1.0 --budget 131072 --no-history --no-tree \
+        --kernels fused_fa4 --packed-groups 131072 --packed-warmup first   # a large packed path in its own process
+    python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --replicas 2 4 8
 
 ``--loop-sample`` also times trajectories alone through the same kernels (the per-trajectory baseline at lengths
 where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the cost fit's price;
 ``--packed-groups`` times the strongest per-trajectory path over all trajectories: packed (each its own tree, no
 padding) into calls of at most as many path tokens as the tree has unique ones (the same memory envelope).
+``--replicas`` measures the planner's placement on several data-parallel ranks one rank after another on this GPU
+(each rank's compute, next to the cost model's prediction; communication and waits are not in it).
 
 Needs CUDA. Writes ``OUT/probe.json`` (and ``OUT/run.json``: command, date, machine, versions; with several
 workloads ``OUT/<workload>/`` each) and prints the tables.
@@ -262,6 +267,86 @@ def second_run(model, forest, device, attention: str, zero_grad: bool = True) ->
     return two_runs(model, forest, device, attention, zero_grad)[1]
 
 
+class _Clock:
+    """A point on the device's timeline: a CUDA event (recorded on the stream: no synchronisation) or, on the CPU,
+    the host clock; ``seconds_to(later)`` after the work is done."""
+
+    def __init__(self, device):
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        else:
+            self.event, self.time = None, time.perf_counter()
+
+    def seconds_to(self, later: _Clock) -> float:
+        if self.event is not None:
+            return self.event.elapsed_time(later.event) / 1e3
+        return later.time - self.time
+
+
+def replica_balance(model, sequences, budget: int | None, replicas: int, device, attention: str = "auto",
+                    runs: int = 2) -> dict:
+    """The planner's placement on ``replicas`` data-parallel ranks, measured one rank after another on this device.
+
+    Plans the forest for ``replicas`` replicas (cross-replica hand-offs allowed, the trainer's default) and runs
+    every piece here in one :func:`execute_plan` call (hand-offs local), with a clock at each of the executor's
+    phase marks: the time from one mark to the next belongs to the piece of the later mark (its preparation, its
+    hand-off forward, its forward, its backward), and a rank's seconds are those of the pieces placed on it. The
+    last of ``runs`` runs is kept. Measured: each rank's compute; not measured: communication and the waits for a
+    hand-off that a rank on another device would see. Returns the predicted (cost model) and measured seconds per
+    rank and each's max/mean."""
+    from harts_hf.planner import execute_plan, plan
+    from harts_hf.planner.execute import _PlanRunner
+    from harts_hf.trees import PrefixForest
+
+    packed = PrefixForest.from_sequences(sequences).pack()
+    the_plan = plan(packed, num_replicas=replicas, token_budget=budget or packed.num_tokens)
+    weights = [torch.zeros(len(s) - 1) for s in sequences]
+    original, marks = _PlanRunner._mark, []
+
+    def mark(runner, piece, phase):
+        original(runner, piece, phase)
+        marks.append((piece.index, _Clock(device)))
+
+    _PlanRunner._mark = mark
+    try:
+        for _ in range(max(runs, 1)):
+            marks.clear()
+            model.zero_grad(set_to_none=True)
+            _sync(device)
+            start = _Clock(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                execute_plan(model, the_plan, logprob_weights=weights, attention_backend=attention)
+            end = _Clock(device)
+            _sync(device)
+    finally:
+        _PlanRunner._mark = original
+    model.zero_grad(set_to_none=True)
+    piece_seconds = defaultdict(float)
+    previous = start
+    for piece, clock in marks:
+        piece_seconds[piece] += previous.seconds_to(clock)
+        previous = clock
+    where = the_plan.replica_of_piece()
+    measured = [0.0] * replicas
+    for piece, seconds in piece_seconds.items():
+        measured[where[piece]] += seconds
+    predicted = the_plan.replica_costs()
+
+    def imbalance(values):
+        mean = sum(values) / len(values)
+        return max(values) / mean if mean > 0 else 1.0
+
+    return dict(replicas=replicas, budget=budget, pieces=len(the_plan.pieces),
+                cross_replica_handoffs=the_plan.cross_replica_handoffs(), total_seconds=start.seconds_to(end),
+                unattributed_seconds=previous.seconds_to(end), piece_seconds=[piece_seconds[i] for i in
+                                                                              range(len(the_plan.pieces))],
+                predicted_seconds=predicted, measured_seconds=measured, predicted_imbalance=imbalance(predicted),
+                measured_imbalance=imbalance(measured),
+                replica_tokens=[sum(the_plan.pieces[i].unique_tokens for mb in slots for i in mb.pieces)
+                                for slots in the_plan.replicas])
+
+
 def consecutive_groups(sequences, max_tokens: int) -> list[list]:
     """Consecutive ``sequences`` in groups of at most ``max_tokens`` tokens (a longer sequence alone)."""
     groups, current = [], []
@@ -421,6 +506,10 @@ def main(argv=None):
                         help="keep attention outputs under checkpointing (tree_keep_attention_outputs, the trainer's "
                              "default) or rerun the attention; one tree run per setting (and stored-layer count); "
                              "the packed, profile and loop runs use the first")
+    parser.add_argument("--replicas", type=int, nargs="+", default=[],
+                        help="also measure the planner's placement on this many data-parallel ranks, one rank after "
+                             "another on this GPU (each rank's compute; no communication): predicted and measured "
+                             "seconds per rank and their max/mean, at the first budget")
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -491,6 +580,15 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
     if args.profile is not None:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, out,
                                          max(args.loop_sample, 8), args.profile or ("tree", "loop", "packed"))))
+    for replicas in args.replicas:
+        rows.append(dict(replica_balance=replica_balance(model, sequences, args.budget[0] or None, replicas, device,
+                                                         args.attention)))
+        save()
+        r = rows[-1]["replica_balance"]
+        print(f"{replicas} ranks: {r['pieces']} pieces, {r['cross_replica_handoffs']} cross-rank hand-offs, max/mean "
+              f"predicted {r['predicted_imbalance']:.3f}, measured {r['measured_imbalance']:.3f}; per rank measured "
+              f"{', '.join(f'{x:.2f}' for x in r['measured_seconds'])} s, predicted "
+              f"{', '.join(f'{x:.2f}' for x in r['predicted_seconds'])} s", flush=True)
     if args.packed_groups is not None:
         from harts_hf.trees import PrefixForest
 

@@ -139,6 +139,34 @@ def test_plan_memory_probe_per_trajectory_sample_on_cpu():
     assert abs(every["priced_seconds"] - every["whole_loop_priced_seconds"]) < 1e-9
 
 
+def test_plan_memory_probe_measures_each_ranks_pieces():
+    """replica_balance runs the planner's placement for several ranks here, piece by piece, and gives each rank the
+    seconds between the executor's marks of its pieces: the ranks' seconds add up to the call's (nothing counted
+    twice, nothing lost but the result's assembly), next to the cost model's prediction per rank."""
+    import random
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_tree_vs_trajectory import build_model
+    from plan_memory_probe import replica_balance
+
+    from harts_hf.trees import PrefixForest
+
+    model = build_model("tiny", "qwen3_next", torch.device("cpu"), torch.float32)
+    rng = random.Random(0)
+    prompt = [rng.randrange(1000) for _ in range(40)]
+    sequences = [prompt + [rng.randrange(1000) for _ in range(n)] for n in (30, 50, 70, 90, 110, 60)]
+    row = replica_balance(model, sequences, 120, 2, torch.device("cpu"), runs=1)
+    assert row["replicas"] == 2 and len(row["measured_seconds"]) == len(row["predicted_seconds"]) == 2
+    assert row["pieces"] == len(row["piece_seconds"]) > 2 and all(x > 0 for x in row["piece_seconds"])
+    assert all(x > 0 for x in row["measured_seconds"])
+    assert sum(row["replica_tokens"]) == PrefixForest.from_sequences(sequences).pack().num_tokens
+    assert sum(row["measured_seconds"]) + row["unattributed_seconds"] == pytest.approx(row["total_seconds"])
+    assert row["measured_imbalance"] >= 1.0 and row["predicted_imbalance"] >= 1.0
+    assert all(p.grad is None for p in model.parameters())  # left as it found them
+
+
 def test_plan_memory_probe_prices_the_tree_at_the_packed_paths_rates():
     """packed_fit recovers c + a tokens + b pairs from the packed calls and prices the forest (one call over its
     unique tokens and tree pairs) with it; S_phys_packed = the calls' seconds / that price."""
