@@ -149,7 +149,7 @@ def test_plan_memory_probe_measures_each_ranks_pieces():
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_tree_vs_trajectory import build_model
-    from plan_memory_probe import replica_balance
+    from rank_balance import replica_balance
 
     from harts_hf.trees import PrefixForest
 
