@@ -18,6 +18,8 @@ innermost frame inside harts_hf / transformers / fla, and the innermost frame of
     python3 benchmarks/plan_memory_probe.py --workload swe --scale 1.0 --budget 131072 --no-history --no-tree \
         --kernels fused_fa4 --packed-groups 131072 --packed-warmup first   # a large packed path in its own process
     python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --replicas 2 4 8
+    python3 benchmarks/plan_memory_probe.py --workload distinct --scale 1.0 --budget 0 --no-history --kernels fused_fa4 \
+        --packed-groups 0 --interleave --repeats 4   # tree and packed timed alternately
 
 ``--loop-sample`` also times trajectories alone through the same kernels (the per-trajectory baseline at lengths
 where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the cost fit's price;
@@ -50,9 +52,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_tree_vs_trajectory import KERNEL_SETS, MODELS, build_model, run_tree, use_kernels  # noqa: E402
+from bench_tree_vs_trajectory import KERNEL_SETS, MODELS, build_model, use_kernels  # noqa: E402
 from model_flops import forest_throughput  # noqa: E402
 from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
+from packed_path import consecutive_groups, merge_passes, packed_groups, second_run, timed_run  # noqa: E402
 from rank_balance import replica_balance  # noqa: E402
 from run_record import write_run_record  # noqa: E402
 
@@ -242,44 +245,6 @@ def _quantile_picks(sequences, count: int) -> list[int]:
                                                                 for i in range(count)]})
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_run(model, forest, device, attention: str, zero_grad: bool = True) -> float:
-    """Seconds of one fwd+bwd of ``forest`` (``tree_logprobs`` under bf16 autocast, as the tree run and the
-    trainer); ``zero_grad=False``: into the gradients already there."""
-    _sync(device)
-    start = time.perf_counter()
-    with torch.autocast(device.type, dtype=torch.bfloat16):
-        run_tree(model, forest, attention, zero_grad=zero_grad)
-    _sync(device)
-    return time.perf_counter() - start
-
-
-def two_runs(model, forest, device, attention: str, zero_grad: bool = True) -> tuple[float, float]:
-    """Seconds of two :func:`timed_run` calls in a row (the first compiles / autotunes new lengths)."""
-    return tuple(timed_run(model, forest, device, attention, zero_grad) for _ in range(2))
-
-
-def second_run(model, forest, device, attention: str, zero_grad: bool = True) -> float:
-    """Seconds of the second of :func:`two_runs`."""
-    return two_runs(model, forest, device, attention, zero_grad)[1]
-
-
-def consecutive_groups(sequences, max_tokens: int) -> list[list]:
-    """Consecutive ``sequences`` in groups of at most ``max_tokens`` tokens (a longer sequence alone)."""
-    groups, current = [], []
-    for sequence in sequences:
-        if current and sum(map(len, current)) + len(sequence) > max_tokens:
-            groups.append(current)
-            current = []
-        current.append(sequence)
-    groups.append(current)
-    return groups
-
-
 def loop_sample(model, sequences, count: int, device, fit, attention: str = "auto") -> dict:
     """The per-trajectory path on ``count`` trajectories (all for -1): each alone, fwd+bwd, with its fitted price;
     with all of them, ``measured_seconds`` is the whole per-trajectory loop."""
@@ -307,66 +272,6 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
           f"{priced:.2f} s; the whole loop priced {total_priced:.2f} s", flush=True)
     return dict(trajectories=rows, measured_seconds=measured, priced_seconds=priced, all=len(rows) == len(sequences),
                 whole_loop_priced_seconds=total_priced)
-
-
-def packed_groups(model, sequences, max_tokens: int, device, attention: str = "auto", progress=None,
-                  repeats: int = 1, warmup: str = "each") -> dict:
-    """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed into ONE
-    forward each (every trajectory its own tree: same kernels, no padding, no sharing; ``tree_logprobs`` as the
-    bench's ``packed``) of at most ``max_tokens`` path tokens, fwd+bwd, the second of two runs timed (the first
-    compiles / autotunes new shapes; its time is kept as ``first_seconds``). Gradients accumulate over the calls,
-    as over a trainer's microbatches (and over the tree's pieces), so every call after the first peaks with them.
-    Sum of the calls' seconds, the largest peak, and ``c + a tokens + b pairs`` fitted to the calls (least squares;
-    pairs = sum L(L+1)/2) with the tree's price under it (:func:`packed_fit`). ``warmup="first"``: only the first
-    call gets the untimed run (the others' ``first_seconds`` is None), one pass fewer where nothing compiles per
-    call size (harts_hf's kernels with a warm kernel cache)."""
-    from harts_hf.trees import PrefixForest
-
-    rows = []
-    model.zero_grad(set_to_none=True)
-    for group in consecutive_groups(sequences, max_tokens):
-        forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
-        torch.cuda.empty_cache()
-        warm = warmup == "each" or not rows
-        first = timed_run(model, forest, device, attention, zero_grad=False) if warm else None
-        torch.cuda.reset_peak_memory_stats(device)  # the timed runs' peak (a warm-up's autotuning buffers left out)
-        timed = [timed_run(model, forest, device, attention, zero_grad=False) for _ in range(repeats)]
-        rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)),
-                         pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=float(np.mean(timed)),
-                         seconds_all=timed, first_seconds=first,
-                         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))
-        print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {rows[-1]['seconds']:.3f} s (first run "
-              f"{'none' if first is None else f'{first:.3f}'}), peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
-        if progress is not None:
-            progress(rows)
-    model.zero_grad(set_to_none=True)
-    total = dict(calls=len(rows), max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
-                 repeat_seconds=[sum(r["seconds_all"][i] for r in rows) for i in range(repeats)],
-                 peak_gib=max(r["peak_gib"] for r in rows), groups=rows, **packed_fit(rows, sequences))
-    print(f"packed per-trajectory: {len(sequences)} trajectories in {len(rows)} calls of <= {max_tokens} tokens: "
-          f"{total['seconds']:.2f} s (repeats {', '.join(f'{x:.2f}' for x in total['repeat_seconds'])}), peak {total['peak_gib']:.1f} GiB; fit c {total['fit'][0]:.4g} s, "
-          f"a {total['fit'][1]:.4g} s/token, b {total['fit'][2]:.4g} s/pair; the tree priced "
-          f"{total['tree_priced_seconds']:.2f} s, S_phys against this path {total['S_phys_packed']:.2f}", flush=True)
-    return total
-
-
-def packed_fit(rows: list[dict], sequences) -> dict:
-    """``c + a tokens + b pairs`` fitted to the packed calls (``rows``: tokens, pairs, seconds) and the whole forest
-    priced by it (one call over its unique tokens and tree pairs): ``S_phys_packed`` = the calls' seconds / that
-    price, the speed-up a tree running at the packed path's own per-token and per-pair rates would reach. With
-    fewer than three calls the fit is undetermined (NaN)."""
-    from harts_hf.trees import PrefixForest
-
-    stats = PrefixForest.from_sequences(sequences).pack().stats()
-    if len(rows) < 3:
-        fit = [float("nan")] * 3
-    else:
-        features = np.array([[1.0, r["tokens"], r["pairs"]] for r in rows])
-        fit = np.linalg.lstsq(features, np.array([r["seconds"] for r in rows]), rcond=None)[0].tolist()
-    c, a, b = fit
-    priced = c + a * stats["unique_tokens"] + b * stats["tree_attention_pairs"]
-    return dict(fit=fit, tree_priced_seconds=priced, S_phys_packed=sum(r["seconds"] for r in rows) / priced,
-                unique_tokens=stats["unique_tokens"], tree_attention_pairs=stats["tree_attention_pairs"])
 
 
 def main(argv=None):
@@ -427,12 +332,26 @@ def main(argv=None):
                         help="keep attention outputs under checkpointing (tree_keep_attention_outputs, the trainer's "
                              "default) or rerun the attention; one tree run per setting (and stored-layer count); "
                              "the packed, profile and loop runs use the first")
+    parser.add_argument("--interleave", action="store_true",
+                        help="time the tree and the packed path alternately (tree run, packed pass, tree run, ...; "
+                             "--repeats of each after one warm-up each), so that drift over the process (clocks, "
+                             "temperature, the allocator's state) falls on both alike; one kernel set, budget and "
+                             "setting; needs --packed-groups")
     parser.add_argument("--replicas", type=int, nargs="+", default=[],
                         help="also measure the planner's placement on this many data-parallel ranks, one rank after "
                              "another on this GPU (each rank's compute; no communication): predicted and measured "
                              "seconds per rank and their max/mean, at the first budget")
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
+    if args.interleave:
+        several = [name for name, values in (("--kernels", args.kernels), ("--budget", args.budget),
+                                               ("--keep-attention", args.keep_attention),
+                                               ("--stored-layers", args.stored_layers),
+                                               ("--matmul-layers", args.matmul_layers)) if len(values) > 1]
+        if several or args.packed_groups is None or args.no_tree or args.loop_only:
+            parser.error(f"--interleave alternates one tree setting with the packed path: give one value to "
+                         f"{', '.join(several) or 'each setting'}, pass --packed-groups, and leave out --no-tree / "
+                         f"--loop-only")
     if not torch.cuda.is_available():
         raise SystemExit("plan_memory_probe needs CUDA (the allocator trace is CUDA's)")
     device = torch.device("cuda", 0)
@@ -452,7 +371,12 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
         (out / "probe.json").write_text(json.dumps(rows, indent=1))
 
     use_kernels(args.kernels[0])  # in force for the packed, profile and loop runs when no tree runs
-    for kernels in [] if args.loop_only or args.no_tree else reversed(args.kernels):  # the first set ends in force
+    if args.interleave:
+        rows.extend(interleaved(args, model, sequences, device,
+                                lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1))))
+        save()
+        print_tree_row(rows[-2])
+    for kernels in [] if args.loop_only or args.no_tree or args.interleave else reversed(args.kernels):
         use_kernels(kernels)
         run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
             attention=args.attention)                                      # cuDNN plans)
@@ -475,26 +399,9 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
                     print(f"{kernels} kernels, budget {budget}, attention outputs kept {keep}, {stored} stored layers, "
                           f"{matmul} matmul layers: out of memory", flush=True)
                     continue
-                checkpointed = checkpointed_layers(model)
-                rows.append(dict(repeats[0], kernels=kernels, stored_layers=stored, keep_attention=keep,
-                                 matmul_layers=matmul, checkpointed_layers=checkpointed,
-                                 recomputing_matmuls=[i for i in checkpointed if i not in matmul_layers],
-                                 seconds_all=[r["seconds"] for r in repeats],
-                                 seconds=float(np.mean([r["seconds"] for r in repeats])),
-                                 peak_gib=max(r["peak_gib"] for r in repeats)))
-                r = rows[-1]
+                rows.append(tree_row(model, repeats, kernels, keep, stored, matmul, matmul_layers))
                 save()
-                print(f"{kernels} kernels, budget {budget}, attention outputs kept {keep}, {stored} stored layers, "
-                      f"{matmul} matmul layers: {r['pieces']} pieces, "
-                      f"{r['seconds']:.2f} s (runs {', '.join(f'{x:.2f}' for x in r['seconds_all'])}), peak "
-                      f"{r['peak_gib']:.1f} GiB (weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}",
-                      flush=True)
-                for p, phase, a, m in r["memory"]:
-                    print(f"   piece {p:3d} {phase:9s} allocated {a:7.2f} peak {m:7.2f}")
-                for key in ("peak_by_our_line", "peak_by_line"):
-                    print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
-                    for where, gib in r.get(key, [])[:15]:
-                        print(f"    {gib:8.3f}  {where}")
+                print_tree_row(rows[-1])
     keep_attention_outputs(model, args.keep_attention[0] == "on")  # the first settings stay in force
     store_layer_activations(model, args.stored_layers[0])
     keep_matmul_outputs(model, args.matmul_layers[0])
@@ -511,14 +418,12 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
               f"{', '.join(f'{x:.2f}' for x in r['measured_seconds'])} s, predicted "
               f"{', '.join(f'{x:.2f}' for x in r['predicted_seconds'])} s", flush=True)
     if args.packed_groups is not None:
-        from harts_hf.trees import PrefixForest
-
-        cap = args.packed_groups or PrefixForest.from_sequences(sequences).pack().num_tokens
-        rows.append(dict(packed_groups=packed_groups(
-            model, sequences, cap, device, args.attention,
-            progress=lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1)),
-            repeats=max(args.repeats, 1), warmup=args.packed_warmup)))
-        packed = rows[-1]["packed_groups"]
+        if not args.interleave:
+            rows.append(dict(packed_groups=packed_groups(
+                model, sequences, packed_cap(args, sequences), device, args.attention,
+                progress=lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1)),
+                repeats=max(args.repeats, 1), warmup=args.packed_warmup)))
+        packed = next(r["packed_groups"] for r in rows if "packed_groups" in r)
         packed["keep_attention"] = args.keep_attention[0]
         for tree in (r for r in rows if r.get("pieces") is not None):
             speedup = packed["seconds"] / tree["seconds"]
@@ -529,6 +434,57 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
                                                  args.attention)))
     add_throughput(rows, model, sequences)
     save()
+
+
+def packed_cap(args, sequences) -> int:
+    """The packed path's call size: ``--packed-groups``, or 0 for the forest's unique-token count."""
+    from harts_hf.trees import PrefixForest
+
+    return args.packed_groups or PrefixForest.from_sequences(sequences).pack().num_tokens
+
+
+def tree_row(model, runs: list[dict], kernels: str, keep: str, stored: int, matmul: int, matmul_layers) -> dict:
+    """One tree setting's timed :func:`run` results as a row: the first run's fields, every run's seconds, their
+    mean, the largest peak, and the checkpointing in force."""
+    checkpointed = checkpointed_layers(model)
+    return dict(runs[0], kernels=kernels, stored_layers=stored, keep_attention=keep, matmul_layers=matmul,
+                checkpointed_layers=checkpointed,
+                recomputing_matmuls=[i for i in checkpointed if i not in matmul_layers],
+                seconds_all=[r["seconds"] for r in runs], seconds=float(np.mean([r["seconds"] for r in runs])),
+                peak_gib=max(r["peak_gib"] for r in runs))
+
+
+def print_tree_row(r: dict) -> None:
+    print(f"{r['kernels']} kernels, budget {r['budget']}, attention outputs kept {r['keep_attention']}, "
+          f"{r['stored_layers']} stored layers, {r['matmul_layers']} matmul layers: {r['pieces']} pieces, "
+          f"{r['seconds']:.2f} s (runs {', '.join(f'{x:.2f}' for x in r['seconds_all'])}), peak "
+          f"{r['peak_gib']:.1f} GiB (weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}", flush=True)
+    for p, phase, a, m in r["memory"]:
+        print(f"   piece {p:3d} {phase:9s} allocated {a:7.2f} peak {m:7.2f}")
+    for key in ("peak_by_our_line", "peak_by_line"):
+        print(f"  {key} (trace peak {r.get('trace_peak_gib', float('nan')):.2f} GiB):")
+        for where, gib in r.get(key, [])[:15]:
+            print(f"    {gib:8.3f}  {where}")
+
+
+def interleaved(args, model, sequences, device, progress) -> list[dict]:
+    """``--interleave``: after one warm-up of the tree (the packed path's first call warms itself up), the tree's
+    timed runs and the packed path's timed passes alternate, ``--repeats`` of each; returns the tree's row and the
+    packed path's, shaped as without interleaving (``interleaved: True`` in both)."""
+    keep, stored, matmul = args.keep_attention[0], args.stored_layers[0], args.matmul_layers[0]
+    keep_attention_outputs(model, keep == "on")
+    store_layer_activations(model, stored)
+    matmul_layers = keep_matmul_outputs(model, matmul)
+    budget = args.budget[0] or None
+    run(model, sequences, budget, device, history=False, attention=args.attention)
+    trees, passes = [], []
+    for i in range(max(args.repeats, 1)):
+        trees.append(run(model, sequences, budget, device, history=False, attention=args.attention,
+                         recompute=not args.no_recompute))
+        passes.append(packed_groups(model, sequences, packed_cap(args, sequences), device, args.attention,
+                                    progress=progress, repeats=1, warmup=args.packed_warmup if i == 0 else "none"))
+    tree = dict(tree_row(model, trees, args.kernels[0], keep, stored, matmul, matmul_layers), interleaved=True)
+    return [tree, dict(packed_groups=dict(merge_passes(passes, sequences), interleaved=True))]
 
 
 def add_throughput(rows: list[dict], model, sequences) -> None:

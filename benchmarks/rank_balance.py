@@ -10,11 +10,7 @@ import time
 from collections import defaultdict
 
 import torch
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from packed_path import sync
 
 
 class Clock:
@@ -63,12 +59,12 @@ def replica_balance(model, sequences, budget: int | None, replicas: int, device,
         for _ in range(max(runs, 1)):
             marks.clear()
             model.zero_grad(set_to_none=True)
-            _sync(device)
+            sync(device)
             start = Clock(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 execute_plan(model, the_plan, logprob_weights=weights, attention_backend=attention)
             end = Clock(device)
-            _sync(device)
+            sync(device)
     finally:
         _PlanRunner._mark = original
     model.zero_grad(set_to_none=True)

@@ -25,7 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 from bench_tree_vs_trajectory import MODELS  # noqa: E402
-from plan_memory_probe import consecutive_groups, task_sequences  # noqa: E402
+from packed_path import consecutive_groups  # noqa: E402
+from plan_memory_probe import task_sequences  # noqa: E402
 
 
 def forest_features(sequences, separate: bool) -> dict:

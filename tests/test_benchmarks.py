@@ -139,6 +139,31 @@ def test_plan_memory_probe_per_trajectory_sample_on_cpu():
     assert abs(every["priced_seconds"] - every["whole_loop_priced_seconds"]) < 1e-9
 
 
+def test_plan_memory_probe_interleaves_one_setting_with_the_packed_path(capsys):
+    """--interleave alternates the tree's runs with packed passes: it refuses several settings or no packed path,
+    naming the flags, and merge_passes lays the passes out as one packed result with a run per pass."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from packed_path import merge_passes
+    from plan_memory_probe import main
+
+    for argv, named in ((["--kernels", "fused", "fused_fa4", "--packed-groups", "0"], "--kernels"),
+                        (["--budget", "0", "65536", "--packed-groups", "0"], "--budget"),
+                        (["--budget", "0"], "--packed-groups")):
+        with pytest.raises(SystemExit):
+            main(["--interleave", *argv])
+        assert named in capsys.readouterr().err
+    sequences = [[1, 2, 3, 4], [1, 2, 5], [6, 7, 8, 9, 10]]
+    calls = [dict(trajectories=2, tokens=7, pairs=16.0), dict(trajectories=1, tokens=5, pairs=15.0)]
+    passes = [dict(calls=2, max_tokens=8, seconds=a + b, repeat_seconds=[a + b], peak_gib=peak,
+                   groups=[dict(calls[0], seconds=a, seconds_all=[a], peak_gib=peak),
+                           dict(calls[1], seconds=b, seconds_all=[b], peak_gib=1.0)])
+              for a, b, peak in ((1.0, 2.0, 3.0), (1.5, 2.5, 4.0))]
+    merged = merge_passes(passes, sequences)
+    assert merged["repeat_seconds"] == [3.0, 4.0] and merged["seconds"] == pytest.approx(3.5)
+    assert [g["seconds_all"] for g in merged["groups"]] == [[1.0, 1.5], [2.0, 2.5]]
+    assert merged["peak_gib"] == 4.0 and merged["groups"][0]["peak_gib"] == 4.0
+
+
 def test_plan_memory_probe_measures_each_ranks_pieces():
     """replica_balance runs the planner's placement for several ranks here, piece by piece, and gives each rank the
     seconds between the executor's marks of its pieces: the ranks' seconds add up to the call's (nothing counted
@@ -171,7 +196,7 @@ def test_plan_memory_probe_prices_the_tree_at_the_packed_paths_rates():
     """packed_fit recovers c + a tokens + b pairs from the packed calls and prices the forest (one call over its
     unique tokens and tree pairs) with it; S_phys_packed = the calls' seconds / that price."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from plan_memory_probe import packed_fit
+    from packed_path import packed_fit
 
     from harts_hf.trees import PrefixForest
 
