@@ -7,6 +7,8 @@ loss, MFU, peak memory.
     python -m benchmarks sft --preset 2b --workload tau --scale 1.0 --steps 3 --warmup 1 --trainer packed --batch 8 \
         --out results/sft/packed
     python -m benchmarks sft --preset tiny --workload tau --scale 0.01 --steps 2 --out /tmp/sft   # CPU smoke run
+    python -m benchmarks sft --preset 2b --workload tau --scale 0.5 --steps 4 --warmup 2 --trainer tree packed \
+        --batch 4 --out results/sft   # both in one process: OUT/tree, OUT/packed
 
 Data: optimizer step ``s`` trains one instance of the preset (``make_workload(workload, scale, seed=s)``), every
 trajectory a row whose loss is on the tokens the preset marks (thinking and actions; observations and prompts carry
@@ -29,7 +31,8 @@ All three: fp32 weights, bf16 autocast and non-reentrant gradient checkpointing 
 same learning rate; the per-step losses agree when they train the same rows. The MFU counts the model FLOPs of the work
 each trainer does (the tree's unique tokens, the rows' tokens for the others; ``benchmarks/model_flops.py``) over the
 step's wall time; the FLOP ratio is the rows' work over the tree's. Writes ``OUT/sft.json`` (per step: seconds, peak GiB,
-loss, ``tree/*`` metrics; the mean over the steps after ``--warmup``) and ``OUT/run.json``.
+loss, ``tree/*`` metrics; the mean over the steps after ``--warmup``) and ``OUT/run.json`` (several trainers:
+``OUT/<trainer>/``).
 """
 
 from __future__ import annotations
@@ -145,7 +148,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=0.01)
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps (one workload instance each)")
     parser.add_argument("--warmup", type=int, default=1, help="first steps left out of the mean (compilation)")
-    parser.add_argument("--trainer", choices=["tree", "packed", "trl"], default="tree")
+    parser.add_argument("--trainer", nargs="+", choices=["tree", "packed", "trl"], default=["tree"],
+                        help="one or several, one after the other in this process (a fresh model each, the same "
+                             "seed; kernels compiled and autotuned once), each written to OUT/<trainer>")
     parser.add_argument("--batch", type=int, default=4, help="micro-batch size (rows) of trl and packed; the tree "
                                                              "takes a step's rows as one micro-batch")
     parser.add_argument("--varlen-kernel", default=None, choices=["torch", "fa4", "auto"],
@@ -157,15 +162,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> dict[str, dict]:
+    """Each ``--trainer`` in turn; their results by name (one trainer: written to OUT, several: OUT/<trainer>)."""
+    import gc
+
     args = parse_args(argv)
+    results = {}
+    for trainer in args.trainer:
+        out = Path(args.out) if len(args.trainer) == 1 else Path(args.out) / trainer
+        results[trainer] = train_and_time(argparse.Namespace(**{**vars(args), "trainer": trainer}), out)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return results
+
+
+def train_and_time(args, out: Path) -> dict:
+    """One trainer (``args.trainer``) over the workload's steps: per-step seconds, peak, compilations, loss, MFU."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    out = Path(args.out)
     write_run_record(out)
     torch.manual_seed(0)
     model = build_model(PRESETS[args.preset], "qwen3_next", device, torch.float32)
     rows = step_rows(args.workload, args.scale, args.steps, MODELS[PRESETS[args.preset]]["vocab_size"], args.batch)
-    trainer = make_trainer(args, model, rows, device)
+    trainer = make_trainer(argparse.Namespace(**{**vars(args), "out": str(out)}), model, rows, device)
     records: list[dict] = []
     trainer.add_callback(step_timer(trainer, records))
     trainer.train()

@@ -523,11 +523,12 @@ def test_sft_benchmark_trains_the_same_rows_with_every_trainer(tmp_path):
     from sft_step import main
 
     common = ["--preset", "tiny", "--workload", "tau", "--scale", "0.005", "--steps", "2", "--batch", "4"]
-    tree = main(common + ["--trainer", "tree", "--out", str(tmp_path / "tree")])
-    trl = main(common + ["--trainer", "trl", "--pad-to-multiple-of", "64", "--out", str(tmp_path / "trl")])
-    assert json.loads((tmp_path / "tree" / "sft.json").read_text())["steps"] == json.loads(json.dumps(tree["steps"]))
-    assert (tmp_path / "trl" / "run.json").exists()
-    packed = main(common + ["--trainer", "packed", "--out", str(tmp_path / "packed")])
+    both = main(common + ["--trainer", "tree", "packed", "--out", str(tmp_path / "both")])  # one process, in turn
+    tree, packed = both["tree"], both["packed"]
+    trl = main(common + ["--trainer", "trl", "--pad-to-multiple-of", "64", "--out", str(tmp_path / "trl")])["trl"]
+    assert json.loads((tmp_path / "both" / "tree" / "sft.json").read_text())["steps"] == json.loads(
+        json.dumps(tree["steps"]))
+    assert (tmp_path / "both" / "packed" / "run.json").exists() and (tmp_path / "trl" / "sft.json").exists()
     for a, b, c in zip(tree["steps"], trl["steps"], packed["steps"], strict=True):
         assert a["rows"] == b["rows"] == c["rows"] and a["rows"] % 4 == 0
         assert a["path_tokens"] == b["path_tokens"] == c["path_tokens"]
