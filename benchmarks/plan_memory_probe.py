@@ -475,14 +475,14 @@ def interleaved(args, model, sequences, device, progress) -> list[dict]:
     keep_attention_outputs(model, keep == "on")
     store_layer_activations(model, stored)
     matmul_layers = keep_matmul_outputs(model, matmul)
-    budget = args.budget[0] or None
+    budget, cap = args.budget[0] or None, packed_cap(args, sequences)
     run(model, sequences, budget, device, history=False, attention=args.attention)
     trees, passes = [], []
     for i in range(max(args.repeats, 1)):
         trees.append(run(model, sequences, budget, device, history=False, attention=args.attention,
                          recompute=not args.no_recompute))
-        passes.append(packed_groups(model, sequences, packed_cap(args, sequences), device, args.attention,
-                                    progress=progress, repeats=1, warmup=args.packed_warmup if i == 0 else "none"))
+        passes.append(packed_groups(model, sequences, cap, device, args.attention, progress=progress, repeats=1,
+                                    warmup=args.packed_warmup if i == 0 else "none"))
     tree = dict(tree_row(model, trees, args.kernels[0], keep, stored, matmul, matmul_layers), interleaved=True)
     return [tree, dict(packed_groups=dict(merge_passes(passes, sequences), interleaved=True))]
 

@@ -169,22 +169,24 @@ def main(argv=None) -> dict[str, dict]:
     args = parse_args(argv)
     results = {}
     for trainer in args.trainer:
-        out = Path(args.out) if len(args.trainer) == 1 else Path(args.out) / trainer
-        results[trainer] = train_and_time(argparse.Namespace(**{**vars(args), "trainer": trainer}), out)
+        out = args.out if len(args.trainer) == 1 else str(Path(args.out) / trainer)
+        results[trainer] = train_and_time(argparse.Namespace(**{**vars(args), "trainer": trainer, "out": out}))
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return results
 
 
-def train_and_time(args, out: Path) -> dict:
-    """One trainer (``args.trainer``) over the workload's steps: per-step seconds, peak, compilations, loss, MFU."""
+def train_and_time(args) -> dict:
+    """One trainer (``args.trainer``) over the workload's steps, written to ``args.out``: per-step seconds, peak,
+    compilations, loss, MFU."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = Path(args.out)
     write_run_record(out)
     torch.manual_seed(0)
     model = build_model(PRESETS[args.preset], "qwen3_next", device, torch.float32)
     rows = step_rows(args.workload, args.scale, args.steps, MODELS[PRESETS[args.preset]]["vocab_size"], args.batch)
-    trainer = make_trainer(argparse.Namespace(**{**vars(args), "out": str(out)}), model, rows, device)
+    trainer = make_trainer(args, model, rows, device)
     records: list[dict] = []
     trainer.add_callback(step_timer(trainer, records))
     trainer.train()
