@@ -17,6 +17,12 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
+def alloc_retries(device) -> int:
+    """The caching allocator's count of failed allocations it retried after freeing its cached blocks (each a
+    synchronising ``cudaFree`` of the cache: a run near the memory limit that pays them is slower for it)."""
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0) if device.type == "cuda" else 0
+
+
 def timed_run(model, forest, device, attention: str, zero_grad: bool = True) -> float:
     """Seconds of one fwd+bwd of ``forest`` (``tree_logprobs`` under bf16 autocast, as the tree run and the
     trainer); ``zero_grad=False``: into the gradients already there."""
@@ -71,19 +77,24 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
         warm = warmup == "each" or (warmup == "first" and not rows)
         first = timed_run(model, forest, device, attention, zero_grad=False) if warm else None
         torch.cuda.reset_peak_memory_stats(device)  # the timed runs' peak (a warm-up's autotuning buffers left out)
+        retries = alloc_retries(device)
         timed = [timed_run(model, forest, device, attention, zero_grad=False) for _ in range(repeats)]
         rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)),
                          pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=float(np.mean(timed)),
                          seconds_all=timed, first_seconds=first,
-                         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30))
+                         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
+                         reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
+                         alloc_retries=alloc_retries(device) - retries))
         print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {rows[-1]['seconds']:.3f} s (first run "
-              f"{'none' if first is None else f'{first:.3f}'}), peak {rows[-1]['peak_gib']:.1f} GiB", flush=True)
+              f"{'none' if first is None else f'{first:.3f}'}), peak {rows[-1]['peak_gib']:.1f} GiB, reserved "
+              f"{rows[-1]['reserved_gib']:.1f}, {rows[-1]['alloc_retries']} allocator retries", flush=True)
         if progress is not None:
             progress(rows)
     model.zero_grad(set_to_none=True)
     total = dict(calls=len(rows), max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
                  repeat_seconds=[sum(r["seconds_all"][i] for r in rows) for i in range(repeats)],
-                 peak_gib=max(r["peak_gib"] for r in rows), groups=rows, **packed_fit(rows, sequences))
+                 peak_gib=max(r["peak_gib"] for r in rows), alloc_retries=sum(r["alloc_retries"] for r in rows),
+                 groups=rows, **packed_fit(rows, sequences))
     print(f"packed per-trajectory: {len(sequences)} trajectories in {len(rows)} calls of <= {max_tokens} tokens: "
           f"{total['seconds']:.2f} s (repeats {', '.join(f'{x:.2f}' for x in total['repeat_seconds'])}), peak {total['peak_gib']:.1f} GiB; fit c {total['fit'][0]:.4g} s, "
           f"a {total['fit'][1]:.4g} s/token, b {total['fit'][2]:.4g} s/pair; the tree priced "
@@ -99,9 +110,11 @@ def merge_passes(passes: list[dict], sequences) -> dict:
     for i, call in enumerate(passes[0]["groups"]):
         runs = [p["groups"][i]["seconds"] for p in passes]
         calls.append(dict(call, seconds=float(np.mean(runs)), seconds_all=runs,
-                          peak_gib=max(p["groups"][i]["peak_gib"] for p in passes)))
+                          peak_gib=max(p["groups"][i]["peak_gib"] for p in passes),
+                          alloc_retries=sum(p["groups"][i]["alloc_retries"] for p in passes)))
     return dict(passes[0], seconds=sum(c["seconds"] for c in calls), repeat_seconds=[p["seconds"] for p in passes],
-                peak_gib=max(p["peak_gib"] for p in passes), groups=calls, **packed_fit(calls, sequences))
+                peak_gib=max(p["peak_gib"] for p in passes), alloc_retries=sum(c["alloc_retries"] for c in calls),
+                groups=calls, **packed_fit(calls, sequences))
 
 
 def packed_fit(rows: list[dict], sequences) -> dict:

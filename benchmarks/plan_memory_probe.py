@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tree_vs_trajectory import KERNEL_SETS, MODELS, build_model, use_kernels  # noqa: E402
 from model_flops import forest_throughput  # noqa: E402
 from multi_gpu_tree_grpo import SPECIAL, _prompt_and_completions, _split_by_task  # noqa: E402
-from packed_path import consecutive_groups, merge_passes, packed_groups, second_run, timed_run  # noqa: E402
+from packed_path import alloc_retries, consecutive_groups, merge_passes, packed_groups, second_run, timed_run  # noqa: E402
 from rank_balance import replica_balance  # noqa: E402
 from run_record import write_run_record  # noqa: E402
 
@@ -123,6 +123,7 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
+    retries = alloc_retries(device)
     if history:
         torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                                  max_entries=2_000_000)
@@ -134,7 +135,8 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
     seconds = time.perf_counter() - start
     row = dict(budget=budget, unique_tokens=packed.num_tokens, pieces=len(the_plan.pieces), seconds=seconds,
                base_gib=base / 2**30, peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
-               reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,  # the process's so far
+               reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
+               alloc_retries=alloc_retries(device) - retries,  # cache flushes (cudaFree + retry) in the run
                stats=execution.stats,
                memory=[(p, phase, round(a, 3), round(m, 3)) for p, phase, a, m in execution.memory],
                piece_tokens=[int(sum(int(packed.cu_seqlens[s + 1] - packed.cu_seqlens[s]) for s in p.segments))
@@ -451,6 +453,7 @@ def tree_row(model, runs: list[dict], kernels: str, keep: str, stored: int, matm
                 checkpointed_layers=checkpointed,
                 recomputing_matmuls=[i for i in checkpointed if i not in matmul_layers],
                 seconds_all=[r["seconds"] for r in runs], seconds=float(np.mean([r["seconds"] for r in runs])),
+                alloc_retries_all=[r["alloc_retries"] for r in runs],
                 peak_gib=max(r["peak_gib"] for r in runs))
 
 
@@ -458,7 +461,8 @@ def print_tree_row(r: dict) -> None:
     print(f"{r['kernels']} kernels, budget {r['budget']}, attention outputs kept {r['keep_attention']}, "
           f"{r['stored_layers']} stored layers, {r['matmul_layers']} matmul layers: {r['pieces']} pieces, "
           f"{r['seconds']:.2f} s (runs {', '.join(f'{x:.2f}' for x in r['seconds_all'])}), peak "
-          f"{r['peak_gib']:.1f} GiB (weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}", flush=True)
+          f"{r['peak_gib']:.1f} GiB (weights etc. {r['base_gib']:.1f}), reserved {r['reserved_gib']:.1f}, "
+          f"{sum(r.get('alloc_retries_all', [0]))} allocator retries", flush=True)
     for p, phase, a, m in r["memory"]:
         print(f"   piece {p:3d} {phase:9s} allocated {a:7.2f} peak {m:7.2f}")
     for key in ("peak_by_our_line", "peak_by_line"):

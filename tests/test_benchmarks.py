@@ -155,13 +155,14 @@ def test_plan_memory_probe_interleaves_one_setting_with_the_packed_path(capsys):
     sequences = [[1, 2, 3, 4], [1, 2, 5], [6, 7, 8, 9, 10]]
     calls = [dict(trajectories=2, tokens=7, pairs=16.0), dict(trajectories=1, tokens=5, pairs=15.0)]
     passes = [dict(calls=2, max_tokens=8, seconds=a + b, repeat_seconds=[a + b], peak_gib=peak,
-                   groups=[dict(calls[0], seconds=a, seconds_all=[a], peak_gib=peak),
-                           dict(calls[1], seconds=b, seconds_all=[b], peak_gib=1.0)])
-              for a, b, peak in ((1.0, 2.0, 3.0), (1.5, 2.5, 4.0))]
+                   groups=[dict(calls[0], seconds=a, seconds_all=[a], peak_gib=peak, alloc_retries=retries),
+                           dict(calls[1], seconds=b, seconds_all=[b], peak_gib=1.0, alloc_retries=0)])
+              for a, b, peak, retries in ((1.0, 2.0, 3.0, 1), (1.5, 2.5, 4.0, 2))]
     merged = merge_passes(passes, sequences)
     assert merged["repeat_seconds"] == [3.0, 4.0] and merged["seconds"] == pytest.approx(3.5)
     assert [g["seconds_all"] for g in merged["groups"]] == [[1.0, 1.5], [2.0, 2.5]]
     assert merged["peak_gib"] == 4.0 and merged["groups"][0]["peak_gib"] == 4.0
+    assert merged["alloc_retries"] == 3 and [g["alloc_retries"] for g in merged["groups"]] == [3, 0]
 
 
 def test_plan_memory_probe_measures_each_ranks_pieces():
