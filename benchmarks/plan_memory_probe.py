@@ -358,6 +358,9 @@ def main(argv=None):
         raise SystemExit("plan_memory_probe needs CUDA (the allocator trace is CUDA's)")
     device = torch.device("cuda", 0)
     model = build_model(args.model, "qwen3_next", device, torch.float32)
+    experts = getattr(model.config, "_experts_implementation", None)
+    if experts is not None:  # transformers' routed-expert kernels (grouped_mm where torch has it, else an eager loop)
+        print(f"experts implementation: {experts}", flush=True)
     for workload in args.workload:  # one process: kernels compile and autotune once for all of them
         probe_workload(args, model, device, workload,
                        Path(args.out) if len(args.workload) == 1 else Path(args.out) / workload)
