@@ -4,15 +4,16 @@
         grpo=benchmarks/results/2026-12-01/plan_memory_probe_grpo_fused_headline.json \
         distinct=benchmarks/results/2026-12-01/plan_memory_probe_distinct.json --out refit.json
 
-Runs on the CPU: each ``WORKLOAD=PROBE_JSON`` names a ``plan_memory_probe.py --scale 1.0 --packed-groups 0`` result of
-that workload preset. Its forests are rebuilt from the preset (the probe's seed 0 and vocabulary): the tree (one
-piece, its measured seconds) and every call of the packed per-trajectory path (consecutive trajectories, each its
-own tree, as the probe ran them; each call's measured seconds). Every forest's features are the planner's own
-(``harts_hf.planner.plan`` over the forest as one piece, plus its one microbatch), so the fit prices what the planner
-prices. The coefficients are fitted by non-negative least squares on every forest; the table gives each forest's
-measured seconds and the relative error of three predictions: the refit's, a fit on the OTHER workloads only (the
-forest held out: leave-one-workload-out), and the library's current defaults (``CostModel()``). ``--out`` writes
-the coefficients and the table.
+Runs on the CPU: each ``WORKLOAD=PROBE_JSON`` names a ``plan_memory_probe.py --scale 1.0`` result of that workload
+preset (a workload may be named more than once: its tree and its packed path from different runs). Its forests are
+rebuilt from the preset (the probe's seed 0 and vocabulary): the tree with its measured seconds (one piece, or the
+planner's pieces at the probe's budget) and every call of the packed per-trajectory path (consecutive trajectories,
+each its own tree, as the probe ran them; each call's measured seconds). Every forest's features are the planner's
+own (``harts_hf.planner.plan`` over the forest as one piece plus its one microbatch, or over its pieces, summed, one
+microbatch each), so the fit prices what the planner prices. The coefficients are fitted by non-negative least
+squares on every forest; the table gives each forest's measured seconds and the relative error of three predictions:
+the refit's, a fit on the OTHER workloads only (the forest held out: leave-one-workload-out), and the library's
+current defaults (``CostModel()``). ``--out`` writes the coefficients and the table.
 """
 
 from __future__ import annotations
@@ -44,15 +45,36 @@ def forest_features(sequences, separate: bool) -> dict:
     return features
 
 
+def plan_features(sequences, budget: int, pieces: int) -> dict:
+    """The planner's features of ``sequences`` planned in pieces of at most ``budget`` tokens on one replica, summed
+    over the pieces (each piece one forward+backward call: ``microbatches`` counts them; its state-pass rounds add
+    up). The hand-off sources' extra forward without gradient (``execute_plan(recompute=True)``) is not a feature:
+    the planner does not price it."""
+    from harts_hf.planner import plan
+    from harts_hf.trees import PrefixForest
+
+    the_plan = plan(PrefixForest.from_sequences(sequences).pack(), num_replicas=1, token_budget=budget)
+    if len(the_plan.pieces) != pieces:
+        raise ValueError(f"the rebuilt plan has {len(the_plan.pieces)} pieces, the probe ran {pieces} (another "
+                         f"planner or budget?)")
+    features = {key: sum(p.features[key] for p in the_plan.pieces) for key in the_plan.pieces[0].features}
+    features["microbatches"] = len(the_plan.pieces)
+    return features
+
+
 def samples_of(workload: str, path: str, model: str = "qwen3_next_2b") -> list[dict]:
     """The tree and packed-call samples of one probe result: ``{name, features, seconds}``."""
     rows = json.loads(Path(path).read_text())
     sequences = task_sequences(1.0, MODELS[model]["vocab_size"], workload=workload)
     samples = []
-    trees = [r for r in rows if r.get("pieces") == 1 and r.get("keep_attention", "on") == "on"
+    trees = [r for r in rows if r.get("pieces") and r.get("keep_attention", "on") == "on"
              and not r.get("stored_layers")]
-    if trees:
+    if trees and trees[0]["pieces"] == 1:
         samples.append(dict(name=f"{workload} tree", features=forest_features(sequences, separate=False),
+                            seconds=trees[0]["seconds"]))
+    elif trees:
+        samples.append(dict(name=f"{workload} tree, {trees[0]['pieces']} pieces",
+                            features=plan_features(sequences, trees[0]["budget"], trees[0]["pieces"]),
                             seconds=trees[0]["seconds"]))
     packed = next((r["packed_groups"] for r in rows if "packed_groups" in r), None)
     if packed is not None:
@@ -71,9 +93,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results", nargs="+", metavar="WORKLOAD=PROBE_JSON")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--save-model", default=None, metavar="JSON",
+                        help="also write the refit as a cost model file (CostModel.save): TreeGRPOConfig's "
+                             "tree_cost_model takes its path")
     args = parser.parse_args(argv)
-    by_workload = {workload: samples_of(workload, path) for workload, path in
-                   (item.split("=", 1) for item in args.results)}
+    by_workload: dict[str, list[dict]] = {}
+    for workload, path in (item.split("=", 1) for item in args.results):  # a workload may come in several files
+        by_workload.setdefault(workload, []).extend(samples_of(workload, path))
     fit = lambda samples: CostModel.fit([s["features"] for s in samples], [s["seconds"] for s in samples])  # noqa: E731
     everything = [s for samples in by_workload.values() for s in samples]
     refit, default = fit(everything), CostModel()
@@ -98,6 +124,8 @@ def main(argv=None):
 
         Path(args.out).write_text(json.dumps(dict(coefficients=coefficients, samples=table, run=run_record()),
                                              indent=1))
+    if args.save_model:
+        refit.save(args.save_model)
     return refit, table
 
 

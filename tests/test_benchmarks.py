@@ -466,6 +466,29 @@ def test_cost_model_refit_rebuilds_the_measured_forests(tmp_path):
     assert json.loads((tmp_path / "refit.json").read_text())["coefficients"].keys() == set(FEATURES)
 
 
+def test_cost_model_refit_prices_a_tree_run_in_pieces():
+    """A tree the probe ran as planner pieces is priced as the planner plans it at that budget: the pieces' features
+    summed (every unique token once, one microbatch per piece, their rounds added), and a probe row whose piece count
+    the rebuilt plan does not reproduce is refused, naming both counts."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from refit_cost_model import forest_features, plan_features
+
+    from harts_hf.planner import plan
+    from harts_hf.trees import PrefixForest
+
+    prefix = list(range(1, 200))
+    sequences = [prefix + [300 + i] * (120 + 7 * i) for i in range(6)]
+    packed = PrefixForest.from_sequences(sequences).pack()
+    pieces = len(plan(packed, num_replicas=1, token_budget=400).pieces)
+    assert pieces > 1
+    features = plan_features(sequences, 400, pieces)
+    whole = forest_features(sequences, separate=False)
+    assert features["unique_tokens"] == whole["unique_tokens"] == packed.num_tokens
+    assert features["microbatches"] == pieces and whole["microbatches"] == 1
+    with pytest.raises(ValueError, match=f"has {pieces} pieces, the probe ran {pieces + 1}"):
+        plan_features(sequences, 400, pieces + 1)
+
+
 @pytest.mark.parametrize("family", ["bailing_hybrid", "kimi_linear", "nemotron_h"])
 def test_gpu_parity_model_stage_on_cpu(family):
     """The bf16 parity stage the H200 runs on the KDA and Mamba-2 presets, here on a tiny model of the family in
