@@ -13,7 +13,8 @@ own (``harts_hf.planner.plan`` over the forest as one piece plus its one microba
 microbatch each), so the fit prices what the planner prices. The coefficients are fitted by non-negative least
 squares on every forest; the table gives each forest's measured seconds and the relative error of three predictions:
 the refit's, a fit on the OTHER workloads only (the forest held out: leave-one-workload-out), and the library's
-current defaults (``CostModel()``). ``--out`` writes the coefficients and the table.
+current defaults (``CostModel()``). ``--out`` writes the coefficients and the table; ``--save-model`` writes the
+refit as a cost model file (TreeGRPOConfig's ``tree_cost_model``).
 """
 
 from __future__ import annotations
