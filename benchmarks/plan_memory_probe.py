@@ -20,6 +20,7 @@ innermost frame inside harts_hf / transformers / fla, and the innermost frame of
     python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --replicas 2 4 8
     python3 benchmarks/plan_memory_probe.py --workload distinct --scale 1.0 --budget 0 --no-history --kernels fused_fa4 \
         --packed-groups 0 --interleave --repeats 4   # tree and packed timed alternately
+    python3 benchmarks/plan_memory_probe.py --workload distinct tau:0.02 --scale 1.0 ...   # a scale per workload
 
 ``--loop-sample`` also times trajectories alone through the same kernels (the per-trajectory baseline at lengths
 where the unpatched model's full ``[T, vocab]`` logits do not fit), next to the cost fit's price;
@@ -67,6 +68,26 @@ from harts_hf.model_patches import (  # noqa: E402
 )
 
 OURS = ("harts_hf", "transformers", "/fla/")
+
+
+WORKLOADS = ("swe", "tau", "grpo", "search", "distinct")
+
+
+def workload_spec(text: str) -> tuple[str, float | None]:
+    """``--workload`` items: ``name`` or ``name:scale``."""
+    name, _, scale = text.partition(":")
+    if name not in WORKLOADS:
+        raise argparse.ArgumentTypeError(f"unknown workload {name!r}; pick one of {', '.join(WORKLOADS)}")
+    if not scale:
+        return name, None
+    try:
+        value = float(scale)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"workload {text!r}: the scale after ':' must be a positive number, as in "
+                                         f"{name}:0.02")
+    return name, value
 
 
 def task_sequences(scale: float, vocab: int, seed: int = 0, workload: str = "swe") -> list[list[int]]:
@@ -279,9 +300,11 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=0.2)
-    parser.add_argument("--workload", nargs="+", default=["swe"], choices=["swe", "tau", "grpo", "search", "distinct"],
-                        help="swe: one task; the others: the preset's whole batch; several: one after the other in "
-                             "this process, each written to OUT/<workload>")
+    parser.add_argument("--workload", nargs="+", default=["swe"], type=workload_spec, metavar="NAME[:SCALE]",
+                        help=f"one of {', '.join(WORKLOADS)} (swe: one task; the others: the preset's whole batch), "
+                             "optionally with its own scale (tau:0.02; default --scale); several: one after the "
+                             "other in this process (kernels compile once), each written to OUT/<name> (OUT/<name>_"
+                             "<scale> with a scale of its own)")
     parser.add_argument("--budget", type=int, nargs="+", default=[0, 32768],
                         help="token budgets to run, 0 = the whole forest as one piece (default: %(default)s)")
     parser.add_argument("--model", default="qwen3_next_2b", choices=sorted(MODELS))
@@ -361,9 +384,10 @@ def main(argv=None):
     experts = getattr(model.config, "_experts_implementation", None)
     if experts is not None:  # transformers' routed-expert kernels (grouped_mm where torch has it, else an eager loop)
         print(f"experts implementation: {experts}", flush=True)
-    for workload in args.workload:  # one process: kernels compile and autotune once for all of them
-        probe_workload(args, model, device, workload,
-                       Path(args.out) if len(args.workload) == 1 else Path(args.out) / workload)
+    for workload, scale in args.workload:  # one process: kernels compile and autotune once for all of them
+        name = workload if scale is None else f"{workload}_{scale:g}"
+        probe_workload(argparse.Namespace(**{**vars(args), "scale": args.scale if scale is None else scale}), model,
+                       device, workload, Path(args.out) if len(args.workload) == 1 else Path(args.out) / name)
 
 
 def probe_workload(args, model, device, workload: str, out: Path) -> None:

@@ -3,6 +3,7 @@ and not in the device minutes of a GPU session. These runs share CI's loaded 2-c
 everything fitted or derived from it, is checked for shape and sanity only (present, a finite float >= 0, or None
 where a fit leaves it undefined), never for its size; token counts and priced values from given fits are exact."""
 
+import argparse
 import json
 import math
 import subprocess
@@ -163,6 +164,18 @@ def test_plan_memory_probe_interleaves_one_setting_with_the_packed_path(capsys):
     assert [g["seconds_all"] for g in merged["groups"]] == [[1.0, 1.5], [2.0, 2.5]]
     assert merged["peak_gib"] == 4.0 and merged["groups"][0]["peak_gib"] == 4.0
     assert merged["alloc_retries"] == 3 and [g["alloc_retries"] for g in merged["groups"]] == [3, 0]
+
+
+def test_plan_memory_probe_takes_a_scale_per_workload(capsys):
+    """--workload NAME[:SCALE]: each workload may carry its own scale (one process, kernels compiled once); an unknown
+    name or a scale that is not a positive number is refused, naming the item and the fix."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plan_memory_probe import workload_spec
+
+    assert workload_spec("tau") == ("tau", None) and workload_spec("tau:0.02") == ("tau", 0.02)
+    for bad, named in (("taux", "pick one of swe, tau"), ("tau:0", "positive number"), ("tau:x", "tau:0.02")):
+        with pytest.raises(argparse.ArgumentTypeError, match=named):
+            workload_spec(bad)
 
 
 def test_plan_memory_probe_measures_each_ranks_pieces():
