@@ -381,9 +381,8 @@ def main(argv=None):
         raise SystemExit("plan_memory_probe needs CUDA (the allocator trace is CUDA's)")
     device = torch.device("cuda", 0)
     model = build_model(args.model, "qwen3_next", device, torch.float32)
-    experts = getattr(model.config, "_experts_implementation", None)
-    if experts is not None:  # transformers' routed-expert kernels (grouped_mm where torch has it, else an eager loop)
-        print(f"experts implementation: {experts}", flush=True)
+    if any(type(m).__name__.endswith("Experts") for m in model.modules()):  # routed experts: transformers' kernels
+        print(f"experts implementation: {model.config._experts_implementation}", flush=True)  # grouped_mm or eager
     for workload, scale in args.workload:  # one process: kernels compile and autotune once for all of them
         name = workload if scale is None else f"{workload}_{scale:g}"
         probe_workload(argparse.Namespace(**{**vars(args), "scale": args.scale if scale is None else scale}), model,
