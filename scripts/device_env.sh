@@ -11,6 +11,10 @@
 # carries .device/fa4libs.tar.xz alone (this script unpacks it and ends the command), the next carries the bundle and
 # .device/fa4rest.tar.xz; both then stay in .device/fa4x and are on PYTHONPATH. A machine released when idle (30 s)
 # comes back bare: the `warm` field of each call's answer says whether the archives must travel again.
+# A fresh machine's first process compiles and autotunes for 150-300 s before its first timed run (fla's Triton
+# autotuning, TileLang, FlashAttention-4's CuTe DSL), and every later process with new shapes pays part of it again
+# (144 s for the first full-size `swe` packed call, 2026-12-03): run a call's measurements in ONE process
+# (`step --workload distinct tau:0.02 ...`) and give it most of the call's time.
 # Compiled kernels: Triton's cache (compiled binaries, their metadata and autotuning results; the intermediate
 # representations left out) and TileLang's come back with `save_caches` as $OUT/kernels.tar.xz.aa, .ab, ... (15 MiB
 # parts: the tool returns files of at most 16 MiB). Copied into .device/kernels/ and carried by a later call
