@@ -400,14 +400,17 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
 
     use_kernels(args.kernels[0])  # in force for the packed, profile and loop runs when no tree runs
     if args.interleave:
-        rows.extend(interleaved(args, model, sequences, device,
-                                lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1))))
+        rows.extend(interleaved(
+            args, model, sequences, device,
+            lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1)),
+            lambda so_far: (out / "probe_interleaved_partial.json").write_text(json.dumps(so_far, indent=1))))
         save()
         print_tree_row(rows[-2])
     for kernels in [] if args.loop_only or args.no_tree or args.interleave else reversed(args.kernels):
         use_kernels(kernels)
-        run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation, autotuning,
-            attention=args.attention)                                      # cuDNN plans)
+        warm = run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation,
+                   attention=args.attention)                                      # autotuning, cuDNN plans)
+        print(f"{kernels} kernels: tree warm-up run {warm['seconds']:.2f} s", flush=True)
         for keep, stored, matmul in itertools.product(args.keep_attention, args.stored_layers, args.matmul_layers):
             keep_attention_outputs(model, keep == "on")
             store_layer_activations(model, stored)
@@ -497,22 +500,30 @@ def print_tree_row(r: dict) -> None:
             print(f"    {gib:8.3f}  {where}")
 
 
-def interleaved(args, model, sequences, device, progress) -> list[dict]:
+def interleaved(args, model, sequences, device, progress, partial=None) -> list[dict]:
     """``--interleave``: after one warm-up of the tree (the packed path's first call warms itself up), the tree's
     timed runs and the packed path's timed passes alternate, ``--repeats`` of each; returns the tree's row and the
-    packed path's, shaped as without interleaving (``interleaved: True`` in both)."""
+    packed path's, shaped as without interleaving (``interleaved: True`` in both). ``partial`` gets the seconds so
+    far after each pair."""
     keep, stored, matmul = args.keep_attention[0], args.stored_layers[0], args.matmul_layers[0]
     keep_attention_outputs(model, keep == "on")
     store_layer_activations(model, stored)
     matmul_layers = keep_matmul_outputs(model, matmul)
     budget, cap = args.budget[0] or None, packed_cap(args, sequences)
-    run(model, sequences, budget, device, history=False, attention=args.attention)
+    warm = run(model, sequences, budget, device, history=False, attention=args.attention)
+    print(f"tree warm-up run (compilation, autotuning): {warm['seconds']:.2f} s", flush=True)
     trees, passes = [], []
     for i in range(max(args.repeats, 1)):
         trees.append(run(model, sequences, budget, device, history=False, attention=args.attention,
                          recompute=not args.no_recompute))
+        print(f"tree run {i}: {trees[-1]['seconds']:.3f} s, peak {trees[-1]['peak_gib']:.1f} GiB, reserved "
+              f"{trees[-1]['reserved_gib']:.1f}, {trees[-1]['alloc_retries']} allocator retries", flush=True)
         passes.append(packed_groups(model, sequences, cap, device, args.attention, progress=progress, repeats=1,
                                     warmup=args.packed_warmup if i == 0 else "none"))
+        if partial is not None:  # what a time limit would otherwise take with it
+            partial(dict(tree_seconds=[t["seconds"] for t in trees], packed_seconds=[p["seconds"] for p in passes],
+                         tree_alloc_retries=[t["alloc_retries"] for t in trees],
+                         packed_alloc_retries=[p["alloc_retries"] for p in passes], warmup_seconds=warm["seconds"]))
     tree = dict(tree_row(model, trees, args.kernels[0], keep, stored, matmul, matmul_layers), interleaved=True)
     return [tree, dict(packed_groups=dict(merge_passes(passes, sequences), interleaved=True))]
 
