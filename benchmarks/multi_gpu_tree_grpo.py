@@ -429,6 +429,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainer", default="tree", choices=["tree", "trl"],
                         help="tree: TreeGRPOTrainer; trl: TRL's own GRPOTrainer on the same rollouts (padded rows, "
                              "every trajectory computed alone; use --grad-accum to fit memory) (default: %(default)s)")
+    parser.add_argument("--liger", action="store_true",
+                        help="with --trainer trl: TRL's use_liger_kernel=True (Liger's Triton RMSNorm / SwiGLU kernels "
+                             "in the model's layers; TRL keeps its own chunked LM head), what a careful TRL user turns "
+                             "on for speed; needs liger-kernel")
     parser.add_argument("--cross-replica", action="store_true",
                         help="tree_cross_replica_handoffs=True (DDP; needs --tree-token-budget): each microbatch "
                              "planned over every process's rows, a task's tree split over processes")
@@ -444,7 +448,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="write every thread's Python stack to OUT/stacks<rank>.txt every SECONDS (to locate a hang)")
     parser.add_argument("--compare", default=None, metavar="REFERENCE_JSON",
                         help="summary.json of a reference run (e.g. 1 process) to compare loss and grad_norm with")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.liger and args.trainer != "trl":
+        parser.error("--liger is TRL's use_liger_kernel for --trainer trl; the tree trainer has fused kernels of its "
+                     "own (leave --liger out, or pass --trainer trl)")
+    return args
 
 
 def main(argv=None):
@@ -495,7 +503,8 @@ def main(argv=None):
         tree_token_budget=args.tree_token_budget, tree_cross_replica_handoffs=args.cross_replica,
         tree_balance_replicas=args.balance, tree_gdn_backend=args.gdn_backend, bf16=cuda, use_cpu=not cuda,
         gradient_checkpointing=checkpointing, tree_head_chunk_size=args.head_chunk_size,
-        tree_varlen_kernel=args.varlen_kernel, gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None, logging_steps=1,
+        tree_varlen_kernel=args.varlen_kernel, use_liger_kernel=args.liger, use_tree=not args.liger,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None, logging_steps=1,
         report_to="none", save_strategy="no", disable_tqdm=True)
     from datasets import Dataset
 

@@ -94,8 +94,10 @@ def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], dev
     config, trainer_class = (SFTConfig, SFTTrainer) if args.trainer == "trl" else (TreeSFTConfig, TreeSFTTrainer)
     if args.trainer != "trl":
         common["tree_varlen_kernel"] = args.varlen_kernel
-    elif args.pad_to_multiple_of is not None:
-        common["pad_to_multiple_of"] = args.pad_to_multiple_of
+    else:
+        common["use_liger_kernel"] = args.liger
+        if args.pad_to_multiple_of is not None:
+            common["pad_to_multiple_of"] = args.pad_to_multiple_of
 
     class InOrder(trainer_class):  # the rows in dataset order: micro-batch k of every run holds the same rows
         def _get_train_sampler(self, *unused, **kwargs):
@@ -158,8 +160,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="TOKENS",
                         help="TRL's SFTConfig.pad_to_multiple_of: each micro-batch padded to a multiple of TOKENS, so "
                              "new batch widths compile fewer kernel variants (default: TRL's, the longest row)")
+    parser.add_argument("--liger", action="store_true",
+                        help="trl: SFTConfig.use_liger_kernel=True (Liger's fused linear cross-entropy and layer "
+                             "kernels), what a careful TRL user turns on; needs liger-kernel (tree and packed have "
+                             "fused kernels of their own)")
     parser.add_argument("--out", default="results/sft")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.liger and "trl" not in args.trainer:
+        parser.error("--liger is SFTConfig.use_liger_kernel for --trainer trl; add trl to --trainer or leave --liger out")
+    return args
 
 
 def main(argv=None) -> dict[str, dict]:

@@ -3,10 +3,10 @@
 #   source scripts/device_env.sh && cd benchmarks && python3 plan_memory_probe.py ... --out $W/name; cd ..; finish
 #
 # The first call on a machine carries the archives (`carry`: .device/site.tar.xz from ../shared/device/make-bundle.sh,
-# and, where needed, .device/tf.tar.xz from scripts/device_extras.sh); they are extracted once into .device/site and
-# .device/tf524, which stay on a warm machine, so later calls carry nothing (a fresh machine needs them again).
-# PYTHONPATH then holds the checkout and the bundle; `PYTHONPATH=$TF524:$PYTHONPATH` puts transformers 5.24 first
-# (bailing_hybrid). Results go under $W; `finish` packs $W into $OUT/results.tgz (the tool returns at most 8 files)
+# and, where needed, .device/tf.tar.xz or .device/liger.tar.xz from scripts/device_extras.sh); they are extracted
+# once into .device/site, .device/tf524 and .device/liger, which stay on a warm machine, so later calls carry nothing
+# (a fresh machine needs them again). PYTHONPATH then holds the checkout, the bundle and liger-kernel where carried;
+# `PYTHONPATH=$TF524:$PYTHONPATH` puts transformers 5.24 first (bailing_hybrid). Results go under $W; `finish` packs $W into $OUT/results.tgz (the tool returns at most 8 files)
 # with the size of Triton's cache beside them. FlashAttention-4 (`--kernels fused_fa4`): a fresh machine's first call
 # carries .device/fa4libs.tar.xz alone (this script unpacks it and ends the command), the next carries the bundle and
 # .device/fa4rest.tar.xz; both then stay in .device/fa4x and are on PYTHONPATH. A machine released when idle (30 s)
@@ -20,7 +20,7 @@
 # parts: the tool returns files of at most 16 MiB). Copied into .device/kernels/ and carried by a later call
 # (`carry: [".device/kernels"]`, on its own: the bundle and the parts together exceed 64 MiB), they are unpacked into
 # ~ before anything compiles, so that machine loads the kernels instead of compiling and autotuning them again.
-for pair in site:site.tar.xz tf524:tf.tar.xz; do
+for pair in site:site.tar.xz tf524:tf.tar.xz liger:liger.tar.xz; do
   dir=.device/${pair%%:*}; archive=.device/${pair#*:}
   if [ ! -f "$dir/.ok" ] && [ -f "$archive" ]; then
     mkdir -p "$dir" && tar -C "$dir" -xJf "$archive" && touch "$dir/.ok"
@@ -42,6 +42,7 @@ if compgen -G ".device/kernels/kernels.tar.xz.*" > /dev/null && [ ! -f ~/.harts_
   du -sh ~/.triton/cache ~/.tilelang/cache 2>/dev/null
 fi
 export PYTHONPATH="$PWD:$PWD/.device/site" TF524="$PWD/.device/tf524" PYTHONUNBUFFERED=1
+[ -f .device/liger/.ok ] && PYTHONPATH="$PYTHONPATH:$PWD/.device/liger"  # liger-kernel (TRL's use_liger_kernel)
 if [ -f .device/fa4x/.fa4libs ] && [ -f .device/fa4x/.fa4rest ]; then
   PYTHONPATH="$PYTHONPATH:$PWD/.device/fa4x:$PWD/.device/fa4x/nvidia_cutlass_dsl/dsl_packages"
 fi

@@ -123,3 +123,23 @@ def test_trl_trainer_on_distinct_rows_matches_the_tree_trainer(tmp_path):
     assert all(sum(r["path_tokens"]) - sum(r["unique_tokens"]) == 2 * 8 - 1 for r in reference["steps"])
     for entry in json.loads((trl / "summary.json").read_text())["compare"]["steps"]:
         assert entry["loss_rel_diff"] < 1e-4 and entry["grad_norm_rel_diff"] < 1e-4, entry
+
+
+def test_liger_is_the_trl_baselines_option(capsys):
+    """--liger turns on TRL's use_liger_kernel for the TRL baselines only (GRPO and SFT benchmarks): without a TRL
+    trainer it is refused, naming the flag and the fix (the tree configs refuse use_liger_kernel with use_tree)."""
+    import pytest
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import multi_gpu_tree_grpo as bench
+    import sft_step
+
+    assert bench.parse_args(["--trainer", "trl", "--liger"]).liger
+    assert not bench.parse_args(["--trainer", "trl"]).liger
+    assert sft_step.parse_args(["--trainer", "tree", "trl", "--liger"]).liger
+    for parse, argv, message in ((bench.parse_args, ["--liger"], "--liger is TRL's use_liger_kernel for --trainer trl"),
+                                 (sft_step.parse_args, ["--trainer", "tree", "--liger"],
+                                  "--liger is SFTConfig.use_liger_kernel for --trainer trl")):
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert message in capsys.readouterr().err
