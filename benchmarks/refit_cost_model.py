@@ -46,15 +46,16 @@ def forest_features(sequences, separate: bool) -> dict:
     return features
 
 
-def plan_features(sequences, budget: int, pieces: int) -> dict:
-    """The planner's features of ``sequences`` planned in pieces of at most ``budget`` tokens on one replica, summed
-    over the pieces (each piece one forward+backward call: ``microbatches`` counts them; its state-pass rounds add
-    up). The hand-off sources' extra forward without gradient (``execute_plan(recompute=True)``) is not a feature:
-    the planner does not price it."""
+def plan_features(sequences, budget: int | None, pieces: int) -> dict:
+    """The planner's features of ``sequences`` planned in pieces of at most ``budget`` tokens (None: the whole forest)
+    on one replica, summed over the pieces (each piece one forward+backward call: ``microbatches`` counts them; its
+    state-pass rounds add up). The hand-off sources' extra forward without gradient (``execute_plan(recompute=True)``)
+    is not a feature: the planner does not price it."""
     from harts_hf.planner import plan
     from harts_hf.trees import PrefixForest
 
-    the_plan = plan(PrefixForest.from_sequences(sequences).pack(), num_replicas=1, token_budget=budget)
+    packed = PrefixForest.from_sequences(sequences).pack()
+    the_plan = plan(packed, num_replicas=1, token_budget=budget or packed.num_tokens)
     if len(the_plan.pieces) != pieces:
         raise ValueError(f"the rebuilt plan has {len(the_plan.pieces)} pieces, the probe ran {pieces} (another "
                          f"planner or budget?)")
@@ -70,13 +71,11 @@ def samples_of(workload: str, path: str, model: str = "qwen3_next_2b") -> list[d
     samples = []
     trees = [r for r in rows if r.get("pieces") and r.get("keep_attention", "on") == "on"
              and not r.get("stored_layers")]
-    if trees and trees[0]["pieces"] == 1:
-        samples.append(dict(name=f"{workload} tree", features=forest_features(sequences, separate=False),
-                            seconds=trees[0]["seconds"]))
-    elif trees:
-        samples.append(dict(name=f"{workload} tree, {trees[0]['pieces']} pieces",
-                            features=plan_features(sequences, trees[0]["budget"], trees[0]["pieces"]),
-                            seconds=trees[0]["seconds"]))
+    if trees:
+        tree = trees[0]
+        samples.append(dict(name=f"{workload} tree" + ("" if tree["pieces"] == 1 else f", {tree['pieces']} pieces"),
+                            features=plan_features(sequences, tree["budget"], tree["pieces"]),
+                            seconds=tree["seconds"]))
     packed = next((r["packed_groups"] for r in rows if "packed_groups" in r), None)
     if packed is not None:
         groups = list(consecutive_groups(sequences, packed["max_tokens"]))
