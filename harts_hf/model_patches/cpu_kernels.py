@@ -7,8 +7,8 @@ mixer that can reach such a kernel an instance ``forward`` that, for CPU inputs,
 kernel functions (transformers >= 5.2x: module globals wrapped by ``use_kernel_func_from_hub_with_fallback``;
 older releases: instance attributes such as ``chunk_gated_delta_rule``) set to their pure-PyTorch versions for the
 duration of the call. CUDA inputs run untouched. transformers >= 5.25 sends CPU inputs to the PyTorch version
-itself; the guard then finds nothing to do, and :func:`kernel_fallbacks` still serves references that want the
-PyTorch kernels on CUDA.
+itself, so there the guard only makes explicit what transformers would pick; :func:`kernel_fallbacks` also serves
+references that want the PyTorch kernels on CUDA (:func:`harts_hf.reference.torch_reference_kernels`).
 """
 
 from __future__ import annotations
