@@ -7,9 +7,10 @@
 # once into .device/site, .device/tf524 and .device/liger, which stay on a warm machine, so later calls carry nothing
 # (a fresh machine needs them again). PYTHONPATH then holds the checkout, the bundle and liger-kernel where carried;
 # `PYTHONPATH=$TF524:$PYTHONPATH` puts transformers 5.24 first (bailing_hybrid). Results go under $W; `finish` packs
-# $W into $OUT/results.tgz (the tool returns at most 8 files) with the size of Triton's cache beside them. FlashAttention-4 (`--kernels fused_fa4`): a fresh machine's first call
-# carries .device/fa4libs.tar.xz alone (this script unpacks it and ends the command), the next carries the bundle and
-# .device/fa4rest.tar.xz; both then stay in .device/fa4x and are on PYTHONPATH. A machine released when idle (30 s)
+# $W into $OUT/results.tgz (the tool returns at most 8 files) with the size of Triton's cache beside them.
+# FlashAttention-4 (`--kernels fused_fa4`): a fresh machine's first call carries .device/fa4libs.tar.xz alone (this
+# script unpacks it and ends the command), the next carries the bundle and .device/fa4rest.tar.xz; both then stay in
+# .device/fa4x and are on PYTHONPATH. A machine released when idle (30 s)
 # comes back bare: the `warm` field of each call's answer says whether the archives must travel again.
 # A fresh machine's first process compiles and autotunes for 150-300 s before its first timed run (fla's Triton
 # autotuning, TileLang, FlashAttention-4's CuTe DSL), and every later process with new shapes pays part of it again

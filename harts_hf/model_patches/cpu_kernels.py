@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-__all__ = ["cpu_guard_attributes", "hub_wrapper", "kernel_fallbacks", "torch_function_of", "torch_kernels_for"]
+__all__ = ["cpu_guard_attributes", "kernel_fallbacks", "torch_function_of", "torch_kernels_for"]
 
 # instance attributes older transformers releases bind (fla / causal-conv1d function, or None) and the module
 # global holding the pure-PyTorch version (None: the layer's own fallback when the attribute is None)
@@ -38,20 +38,26 @@ def _from_triton_package(function) -> bool:
     return module.split(".")[0] in _TRITON_PACKAGES
 
 
-def hub_wrapper(value):
+def _hub_wrapper(value):
     """The function transformers' ``use_kernel_func_from_hub_with_fallback`` made of a kernel function, as
     ``value`` holds it: the function itself, or (transformers >= 5.25, where the ``kernels`` package is a
     dependency) inside the ``Func`` module ``kernels`` wraps it in; None for anything else."""
-    if isinstance(value, torch.nn.Module):  # kernels' Func: its forward calls the wrapper, a closure variable
-        forward = type(value).forward
-        value = inspect.getclosurevars(forward).nonlocals.get("func") if hasattr(forward, "__code__") else None
+    if isinstance(value, torch.nn.Module):
+        value = _func_module_callee(type(value))
     code = getattr(value, "__code__", None)
     return value if code is not None and code.co_filename.endswith("hub_kernels.py") else None
 
 
+@functools.cache
+def _func_module_callee(module_type):
+    """What a ``kernels`` Func module's forward calls (a closure variable of the class's forward), else None."""
+    forward = module_type.forward
+    return inspect.getclosurevars(forward).nonlocals.get("func") if hasattr(forward, "__code__") else None
+
+
 def torch_function_of(value):
-    """The pure-PyTorch function behind a kernel function transformers wrapped (:func:`hub_wrapper`), or None."""
-    wrapper = hub_wrapper(value)
+    """The pure-PyTorch function behind a kernel function transformers wrapped (:func:`_hub_wrapper`), or None."""
+    wrapper = _hub_wrapper(value)
     return None if wrapper is None else getattr(wrapper, "__wrapped__", None)
 
 
@@ -61,7 +67,7 @@ def kernel_fallbacks(python_module) -> dict:
     the torch function; a global already set to a PyTorch function, e.g. by a reference run, is left alone)."""
     fallbacks = {}
     for name, value in vars(python_module).items():
-        wrapper = hub_wrapper(value)
+        wrapper = _hub_wrapper(value)
         if wrapper is not None:
             torch_function = _torch_version(wrapper)
             if torch_function is not None:
