@@ -9,19 +9,22 @@ loss, MFU, peak memory.
     python -m benchmarks sft --preset tiny --workload tau --scale 0.01 --steps 2 --out /tmp/sft   # CPU smoke run
     python -m benchmarks sft --preset 2b --workload tau --scale 0.5 --steps 4 --warmup 2 --trainer tree packed \
         --batch 4 --out results/sft   # both in one process: OUT/tree, OUT/packed
+    python -m benchmarks sft --preset 2b --workload tau --scale 0.1 --steps 3 --warmup 1 --trainer tree packed trl \
+        --batch 4 --packed-batch 0 --liger --out results/sft   # packed: a step's rows in one call; trl: 4 per batch
 
 Data: optimizer step ``s`` trains one instance of the preset (``make_workload(workload, scale, seed=s)``), every
 trajectory a row whose loss is on the tokens the preset marks (thinking and actions; observations and prompts carry
 none), as SFT on agent traces trains each assistant turn with its history: the presets drop earlier turns' thinking,
 so a conversation's rows fork where that thinking started, and all rows share the system prompt. Every step keeps
 the first ``R`` rows of its instance (``R``: the smallest instance's row count, rounded down to a multiple of
-``--batch`` for both trainers), so both trainers see the same
+``--batch`` and ``--packed-batch``), so every trainer sees the same
 micro-batches in the same order (no shuffling). The rows are handed to the trainers pre-tokenized
 (``input_ids``, ``assistant_masks``; TRL turns the mask into labels).
 
 - ``--trainer tree``: TreeSFTTrainer, the ``R`` rows of a step as one prefix forest (one micro-batch).
 - ``--trainer packed``: the packed per-row path with the tree's kernels: TreeSFTTrainer with every row its own tree
-  (no token shared), micro-batches of ``--batch`` rows packed without padding, gradient accumulation over the step.
+  (no token shared), micro-batches of ``--packed-batch`` rows (default ``--batch``; 0: all of a step's rows, one
+  call) packed without padding, gradient accumulation over the step.
 - ``--trainer trl``: TRL's SFTTrainer, micro-batches of ``--batch`` rows padded to their longest (or to a multiple
   of ``--pad-to-multiple-of``), gradient accumulation over the step's ``R / batch`` micro-batches. Not
   ``padding_free``: transformers' Gated DeltaNet layers do not keep packed sequences apart, so packing would not
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -71,6 +75,21 @@ def step_rows(workload: str, scale: float, steps: int, vocab_size: int,
     return [instance[:rows] for instance in instances]
 
 
+def micro_batch(args, per_step: int) -> int:
+    """Rows per micro-batch of ``args.trainer``: the step's rows for the tree, ``--packed-batch`` for the packed
+    path (0: the step's rows, one packed call per step; unset: ``--batch``), ``--batch`` for TRL."""
+    if args.trainer == "tree" or (args.trainer == "packed" and args.packed_batch == 0):
+        return per_step
+    if args.trainer == "packed" and args.packed_batch is not None:
+        return args.packed_batch
+    return args.batch
+
+
+def row_multiple(args) -> int:
+    """What every step's row count is rounded down to, so that each trainer's micro-batches divide it."""
+    return math.lcm(args.batch, args.packed_batch or 1)
+
+
 def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], device: torch.device):
     """TreeSFTTrainer (``tree``, or ``packed``: no row shares a token) or TRL's SFTTrainer over ``rows`` in order, one
     optimizer step per instance."""
@@ -82,7 +101,7 @@ def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], dev
     from harts_hf.trees import PrefixForest
 
     per_step = len(rows[0])
-    batch = per_step if args.trainer == "tree" else args.batch
+    batch = per_step if args.trainer == "tree" else micro_batch(args, per_step)
     flat = [row for step in rows for row in step]
     dataset = Dataset.from_dict({"input_ids": [ids for ids, _ in flat], "assistant_masks": [m for _, m in flat]})
     on_cuda = device.type == "cuda"
@@ -155,6 +174,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "seed; kernels compiled and autotuned once), each written to OUT/<trainer>")
     parser.add_argument("--batch", type=int, default=4, help="micro-batch size (rows) of trl and packed; the tree "
                                                              "takes a step's rows as one micro-batch")
+    parser.add_argument("--packed-batch", type=int, default=None, metavar="ROWS",
+                        help="micro-batch size (rows) of packed alone (default: --batch); 0: a step's rows in one "
+                             "packed call, the strongest per-row packing where it fits in memory (the fwd+bwd "
+                             "headline's packed path), while trl keeps --batch")
     parser.add_argument("--varlen-kernel", default=None, choices=["torch", "fa4", "auto"],
                         help="tree_varlen_kernel of tree and packed (default: harts_hf's, torch)")
     parser.add_argument("--pad-to-multiple-of", type=int, default=None, metavar="TOKENS",
@@ -166,6 +189,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "fused kernels of their own)")
     parser.add_argument("--out", default="results/sft")
     args = parser.parse_args(argv)
+    if args.packed_batch is not None and (args.packed_batch < 0 or "packed" not in args.trainer):
+        parser.error(f"--packed-batch {args.packed_batch}: the packed path's rows per micro-batch, >= 0 (0: a step's "
+                     "rows), with packed in --trainer")
+    if args.batch < 1:
+        parser.error(f"--batch {args.batch}: rows per micro-batch, at least 1")
     if args.liger and "trl" not in args.trainer:
         parser.error("--liger is SFTConfig.use_liger_kernel for --trainer trl; add trl to --trainer or leave --liger out")
     return args
@@ -194,7 +222,8 @@ def train_and_time(args) -> dict:
     write_run_record(out)
     torch.manual_seed(0)
     model = build_model(PRESETS[args.preset], "qwen3_next", device, torch.float32)
-    rows = step_rows(args.workload, args.scale, args.steps, MODELS[PRESETS[args.preset]]["vocab_size"], args.batch)
+    rows = step_rows(args.workload, args.scale, args.steps, MODELS[PRESETS[args.preset]]["vocab_size"],
+                     row_multiple(args))
     trainer = make_trainer(args, model, rows, device)
     records: list[dict] = []
     trainer.add_callback(step_timer(trainer, records))
@@ -214,7 +243,7 @@ def train_and_time(args) -> dict:
                           R_tok=stats["R_tok"], mfu=work["mfu"], flop_ratio=work["flop_ratio"]))
     measured = [s for s in steps if s["step"] > args.warmup] or steps
     result = dict(trainer=args.trainer, preset=args.preset, workload=args.workload, scale=args.scale,
-                  batch=len(rows[0]) if args.trainer == "tree" else args.batch, device=str(device), steps=steps,
+                  batch=micro_batch(args, len(rows[0])), device=str(device), steps=steps,
                   measured_steps=[s["step"] for s in measured],
                   mean_step_s=sum(s["seconds"] for s in measured) / len(measured),
                   mean_mfu=sum(s["mfu"] or 0.0 for s in measured) / len(measured))

@@ -553,19 +553,20 @@ def test_gpu_attention_features_stage_on_cpu():
 
 def test_sft_benchmark_trains_the_same_rows_with_every_trainer(tmp_path):
     """`python -m benchmarks sft` on the CPU: TreeSFTTrainer (a step's rows as one forest), the packed per-row path
-    (TreeSFTTrainer with every row its own tree, micro-batches of 4) and TRL's SFTTrainer (micro-batches of 4 padded
+    (TreeSFTTrainer with every row its own tree, a step's rows in one micro-batch: `--packed-batch 0`) and TRL's SFTTrainer (micro-batches of 4 padded
     to a multiple of 64, gradient accumulation) train the same agent-trace rows to the same per-step loss; token
     counts are exact, times only present."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from sft_step import main
 
     common = ["--preset", "tiny", "--workload", "tau", "--scale", "0.005", "--steps", "2", "--batch", "4"]
-    both = main(common + ["--trainer", "tree", "packed", "--out", str(tmp_path / "both")])  # one process, in turn
+    both = main(common + ["--trainer", "tree", "packed", "--packed-batch", "0", "--out", str(tmp_path / "both")])
     tree, packed = both["tree"], both["packed"]
     trl = main(common + ["--trainer", "trl", "--pad-to-multiple-of", "64", "--out", str(tmp_path / "trl")])["trl"]
     assert json.loads((tmp_path / "both" / "tree" / "sft.json").read_text())["steps"] == json.loads(
         json.dumps(tree["steps"]))
     assert (tmp_path / "both" / "packed" / "run.json").exists() and (tmp_path / "trl" / "sft.json").exists()
+    assert packed["batch"] == tree["batch"] == tree["steps"][0]["rows"] and trl["batch"] == 4  # one packed call
     for a, b, c in zip(tree["steps"], trl["steps"], packed["steps"], strict=True):
         assert a["rows"] == b["rows"] == c["rows"] and a["rows"] % 4 == 0
         assert a["path_tokens"] == b["path_tokens"] == c["path_tokens"]
