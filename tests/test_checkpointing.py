@@ -3,6 +3,7 @@ their forwards not run again in the backward), attention outputs kept (tree_keep
 gradients, each attention op run once) and matrix products' outputs kept in chosen layers (keep_matmul_outputs: the
 same gradients, no GEMM run again); all kept when checkpointing is enabled again."""
 
+import functools
 import random
 
 import pytest
@@ -131,6 +132,32 @@ def test_kept_attention_outputs_give_the_same_gradients_and_run_attention_once(f
     with _CountOps() as counter:
         _fwd_bwd(model, forest)
     assert counter.calls == attention_layers  # the policy survives re-enabling
+    policy = [isinstance(layer._gradient_checkpointing_func, functools.partial)
+              and "context_fn" in layer._gradient_checkpointing_func.keywords for layer in model.model.layers]
+    kinds = getattr(model.config, "layer_types", None) or ["full_attention"] * len(policy)
+    assert policy == [kind == "full_attention" for kind in kinds]  # not on linear-attention layers: nothing to keep
+
+
+def test_linear_attention_layers_run_without_the_keep_attention_dispatch_mode():
+    """Qwen3-Next with attention outputs kept: the policy's dispatch mode wraps the full-attention layers (forward and
+    rerun), never the Gated DeltaNet layers, whose ops then dispatch without a Python mode in between."""
+    model = build("qwen3_next").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(3), 4, vocab=VOCAB, max_tail=40))
+    _fwd_bwd(model, forest)  # patches the model
+    keep_attention_outputs(model)
+    seen = {}
+    for index, layer in enumerate(model.model.layers):
+        def probe(module, args, index=index):
+            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+            seen.setdefault(index, set()).add(len(_get_current_dispatch_mode_stack()))
+        layer.mlp.register_forward_pre_hook(probe)
+    _fwd_bwd(model, forest)
+    kinds = model.config.layer_types
+    assert {i for i, modes in seen.items() if modes != {0}} == {i for i, kind in enumerate(kinds)
+                                                                if kind == "full_attention"}
+    assert all(seen[i] == {0} for i, kind in enumerate(kinds) if kind == "linear_attention")
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "llama"])

@@ -7,7 +7,8 @@ involved are deterministic):
 - :func:`keep_attention_outputs`: every softmax-attention kernel's output and softmax statistics from the forward are
   kept (a selective-checkpointing policy, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``), so the
   rerun skips the attention itself, the costliest op to recompute per byte kept (one attention output per attention
-  layer: ``tokens x heads x head_dim`` in bf16 plus fp32 statistics). Needs non-reentrant checkpointing; under the
+  layer: ``tokens x heads x head_dim`` in bf16 plus fp32 statistics). Only layers that hold softmax attention get the
+  policy (its dispatch mode sees every op of the layer, host time for nothing in the other layers). Needs non-reentrant checkpointing; under the
   reentrant kind it is not applied, nor under DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed
   region are collectives the selective-checkpointing cache refuses to meet in the backward's rerun).
 - :func:`keep_matmul_outputs`: in ``count`` checkpointed decoder layers the policy also keeps every matrix
@@ -89,6 +90,16 @@ _attention_contexts = functools.partial(_contexts, _attention_ops)  # a checkpoi
 _matmul_contexts = functools.partial(_contexts, _matmul_ops)
 
 
+def _runs_softmax_attention(module: torch.nn.Module) -> bool:
+    """Whether a checkpointed module holds softmax attention (a submodule whose ``forward`` goes through
+    transformers' attention interface, as every family's attention classes do). Only those get the keep-attention
+    policy: selective checkpointing runs the whole checkpointed forward and its rerun under a Python dispatch mode
+    that sees every op, which in a linear-attention, Mamba or MLP-only layer costs host time and keeps nothing."""
+    from .core import _uses_attention_interface
+
+    return any(_uses_attention_interface(m) for m in module.modules())
+
+
 def _non_reentrant(function) -> bool:
     while isinstance(function, functools.partial):
         if "use_reentrant" in function.keywords:
@@ -136,7 +147,7 @@ def _apply(model: torch.nn.Module) -> None:
             continue
         original = getattr(function, _ORIGINAL, function)
         contexts = _matmul_contexts if id(module) in matmul_layers else (
-            _attention_contexts if settings.keep_attention else None)
+            _attention_contexts if settings.keep_attention and _runs_softmax_attention(module) else None)
         if selective and contexts is not None and _non_reentrant(original):
             function = functools.partial(original, context_fn=contexts)
             setattr(function, _ORIGINAL, original)
