@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from harts_hf import tree_logprobs
 from harts_hf.model_patches import (
     checkpointed_layers,
+    checkpointing,
     keep_attention_outputs,
     keep_matmul_outputs,
     store_layer_activations,
@@ -138,27 +139,33 @@ def test_kept_attention_outputs_give_the_same_gradients_and_run_attention_once(f
     assert policy == [kind == "full_attention" for kind in kinds]  # not on linear-attention layers: nothing to keep
 
 
-def test_linear_attention_layers_run_without_the_keep_attention_dispatch_mode():
-    """Qwen3-Next with attention outputs kept: the policy's dispatch mode wraps the full-attention layers (forward and
-    rerun), never the Gated DeltaNet layers, whose ops then dispatch without a Python mode in between."""
+def test_keep_attention_dispatch_mode_is_active_inside_attention_modules_only():
+    """Qwen3-Next with attention outputs kept: selective checkpointing's dispatch mode is active inside the attention
+    modules (forward and rerun) and nowhere else: not in any MLP, not in the Gated DeltaNet layers, whose ops then
+    dispatch without a Python mode in between. The attention itself still runs once, with the same gradients (the
+    test above)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
     model = build("qwen3_next").train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(3), 4, vocab=VOCAB, max_tail=40))
     _fwd_bwd(model, forest)  # patches the model
     keep_attention_outputs(model)
     seen = {}
-    for index, layer in enumerate(model.model.layers):
-        def probe(module, args, index=index):
-            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-            seen.setdefault(index, set()).add(len(_get_current_dispatch_mode_stack()))
-        layer.mlp.register_forward_pre_hook(probe)
+    def probe(name):
+        return lambda module, args: seen.setdefault(name, set()).add(len(_get_current_dispatch_mode_stack()))
+
+    for index, layer in enumerate(model.model.layers):
+        layer.mlp.register_forward_pre_hook(probe(("mlp", index)))
+        mixer = getattr(layer, "self_attn", None) or layer.linear_attn
+        first = next(m for m in mixer.children() if isinstance(m, torch.nn.Linear))
+        first.register_forward_pre_hook(probe(("mixer", index)))
     _fwd_bwd(model, forest)
     kinds = model.config.layer_types
-    assert {i for i, modes in seen.items() if modes != {0}} == {i for i, kind in enumerate(kinds)
-                                                                if kind == "full_attention"}
-    assert all(seen[i] == {0} for i, kind in enumerate(kinds) if kind == "linear_attention")
-
+    assert all(seen[("mlp", i)] == {0} for i in range(len(kinds)))
+    assert all(seen[("mixer", i)] == ({1} if kind == "full_attention" else {0}) for i, kind in enumerate(kinds))
+    assert not getattr(checkpointing._deferred, "calls", []) and not getattr(checkpointing._deferred, "entered", [])
 
 @pytest.mark.parametrize("family", ["qwen3_next", "llama"])
 def test_kept_matmul_outputs_give_the_same_gradients_and_run_no_gemm_twice(family):

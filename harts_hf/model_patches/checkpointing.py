@@ -7,8 +7,9 @@ involved are deterministic):
 - :func:`keep_attention_outputs`: every softmax-attention kernel's output and softmax statistics from the forward are
   kept (a selective-checkpointing policy, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``), so the
   rerun skips the attention itself, the costliest op to recompute per byte kept (one attention output per attention
-  layer: ``tokens x heads x head_dim`` in bf16 plus fp32 statistics). Only layers that hold softmax attention get the
-  policy (its dispatch mode sees every op of the layer, host time for nothing in the other layers). Needs non-reentrant checkpointing; under the
+  layer: ``tokens x heads x head_dim`` in bf16 plus fp32 statistics). The policy's Python dispatch mode sees every op
+  it is active for, so it is active only inside the attention modules (transformers' attention classes) of the
+  layers that hold them; the rest of the layer, and every other layer, dispatch without it. Needs non-reentrant checkpointing; under the
   reentrant kind it is not applied, nor under DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed
   region are collectives the selective-checkpointing cache refuses to meet in the backward's rerun).
 - :func:`keep_matmul_outputs`: in ``count`` checkpointed decoder layers the policy also keeps every matrix
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 
 import torch
 
@@ -88,6 +90,60 @@ def _contexts(kept_ops):
 
 _attention_contexts = functools.partial(_contexts, _attention_ops)  # a checkpoint's context_fn
 _matmul_contexts = functools.partial(_contexts, _matmul_ops)
+_deferred = threading.local()  # this thread's open checkpointed calls (``calls``) and entered modes (``entered``)
+
+
+class _Deferred:
+    """One of selective checkpointing's two dispatch modes, held open for a checkpointed call but entered only
+    around its attention modules' forwards (:func:`_enter_kept` / :func:`_exit_kept`, their hooks), so the layer's
+    other ops dispatch without Python in between. Both passes see the same ops in the same order (the attention
+    modules' own), which is all the modes' shared storage needs."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __enter__(self):
+        _deferred.__dict__.setdefault("calls", []).append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _deferred.calls.pop()
+        return False
+
+
+def _attention_module_contexts():
+    """A checkpoint's ``context_fn``: the keep-attention policy, active inside the attention modules only."""
+    forward, recompute = _attention_contexts()
+    return _Deferred(forward), _Deferred(recompute)
+
+
+def _enter_kept(module, args):
+    """Forward pre-hook of an attention module: enter the innermost open checkpointed call's mode, if any."""
+    calls = getattr(_deferred, "calls", None)
+    mode = calls[-1].mode if calls else None
+    if mode is not None:
+        mode.__enter__()
+    _deferred.__dict__.setdefault("entered", []).append(mode)
+
+
+def _exit_kept(module, args, output):
+    """Forward hook of an attention module (also when its forward raises, as checkpointing's early stop of a
+    rerun does): leave the mode :func:`_enter_kept` entered."""
+    mode = _deferred.entered.pop()
+    if mode is not None:
+        mode.__exit__(None, None, None)
+
+
+def _hook_attention_modules(layer: torch.nn.Module) -> None:
+    """Put :func:`_enter_kept` / :func:`_exit_kept` on ``layer``'s attention modules (once; inert outside a
+    checkpointed call with :func:`_attention_module_contexts`)."""
+    from .core import _uses_attention_interface
+
+    for module in layer.modules():
+        if _uses_attention_interface(module) and not module.__dict__.get("_harts_kept_hooks"):
+            module.register_forward_pre_hook(_enter_kept)
+            module.register_forward_hook(_exit_kept, always_call=True)
+            module._harts_kept_hooks = True
 
 
 def _runs_softmax_attention(module: torch.nn.Module) -> bool:
@@ -147,7 +203,9 @@ def _apply(model: torch.nn.Module) -> None:
             continue
         original = getattr(function, _ORIGINAL, function)
         contexts = _matmul_contexts if id(module) in matmul_layers else (
-            _attention_contexts if settings.keep_attention and _runs_softmax_attention(module) else None)
+            _attention_module_contexts if settings.keep_attention and _runs_softmax_attention(module) else None)
+        if contexts is _attention_module_contexts:
+            _hook_attention_modules(module)
         if selective and contexts is not None and _non_reentrant(original):
             function = functools.partial(original, context_fn=contexts)
             setattr(function, _ORIGINAL, original)
