@@ -112,8 +112,11 @@ class _Deferred:
 
 
 def _attention_module_contexts():
-    """A checkpoint's ``context_fn``: the keep-attention policy, active inside the attention modules only."""
+    """A checkpoint's ``context_fn``: the keep-attention policy, active inside the attention modules only (under
+    torch.compile, which takes dispatch modes only, over the whole checkpointed call as before)."""
     forward, recompute = _attention_contexts()
+    if torch.compiler.is_compiling():
+        return forward, recompute
     return _Deferred(forward), _Deferred(recompute)
 
 
@@ -129,7 +132,8 @@ def _enter_kept(module, args):
 def _exit_kept(module, args, output):
     """Forward hook of an attention module (also when its forward raises, as checkpointing's early stop of a
     rerun does): leave the mode :func:`_enter_kept` entered."""
-    mode = _deferred.entered.pop()
+    entered = getattr(_deferred, "entered", None)
+    mode = entered.pop() if entered else None  # empty only where an earlier pre-hook raised before ours ran
     if mode is not None:
         mode.__exit__(None, None, None)
 
@@ -204,11 +208,11 @@ def _apply(model: torch.nn.Module) -> None:
         original = getattr(function, _ORIGINAL, function)
         contexts = _matmul_contexts if id(module) in matmul_layers else (
             _attention_module_contexts if settings.keep_attention and _runs_softmax_attention(module) else None)
-        if contexts is _attention_module_contexts:
-            _hook_attention_modules(module)
         if selective and contexts is not None and _non_reentrant(original):
             function = functools.partial(original, context_fn=contexts)
             setattr(function, _ORIGINAL, original)
+            if contexts is _attention_module_contexts:
+                _hook_attention_modules(module)
         else:
             function = original
         module._gradient_checkpointing_func = function
