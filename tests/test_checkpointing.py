@@ -167,6 +167,27 @@ def test_keep_attention_dispatch_mode_is_active_inside_attention_modules_only():
     assert all(seen[("mixer", i)] == ({1} if kind == "full_attention" else {0}) for i, kind in enumerate(kinds))
     assert not getattr(checkpointing._deferred, "calls", []) and not getattr(checkpointing._deferred, "entered", [])
 
+@pytest.mark.parametrize("family", ["nemotron_h", "falcon_h1", "olmo_hybrid"])
+def test_kept_attention_in_other_hybrids_runs_attention_once(family):
+    """Mamba-2 and Gated DeltaNet hybrids (attention in some layers; in every layer beside Mamba-2 for Falcon-H1):
+    with attention outputs kept each attention op runs once instead of twice, the same log-probs and gradients."""
+    model = build(family).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(4), 4, vocab=VOCAB, max_tail=40))
+    _fwd_bwd(model, forest)  # patches the model
+    counts, results = {}, {}
+    for keep in (False, True):
+        keep_attention_outputs(model, keep)
+        with _CountOps() as counter:
+            results[keep] = _fwd_bwd(model, forest)
+        counts[keep] = counter.calls
+    assert counts[False] == 2 * counts[True] > 0
+    for a, b in zip(results[True][0], results[False][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name, grad in results[True][1].items():
+        torch.testing.assert_close(grad, results[False][1][name], rtol=1e-6, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "llama"])
 def test_kept_matmul_outputs_give_the_same_gradients_and_run_no_gemm_twice(family):
     model = build(family).train()
