@@ -109,6 +109,22 @@ class _CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _attention_runs_off_and_kept(model, forest) -> dict:
+    """Attention ops run in a fwd+bwd with attention outputs rerun (False) and kept (True); both give the same
+    log-probs and gradients."""
+    counts, results = {}, {}
+    for keep in (False, True):
+        keep_attention_outputs(model, keep)
+        with _CountOps() as counter:
+            results[keep] = _fwd_bwd(model, forest)
+        counts[keep] = counter.calls
+    for a, b in zip(results[True][0], results[False][0], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for name, grad in results[True][1].items():
+        torch.testing.assert_close(grad, results[False][1][name], rtol=1e-6, atol=1e-7, msg=name)
+    return counts
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "llama"])
 def test_kept_attention_outputs_give_the_same_gradients_and_run_attention_once(family):
     model = build(family).train()
@@ -117,17 +133,8 @@ def test_kept_attention_outputs_give_the_same_gradients_and_run_attention_once(f
     attention_layers = sum(kind == "full_attention" for kind in getattr(model.config, "layer_types", None)
                            or ["full_attention"] * model.config.num_hidden_layers)
     _fwd_bwd(model, forest)  # patches the model (its patch-time probes run attention too)
-    counts, results = {}, {}
-    for keep in (False, True):
-        keep_attention_outputs(model, keep)
-        with _CountOps() as counter:
-            results[keep] = _fwd_bwd(model, forest)
-        counts[keep] = counter.calls
+    counts = _attention_runs_off_and_kept(model, forest)
     assert counts == {False: 2 * attention_layers, True: attention_layers}  # forward and rerun; forward only
-    for a, b in zip(results[True][0], results[False][0]):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for name, grad in results[True][1].items():
-        torch.testing.assert_close(grad, results[False][1][name], rtol=1e-6, atol=1e-7, msg=name)
     model.gradient_checkpointing_disable()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     with _CountOps() as counter:
@@ -167,6 +174,7 @@ def test_keep_attention_dispatch_mode_is_active_inside_attention_modules_only():
     assert all(seen[("mixer", i)] == ({1} if kind == "full_attention" else {0}) for i, kind in enumerate(kinds))
     assert not getattr(checkpointing._deferred, "calls", []) and not getattr(checkpointing._deferred, "entered", [])
 
+
 @pytest.mark.parametrize("family", ["nemotron_h", "falcon_h1", "olmo_hybrid"])
 def test_kept_attention_in_other_hybrids_runs_attention_once(family):
     """Mamba-2 and Gated DeltaNet hybrids (attention in some layers; in every layer beside Mamba-2 for Falcon-H1):
@@ -175,17 +183,8 @@ def test_kept_attention_in_other_hybrids_runs_attention_once(family):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(4), 4, vocab=VOCAB, max_tail=40))
     _fwd_bwd(model, forest)  # patches the model
-    counts, results = {}, {}
-    for keep in (False, True):
-        keep_attention_outputs(model, keep)
-        with _CountOps() as counter:
-            results[keep] = _fwd_bwd(model, forest)
-        counts[keep] = counter.calls
+    counts = _attention_runs_off_and_kept(model, forest)
     assert counts[False] == 2 * counts[True] > 0
-    for a, b in zip(results[True][0], results[False][0], strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-    for name, grad in results[True][1].items():
-        torch.testing.assert_close(grad, results[False][1][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "llama"])
