@@ -101,7 +101,7 @@ def make_trainer(args, model, rows: list[list[tuple[list[int], list[int]]]], dev
     from harts_hf.trees import PrefixForest
 
     per_step = len(rows[0])
-    batch = per_step if args.trainer == "tree" else micro_batch(args, per_step)
+    batch = micro_batch(args, per_step)
     flat = [row for step in rows for row in step]
     dataset = Dataset.from_dict({"input_ids": [ids for ids, _ in flat], "assistant_masks": [m for _, m in flat]})
     on_cuda = device.type == "cuda"

@@ -553,8 +553,8 @@ def test_gpu_attention_features_stage_on_cpu():
 
 def test_sft_benchmark_trains_the_same_rows_with_every_trainer(tmp_path):
     """`python -m benchmarks sft` on the CPU: TreeSFTTrainer (a step's rows as one forest), the packed per-row path
-    (TreeSFTTrainer with every row its own tree, a step's rows in one micro-batch: `--packed-batch 0`) and TRL's SFTTrainer (micro-batches of 4 padded
-    to a multiple of 64, gradient accumulation) train the same agent-trace rows to the same per-step loss; token
+    (TreeSFTTrainer with every row its own tree, a step's rows in one micro-batch: `--packed-batch 0`) and TRL's
+    SFTTrainer (micro-batches of 4 padded to a multiple of 64, gradient accumulation) train the same agent-trace rows to the same per-step loss; token
     counts are exact, times only present."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from sft_step import main

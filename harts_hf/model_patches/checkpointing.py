@@ -8,10 +8,11 @@ involved are deterministic):
   kept (a selective-checkpointing policy, ``torch.utils.checkpoint.create_selective_checkpoint_contexts``), so the
   rerun skips the attention itself, the costliest op to recompute per byte kept (one attention output per attention
   layer: ``tokens x heads x head_dim`` in bf16 plus fp32 statistics). The policy's Python dispatch mode sees every op
-  it is active for, so it is active only inside the attention modules (transformers' attention classes) of the
-  layers that hold them; the rest of the layer, and every other layer, dispatch without it. Needs non-reentrant checkpointing; under the
-  reentrant kind it is not applied, nor under DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed
-  region are collectives the selective-checkpointing cache refuses to meet in the backward's rerun).
+  it is active for, so it is active only inside the attention modules (transformers' attention classes) of the layers
+  that hold them; the rest of the layer, and every other layer, dispatch without it. Needs non-reentrant
+  checkpointing; under the reentrant kind it is not applied, nor under DeepSpeed ZeRO-3 (its parameter all-gathers
+  inside the checkpointed region are collectives the selective-checkpointing cache refuses to meet in the backward's
+  rerun).
 - :func:`keep_matmul_outputs`: in ``count`` checkpointed decoder layers the policy also keeps every matrix
   product's output (the projections' GEMMs, and the attention), so their rerun recomputes only the cheap per-element
   work between them: most of a layer's recompute FLOPs for about half the memory of leaving the layer out of
@@ -138,26 +139,24 @@ def _exit_kept(module, args, output):
         mode.__exit__(None, None, None)
 
 
-def _hook_attention_modules(layer: torch.nn.Module) -> None:
-    """Put :func:`_enter_kept` / :func:`_exit_kept` on ``layer``'s attention modules (once; inert outside a
-    checkpointed call with :func:`_attention_module_contexts`)."""
+def _attention_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The softmax-attention modules inside a checkpointed module: those whose ``forward`` goes through transformers'
+    attention interface, as every family's attention classes do. Only layers holding one get the keep-attention
+    policy: selective checkpointing's Python dispatch mode sees every op it is active for, which in a
+    linear-attention, Mamba or MLP-only layer costs host time and keeps nothing."""
     from .core import _uses_attention_interface
 
-    for module in layer.modules():
-        if _uses_attention_interface(module) and not module.__dict__.get("_harts_kept_hooks"):
+    return [m for m in module.modules() if _uses_attention_interface(m)]
+
+
+def _hook_attention_modules(modules: list[torch.nn.Module]) -> None:
+    """Put :func:`_enter_kept` / :func:`_exit_kept` on attention ``modules`` (once each; inert outside a
+    checkpointed call with :func:`_attention_module_contexts`)."""
+    for module in modules:
+        if not module.__dict__.get("_harts_kept_hooks"):
             module.register_forward_pre_hook(_enter_kept)
             module.register_forward_hook(_exit_kept, always_call=True)
             module._harts_kept_hooks = True
-
-
-def _runs_softmax_attention(module: torch.nn.Module) -> bool:
-    """Whether a checkpointed module holds softmax attention (a submodule whose ``forward`` goes through
-    transformers' attention interface, as every family's attention classes do). Only those get the keep-attention
-    policy: selective checkpointing runs the whole checkpointed forward and its rerun under a Python dispatch mode
-    that sees every op, which in a linear-attention, Mamba or MLP-only layer costs host time and keeps nothing."""
-    from .core import _uses_attention_interface
-
-    return any(_uses_attention_interface(m) for m in module.modules())
 
 
 def _non_reentrant(function) -> bool:
@@ -206,13 +205,14 @@ def _apply(model: torch.nn.Module) -> None:
         if function is None:
             continue
         original = getattr(function, _ORIGINAL, function)
+        attention = _attention_modules(module) if settings.keep_attention else []
         contexts = _matmul_contexts if id(module) in matmul_layers else (
-            _attention_module_contexts if settings.keep_attention and _runs_softmax_attention(module) else None)
+            _attention_module_contexts if attention else None)
         if selective and contexts is not None and _non_reentrant(original):
             function = functools.partial(original, context_fn=contexts)
             setattr(function, _ORIGINAL, original)
             if contexts is _attention_module_contexts:
-                _hook_attention_modules(module)
+                _hook_attention_modules(attention)
         else:
             function = original
         module._gradient_checkpointing_func = function
