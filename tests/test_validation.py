@@ -125,7 +125,7 @@ def test_cost_model_coefficients_must_be_finite_and_non_negative(tmp_path):
 
 
 def test_plan_takes_numpy_integers_and_refuses_bools():
-    reference = plan(SEQUENCES, token_budget=100, num_replicas=2)
+    reference = plan(SEQUENCES, token_budget=100, num_replicas=2, pieces_per_replica=4)
     numpy_plan = plan(SEQUENCES, token_budget=np.int64(100), num_replicas=np.int32(2), chunk_size=np.int64(64),
                       pieces_per_replica=np.uint8(4))
     assert numpy_plan.token_budget == 100 and type(numpy_plan.token_budget) is int

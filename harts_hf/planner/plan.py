@@ -114,7 +114,7 @@ def _as_packed(forest_or_sequences) -> PackedForest:
 
 
 def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_model: CostModel | None = None,
-         chunk_size: int = CHUNK_SIZE, cross_replica: bool = True, pieces_per_replica: int = 4) -> Plan:
+         chunk_size: int = CHUNK_SIZE, cross_replica: bool = True, pieces_per_replica: int | None = None) -> Plan:
     """Plan a generation batch.
 
     Args:
@@ -126,7 +126,9 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
         pieces_per_replica: with ``cross_replica`` and several replicas, also cut subtrees larger than
             ``unique / (num_replicas * pieces_per_replica)`` tokens (never below the longest unbranched run), so
             placement can balance: hand-offs instead of imbalance, still no token computed twice. 0 cuts only
-            what exceeds the budget.
+            what exceeds the budget. None (the default): plan with 0, 1, 2 and 4 and keep the plan whose slowest
+            replica the cost model prices lowest (the fewest pieces on a tie): every piece is a forward+backward
+            call of its own with the model's fixed cost, so finer cuts balance better but cost more.
         cross_replica: place pieces independently (a hand-off may cross replicas: a batch whose tasks share one
             system prompt is a single tree); False keeps every tree on one replica.
 
@@ -137,7 +139,8 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
     num_replicas = check_int(num_replicas, "plan: num_replicas")
     token_budget = check_int(token_budget, "plan: token_budget")
     chunk_size = check_int(chunk_size, "plan: chunk_size")
-    pieces_per_replica = check_int(pieces_per_replica, "plan: pieces_per_replica", minimum=0)
+    if pieces_per_replica is not None:
+        pieces_per_replica = check_int(pieces_per_replica, "plan: pieces_per_replica", minimum=0)
     cross_replica = check_bool(cross_replica, "plan: cross_replica")
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise TypeError(f"plan: cost_model must be a CostModel or None, got {type(cost_model).__name__}")
@@ -161,11 +164,23 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
             f"(depths {int(depth0[s])}..{int(depth0[s] + lengths[s]) - 1} of a trajectory of at least "
             f"{int(depth0[s] + lengths[s])} tokens); raise token_budget to at least {int(lengths[s])}.")
 
-    cut_size = token_budget
-    if cross_replica and num_replicas > 1 and pieces_per_replica > 0:
-        target = -(-int(lengths.sum()) // (num_replicas * pieces_per_replica))
-        cut_size = min(token_budget, max(target, int(lengths.max())))
+    shared = dict(packed=packed, cu=cu, lengths=lengths, parent=parent, depth0=depth0, children=children,
+                  token_budget=token_budget, chunk_size=chunk_size, cost_model=cost_model, num_replicas=num_replicas,
+                  cross_replica=cross_replica)
+    if not (cross_replica and num_replicas > 1):
+        return _cut_and_place(token_budget, **shared)
+    cut_sizes = {}  # the largest subtree kept whole -> the pieces per replica it aims at
+    for per_replica in [0, 1, 2, 4] if pieces_per_replica is None else [pieces_per_replica]:
+        target = -(-int(lengths.sum()) // (num_replicas * per_replica)) if per_replica else token_budget
+        cut_sizes.setdefault(min(token_budget, max(target, int(lengths.max()))), per_replica)
+    plans = [_cut_and_place(cut_size, **shared) for cut_size in cut_sizes]
+    return min(plans, key=lambda the_plan: (round(max(the_plan.replica_costs()), 9), len(the_plan.pieces)))
 
+
+def _cut_and_place(cut_size: int, *, packed, cu, lengths, parent, depth0, children, token_budget, chunk_size,
+                   cost_model, num_replicas, cross_replica) -> Plan:
+    """The plan whose pieces keep subtrees of at most ``cut_size`` unique tokens whole (see :func:`plan`)."""
+    num_segments = lengths.shape[0]
     # bottom-up: keep children while the subtree fits, cut the largest kept children first otherwise
     kept_size = lengths.copy()
     cut = np.zeros(num_segments, dtype=bool)
@@ -244,11 +259,11 @@ def _merge_whole_trees(pieces: list[Piece], replicas: list[list[Microbatch]],
     them in one forward and backward (one piece is one forward): without this, every small tree of a microbatch
     paid a forward's fixed cost of its own. The merged piece takes its first tree's place in the (preorder) piece
     order; indices are renumbered throughout."""
-    sources = {p.handoff.source_piece for p in pieces if p.handoff is not None}
+    own_call = _runs_alone(pieces)
     first_of: dict[int, int] = {}  # merged piece -> the piece it joins
     for slots in replicas:
         for microbatch in slots:
-            whole = [i for i in microbatch.pieces if pieces[i].handoff is None and i not in sources]
+            whole = [i for i in microbatch.pieces if not own_call[i]]
             first_of.update((i, whole[0]) for i in whole[1:])
     if not first_of:
         return pieces, replicas
@@ -272,10 +287,17 @@ def _merge_whole_trees(pieces: list[Piece], replicas: list[list[Microbatch]],
         renumbered.append([])
         for microbatch in slots:
             indices = sorted({new_index[i] for i in microbatch.pieces})
-            cost = microbatch.cost - sum(pieces[i].cost for i in microbatch.pieces) + \
-                sum(merged[i].cost for i in indices)
+            cost = sum(merged[i].cost for i in indices) + cost_model.cost({"microbatches": len(indices)})
             renumbered[-1].append(Microbatch(indices, microbatch.unique_tokens, cost))
     return merged, renumbered
+
+
+def _runs_alone(pieces: list[Piece]) -> list[bool]:
+    """Per piece: True where the executor runs it as a forward+backward of its own (it is handed a context, or hands
+    one on); False for a whole tree, which shares one call with the other whole trees of its microbatch. The cost
+    model's fixed cost (``microbatches``) is paid once per call."""
+    sources = {p.handoff.source_piece for p in pieces if p.handoff is not None}
+    return [p.handoff is not None or p.index in sources for p in pieces]
 
 
 def _piece_features(segments, lengths, depth0, parent, children, ends, chunk_size, handoff) -> dict:
@@ -302,7 +324,8 @@ def _place(pieces: list[Piece], num_replicas: int, token_budget: int, cost_model
            cross_replica: bool) -> list[list[Microbatch]]:
     """Units (pieces, or whole trees) to replicas by longest-processing-time first, then a local search on each
     replica's cost as it runs: its pieces in depth-first order packed into microbatches up to the budget, each
-    microbatch also paying the cost model's fixed cost; every replica padded to the same slot count."""
+    call it runs (each piece handed a context or handing one on, and the whole trees together) paying the cost model's
+    fixed cost; every replica padded to the same slot count."""
     units: dict[int, list[Piece]] = {}
     for piece in pieces:
         units.setdefault(piece.index if cross_replica else piece.tree, []).append(piece)
@@ -314,15 +337,19 @@ def _place(pieces: list[Piece], num_replicas: int, token_budget: int, cost_model
         assigned[replica].append(unit)
         loads[replica] += sum(p.cost for p in units[unit])
     overhead = cost_model.cost({"microbatches": 1})
+    own_call = _runs_alone(pieces)
 
     def replica_slots(unit_list: list[int]) -> list[Microbatch]:
         slots: list[Microbatch] = []
         for piece in sorted((p for u in unit_list for p in units[u]), key=lambda p: p.index):  # sources first
             if not slots or slots[-1].unique_tokens + piece.unique_tokens > token_budget:
-                slots.append(Microbatch(cost=overhead))
+                slots.append(Microbatch())
             slots[-1].pieces.append(piece.index)
             slots[-1].unique_tokens += piece.unique_tokens
             slots[-1].cost += piece.cost
+        for slot in slots:  # whole trees of a microbatch share one call (_merge_whole_trees); the others run alone
+            alone = sum(own_call[i] for i in slot.pieces)
+            slot.cost += overhead * (alone + (alone < len(slot.pieces)))
         return slots
 
     unit_cost = {u: sum(p.cost for p in units[u]) for u in units}
