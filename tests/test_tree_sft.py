@@ -1,7 +1,8 @@
 """TreeSFTTrainer against TRL's SFTTrainer (no packing) on the same batches: loss, every gradient, training steps,
 for language-modelling and prompt-completion datasets whose rows share prefixes; padding-free batches; microbatches
 over tree_token_budget run as planner pieces (one process and DDP); tree_per_turn_rows (one row per assistant turn,
-against rows built from the chat template directly; Qwen3's template drops earlier thinking); refusals."""
+against rows built from the chat template directly; Qwen3's template drops earlier thinking); tool-calling traces with
+a `tools` column; refusals."""
 
 from pathlib import Path
 
@@ -536,3 +537,49 @@ def test_per_turn_rows_refuse_a_substituted_training_template(tmp_path):
                        train_dataset=Dataset.from_dict({"messages": [thinking_conversation()]}))
     for word in ("tree_per_turn_rows=True", "assistant_only_loss=True", "assistant_only_loss=False", "generation"):
         assert word in str(info.value)
+
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add_numbers", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+
+
+def tool_trace(a: int, b: int) -> list[dict]:
+    """An agent trace: the user asks, the assistant calls the tool, the tool answers, the assistant replies."""
+    call = {"type": "function", "function": {"name": "add_numbers", "arguments": {"a": a, "b": b}}}
+    return [{"role": "system", "content": "You do arithmetic with tools."},
+            {"role": "user", "content": f"What is {a}+{b}?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": str(a + b)},
+            {"role": "assistant", "content": f"{a}+{b} is {a + b}.", "tool_calls": None}]
+
+
+@pytest.mark.parametrize("per_turn", [False, True], ids=["whole_traces", "per_turn_rows"])
+def test_tool_calling_traces_match_sft_trainer_with_qwen3(tmp_path, per_turn):
+    """Conversational rows with a ``tools`` column (JSON, as TRL reads it) and tool calls / tool results, rendered by
+    Qwen3's real template with the tool schema in the system turn: TreeSFTTrainer's loss and every gradient equal
+    SFTTrainer's on the same rows, whose shared system prompt and tool schema the forest computes once. Per-turn rows:
+    each assistant turn (the tool call, the reply) is a row rendered as at inference, with the tools."""
+    import json
+
+    from harts_hf.trainers.sft import per_turn_rows
+
+    tokenizer = qwen3_tokenizer()
+    traces = [tool_trace(a, b) for a, b in [(1, 2), (3, 4), (15, 27)]]
+    tools = json.dumps([ADD_TOOL])
+    dataset = Dataset.from_dict({"messages": traces, "tools": [tools] * len(traces)})
+    rows = per_turn_rows(dataset) if per_turn else dataset
+    args = dict(BASE, output_dir=str(tmp_path), per_device_train_batch_size=len(rows))
+    base = cpu_safe_trainer(SFTTrainer(tiny_llama(len(tokenizer)), args=SFTConfig(**args), train_dataset=rows,
+                                       processing_class=tokenizer))
+    tree = TreeSFTTrainer(tiny_llama(len(tokenizer)), args=TreeSFTConfig(**args, tree_per_turn_rows=per_turn),
+                          train_dataset=dataset, processing_class=tokenizer)
+    assert tree.train_dataset["input_ids"] == base.train_dataset["input_ids"]
+    for t, ids in enumerate(tree.train_dataset["input_ids"]):
+        trace, turn = (traces[t // 2], 3 + 2 * (t % 2)) if per_turn else (traces[t], 5)
+        assert ids == list(tokenizer.apply_chat_template(trace[:turn], tools=[ADD_TOOL], tokenize=True,
+                                                         return_dict=True)["input_ids"])
+        assert "add_numbers" in tokenizer.decode(ids[:200])  # the schema, rendered in the system turn
+    assert_same_loss_and_grads(base, tree)
+    assert tree._metrics["train"]["tree/R_tok"][-1] > 1.5
