@@ -90,4 +90,6 @@ def replica_balance(model, sequences, budget: int | None, replicas: int, device,
                 predicted_seconds=predicted, measured_seconds=measured, predicted_imbalance=imbalance(predicted),
                 measured_imbalance=imbalance(measured),
                 replica_tokens=[sum(the_plan.pieces[i].unique_tokens for mb in slots for i in mb.pieces)
-                                for slots in the_plan.replicas])
+                                for slots in the_plan.replicas],
+                piece_tokens=[piece.unique_tokens for piece in the_plan.pieces],
+                pieces_per_replica=None)  # the planner's choice (refit_cost_model.py rebuilds the plan from it)

@@ -7,8 +7,9 @@
 Runs on the CPU: each ``WORKLOAD=PROBE_JSON`` names a ``plan_memory_probe.py --scale 1.0`` result of that workload
 preset (a workload may be named more than once: its tree and its packed path from different runs). Its forests are
 rebuilt from the preset (the probe's seed 0 and vocabulary): the tree with its measured seconds (one piece, or the
-planner's pieces at the probe's budget) and every call of the packed per-trajectory path (consecutive trajectories,
-each its own tree, as the probe ran them; each call's measured seconds). Every forest's features are the planner's
+planner's pieces at the probe's budget), every call of the packed per-trajectory path (consecutive trajectories,
+each its own tree, as the probe ran them; each call's measured seconds), and every piece of a ``--replicas`` run
+(the planner's placement on 2-8 ranks timed piece by piece: small forests with hand-offs, one call each). Every forest's features are the planner's
 own (``harts_hf.planner.plan`` over the forest as one piece plus its one microbatch, or over its pieces, summed, one
 microbatch each), so the fit prices what the planner prices. The coefficients are fitted by non-negative least
 squares on every forest; the table gives each forest's measured seconds and the relative error of three predictions:
@@ -64,11 +65,32 @@ def plan_features(sequences, budget: int | None, pieces: int) -> dict:
     return features
 
 
+def piece_samples(workload: str, sequences, balance: dict) -> list[dict]:
+    """One sample per piece of a ``--replicas`` run (``balance``: its ``replica_balance`` record): the piece's planner
+    features, one call (``microbatches`` 1), and its measured seconds (its hand-off forward included). The plan is
+    rebuilt with the record's ``pieces_per_replica`` (records without it were planned with 4, the planner's fixed
+    choice until 2026-12-04)."""
+    from harts_hf.planner import plan
+    from harts_hf.trees import PrefixForest
+
+    packed = PrefixForest.from_sequences(sequences).pack()
+    the_plan = plan(packed, num_replicas=balance["replicas"], token_budget=balance["budget"] or packed.num_tokens,
+                    pieces_per_replica=balance.get("pieces_per_replica", 4))
+    tokens = [piece.unique_tokens for piece in the_plan.pieces]
+    if len(tokens) != balance["pieces"] or tokens != balance.get("piece_tokens", tokens):
+        raise ValueError(f"the rebuilt {balance['replicas']}-replica plan has pieces of {tokens} tokens, the probe ran "
+                         f"{balance.get('piece_tokens', str(balance['pieces']) + ' pieces')} (another planner?)")
+    return [dict(name=f"{workload} {balance['replicas']}-rank piece {piece.index}",
+                 features=dict(piece.features, microbatches=1), seconds=seconds)
+            for piece, seconds in zip(the_plan.pieces, balance["piece_seconds"])]
+
+
 def samples_of(workload: str, path: str, model: str = "qwen3_next_2b") -> list[dict]:
-    """The tree and packed-call samples of one probe result: ``{name, features, seconds}``."""
+    """The tree, packed-call and rank-piece samples of one probe result: ``{name, features, seconds}``."""
     rows = json.loads(Path(path).read_text())
     sequences = task_sequences(1.0, MODELS[model]["vocab_size"], workload=workload)
-    samples = []
+    samples = [s for r in rows if "replica_balance" in r for s in piece_samples(workload, sequences,
+                                                                                  r["replica_balance"])]
     trees = [r for r in rows if r.get("pieces") and r.get("keep_attention", "on") == "on"
              and not r.get("stored_layers")]
     if trees:

@@ -479,6 +479,36 @@ def test_cost_model_refit_rebuilds_the_measured_forests(tmp_path):
     assert json.loads((tmp_path / "refit.json").read_text())["coefficients"].keys() == set(FEATURES)
 
 
+def test_cost_model_refit_takes_the_pieces_of_a_replicas_run():
+    """A ``--replicas`` record gives one sample per piece (its planner features, one call, its measured seconds),
+    from the plan rebuilt with the record's ``pieces_per_replica`` (4 where the record predates the field); a plan
+    that does not reproduce the record's pieces is refused, naming both."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from refit_cost_model import piece_samples
+
+    from harts_hf.planner import plan
+    from harts_hf.trees import PrefixForest
+
+    prefix = list(range(1, 200))
+    sequences = [prefix + [300 + i] * (120 + 7 * i) for i in range(6)]
+    packed = PrefixForest.from_sequences(sequences).pack()
+    for per_replica in (None, 4, 1):
+        the_plan = plan(packed, num_replicas=2, token_budget=packed.num_tokens, pieces_per_replica=per_replica)
+        record = dict(replicas=2, budget=None, pieces=len(the_plan.pieces),
+                      piece_tokens=[p.unique_tokens for p in the_plan.pieces],
+                      piece_seconds=[0.1 * (i + 1) for i in range(len(the_plan.pieces))])
+        if per_replica != 4:
+            record["pieces_per_replica"] = per_replica
+        samples = piece_samples("tau", sequences, record)
+        assert [s["seconds"] for s in samples] == record["piece_seconds"]
+        assert [s["features"]["unique_tokens"] for s in samples] == record["piece_tokens"]
+        assert all(s["features"]["microbatches"] == 1 for s in samples)
+        assert sum(s["features"]["unique_tokens"] for s in samples) == packed.num_tokens
+    with pytest.raises(ValueError, match="the rebuilt 2-replica plan has pieces of"):
+        piece_samples("tau", sequences, dict(record, piece_tokens=record["piece_tokens"][::-1] + [1],
+                                             pieces=len(record["piece_tokens"]) + 1))
+
+
 def test_cost_model_refit_prices_a_tree_run_in_pieces():
     """A tree the probe ran as planner pieces is priced as the planner plans it at that budget: the pieces' features
     summed (every unique token once, one microbatch per piece, their rounds added), and a probe row whose piece count
