@@ -1,7 +1,8 @@
 """Cost model of one tree forward+backward: linear in the work a piece of a forest carries.
 
 Features per piece: unique tokens, attention pairs (sum of depth + 1), replayed tokens, gated-delta-rule
-rounds, leaves (sequence ends), and a constant per microbatch. Coefficients are fitted by non-negative
+rounds, leaves (sequence ends), and a constant per forward+backward call (the feature ``microbatches``: the planner
+charges it once per piece, whole trees of one microbatch sharing one call). Coefficients are fitted by non-negative
 least squares from measured timings (``CostModel.fit``; ``python -m benchmarks calibrate`` on a GPU, ``python -m
 benchmarks refit`` from committed results). The defaults, in seconds, are the refit to full-size forests of 12k to
 177k tokens on one H200 (the 2.3B Qwen3-Next preset, bf16 autocast, fused kernels, checkpointing with kept attention
