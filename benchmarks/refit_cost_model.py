@@ -9,9 +9,9 @@ preset (a workload may be named more than once: its tree and its packed path fro
 rebuilt from the preset (the probe's seed 0 and vocabulary): the tree with its measured seconds (one piece, or the
 planner's pieces at the probe's budget), every call of the packed per-trajectory path (consecutive trajectories,
 each its own tree, as the probe ran them; each call's measured seconds), and every piece of a ``--replicas`` run
-(the planner's placement on 2-8 ranks timed piece by piece: small forests with hand-offs, one call each). Every forest's features are the planner's
-own (``harts_hf.planner.plan`` over the forest as one piece plus its one microbatch, or over its pieces, summed, one
-microbatch each), so the fit prices what the planner prices. The coefficients are fitted by non-negative least
+(the planner's placement on 2-8 ranks timed piece by piece: small forests with hand-offs, one call each). Every
+forest's features are the planner's own (``harts_hf.planner.plan`` over the forest as one piece plus its one
+microbatch, or over its pieces, summed, one microbatch each), so the fit prices what the planner prices. The coefficients are fitted by non-negative least
 squares on every forest; the table gives each forest's measured seconds and the relative error of three predictions:
 the refit's, a fit on the OTHER workloads only (the forest held out: leave-one-workload-out), and the library's
 current defaults (``CostModel()``). ``--out`` writes the coefficients and the table; ``--save-model`` writes the

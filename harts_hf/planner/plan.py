@@ -169,10 +169,12 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
                   cross_replica=cross_replica)
     if not (cross_replica and num_replicas > 1):
         return _cut_and_place(token_budget, **shared)
-    cut_sizes = {}  # the largest subtree kept whole -> the pieces per replica it aims at
+    cut_sizes = []  # the largest subtree kept whole, per pieces-per-replica choice (a size once)
     for per_replica in [0, 1, 2, 4] if pieces_per_replica is None else [pieces_per_replica]:
         target = -(-int(lengths.sum()) // (num_replicas * per_replica)) if per_replica else token_budget
-        cut_sizes.setdefault(min(token_budget, max(target, int(lengths.max()))), per_replica)
+        cut_size = min(token_budget, max(target, int(lengths.max())))
+        if cut_size not in cut_sizes:
+            cut_sizes.append(cut_size)
     plans = [_cut_and_place(cut_size, **shared) for cut_size in cut_sizes]
     return min(plans, key=lambda the_plan: (round(max(the_plan.replica_costs()), 9), len(the_plan.pieces)))
 
