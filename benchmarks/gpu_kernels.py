@@ -201,6 +201,85 @@ def handoff_parity(results: dict) -> None:
     results["handoff_parity_vs_fp32"] = report
 
 
+def graphs_off(run):
+    """``run()`` with the tree nodes' CUDA graphs off (``cuda_graphs.MAX_TOKENS = 0``: every call eager)."""
+    from harts_hf.kernels import cuda_graphs
+
+    previous, cuda_graphs.MAX_TOKENS = cuda_graphs.MAX_TOKENS, 0
+    try:
+        return run()
+    finally:
+        cuda_graphs.MAX_TOKENS = previous
+
+
+def _node_outputs_and_grads(args, options, node_plan, weight, leaves) -> list:
+    """The fla GDN node on ``args``: its output, requested states and the gradients of ``leaves``."""
+    from harts_hf.kernels import tree_gated_delta_rule
+
+    out, states = tree_gated_delta_rule(*args, node_plan, backend="fla", use_qk_l2norm_in_kernel=True,
+                                        output_requested_states=True, **options)
+    loss = (out.float() * weight).sum() + sum(s.square().sum() for s in states if s is not None)
+    return [out, *(s for s in states if s is not None), *torch.autograd.grad(loss, leaves)]
+
+
+def graph_parity(results: dict) -> None:
+    """The GDN node through its CUDA graphs (per plan: first call eager, second recorded, later ones replayed)
+    against the eager node, on new inputs at every call: outputs, requested states and every gradient compared bit
+    for bit, on a whole forest and on planner pieces (handed-in state, context rows, requested states), with both
+    state passes. Two eager runs are compared too (what bit-identical can mean here)."""
+    from harts_hf.kernels import build_gated_delta_plan, cuda_graphs
+    from harts_hf.planner import plan
+    from harts_hf.trees import PrefixForest
+    from tests.forests import random_tree_sequences
+    from tests.test_handoff import _root_path, handoff_sequences
+
+    cases = {}
+    packed = PrefixForest.from_sequences(random_tree_sequences(random.Random(1), 24, vocab=7, max_tail=700)).pack()
+    cases["forest"] = (packed, lambda seed: (gdn_inputs(packed.num_tokens, 4, 8, 128, 128, seed), {}, []), [])
+    the_plan = plan(handoff_sequences(seed=3), token_budget=140)
+    whole, cu = the_plan.packed, the_plan.packed.cu_seqlens.tolist()
+    for piece in the_plan.pieces:
+        if piece.handoff is None:
+            continue
+        tokens = torch.cat([torch.arange(cu[s], cu[s + 1]) for s in piece.segments]).cuda()
+        d0 = int(whole.position_ids[tokens[0]])
+        ancestors, boundary = _root_path(whole, int(tokens[0])).cuda(), 64 * (d0 // 64)
+        children = [p for p in the_plan.pieces if p.handoff is not None and p.handoff.source_piece == piece.index]
+        branches = [int(torch.searchsorted(tokens.cpu(), child.handoff.branch_token)) for child in children]
+
+        def make(seed, tokens=tokens, ancestors=ancestors, boundary=boundary, d0=d0):
+            inputs = gdn_inputs(whole.num_tokens, 4, 8, 128, 128, seed)
+            state = torch.randn(8, 128, 128, device="cuda").mul_(0.1).requires_grad_() if boundary else None
+            context = tuple(t[ancestors[boundary:]] for t in inputs) if d0 > boundary else None
+            return [t[tokens] for t in inputs], dict(initial_state=state, context=context), \
+                [*inputs, *([state] if state is not None else [])]
+
+        cases[f"piece{piece.index}_d0_{d0}"] = (whole.select(piece.segments), make, branches)
+    report = {}
+    for name, (forest, make, branches) in cases.items():
+        for state_pass in ("serial", "rounds"):
+            node_plan = build_gated_delta_plan(forest, final_states_only=True, state_requests=branches).to("cuda")
+            entry = {"identical": True, "eager_repeat_identical": True, "max_abs_diff": 0.0}
+            for call in range(4):
+                args, options, leaves = make(call)
+                leaves = leaves or args
+                weight = torch.randn(args[2].shape, device="cuda", generator=torch.Generator("cuda").manual_seed(call))
+
+                run = functools.partial(_node_outputs_and_grads, args, options, node_plan, weight, leaves)
+                eager = graphs_off(functools.partial(batched_rounds, run, state_pass=state_pass))
+                again = graphs_off(functools.partial(batched_rounds, run, state_pass=state_pass))
+                graphed = batched_rounds(run, state_pass=state_pass)
+                entry["eager_repeat_identical"] &= all(torch.equal(a, b) for a, b in zip(eager, again))
+                entry["identical"] &= all(torch.equal(a, b) for a, b in zip(eager, graphed))
+                entry["max_abs_diff"] = max(entry["max_abs_diff"], *((a.float() - b.float()).abs().max().item()
+                                                                     for a, b in zip(eager, graphed)))
+            entry["graphs"] = sum(isinstance(v, cuda_graphs._Graph)
+                                  for v in node_plan.__dict__.get("_cuda_graphs", {}).values())
+            report[f"{name}/{state_pass}"] = entry
+    results["graph_parity"] = report
+    print(json.dumps(report, indent=1), flush=True)
+
+
 def kernel_breakdown(function, top: int = 12, label: str = "kernels") -> list:
     """Device time of ``function()`` by kernel (torch.profiler, one warm call): ``[(name, seconds, calls)]``, also
     printed under ``label``."""
@@ -436,6 +515,7 @@ def gdn_timing(row, packed, plan, U, backward, profile: bool = False) -> None:
         return bench(lambda: batched_rounds(node, batched=batched, state_pass=state_pass))
 
     row["gdn_tree_s"] = tree()  # as the model runs it: the round-batched node, the state pass "auto" picks
+    row["gdn_tree_eager_s"] = graphs_off(tree)  # the same without the node's CUDA graphs
     row["gdn_state_pass_auto"] = batched_rounds(lambda: fla_backend.state_pass_for(plan), state_pass="auto")
     row["gdn_tree_fused_s"] = tree(batched=False)
     for state_pass in ("rounds", "serial", "lanes"):
@@ -451,7 +531,8 @@ def gdn_timing(row, packed, plan, U, backward, profile: bool = False) -> None:
     if profile:  # where the tree node's time beyond one varlen call goes
         row["gdn_tree_kernels"] = kernel_breakdown(node, top=20, label="gdn_tree_kernels")
         row["gdn_single_call_kernels"] = kernel_breakdown(single, top=20, label="gdn_single_call_kernels")
-    print(f"  gdn: tree {row['gdn_tree_s'] * 1e3:.1f} ms (auto: {row['gdn_state_pass_auto']}); state pass rounds "
+    print(f"  gdn: tree {row['gdn_tree_s'] * 1e3:.1f} ms (auto: {row['gdn_state_pass_auto']}; without CUDA graphs "
+          f"{row['gdn_tree_eager_s'] * 1e3:.1f}); state pass rounds "
           f"{row['gdn_tree_rounds_s'] * 1e3:.1f}, serial {row['gdn_tree_serial_s'] * 1e3:.1f}, lanes "
           f"{row['gdn_tree_lanes_s'] * 1e3:.1f} ({row['gdn_lanes']}); fused per-round node "
           f"{row['gdn_tree_fused_s'] * 1e3:.1f}; one varlen call {row['gdn_single_call_s'] * 1e3:.1f}", flush=True)
@@ -689,6 +770,9 @@ class _FunctionalHead:
         self.weight, self.bias = weight, None
 
 
+PARITY_STEPS = {"graph": graph_parity, "gdn": parity, "handoff": handoff_parity, "final_state": final_state_parity}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results")
@@ -701,6 +785,8 @@ def main():
                              "window, latent-attention head dims, softcapping and sinks, tree and per-trajectory "
                              "against fp32")
     parser.add_argument("--skip-parity", action="store_true", help="timing only")
+    parser.add_argument("--parity", nargs="+", default=list(PARITY_STEPS), choices=list(PARITY_STEPS),
+                        help="which parity checks run first (default: all)")
     parser.add_argument("--varlen-kernel", default=None, choices=["torch", "fa4", "auto"],
                         help="the tree attention's varlen kernel (harts_hf.kernels.tree_attention.varlen.KERNEL) for "
                              "every op timed; fa4 also runs softcapping and sinks (attention_features) on the varlen "
@@ -726,8 +812,7 @@ def main():
     def save():
         (out / "gpu_kernels.json").write_text(json.dumps(results, indent=2, default=str))
 
-    steps = [] if args.skip_parity else [("parity", parity), ("handoff_parity", handoff_parity),
-                                         ("final_state_parity", final_state_parity)]
+    steps = [] if args.skip_parity else [(f"{name}_parity", PARITY_STEPS[name]) for name in args.parity]
     if "token" in args.ops:
         steps.append(("token_ops", token_ops_step))
     steps += [(spec, lambda r, s=spec: timing(r, s.split(":")[0], float(s.split(":")[1]), args.ops,

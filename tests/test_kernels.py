@@ -690,3 +690,35 @@ def test_serial_units_in_lanes_keep_every_dependency(seed):
     longest = sum(max(sum(chunks[start[lane]: start[lane + 1]]) for lane in range(first, end))
                   for first, end in lanes.waves)
     assert longest < sum(chunks)
+
+
+def _graph_body(x, y, none):
+    """A few kernels, an output that is an input, and a None passed through (cuda_graphs.replay_or_run's tests)."""
+    return (x * y).cumsum(-1).softmax(-1), x, None if none is None else none + 1
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_cuda_graph_replays_match_eager_runs(device, monkeypatch):
+    """replay_or_run on CUDA: per plan and key the first call eager, the second recorded, later ones replayed, each
+    on new inputs and each bit for bit the body's own result; above MAX_TOKENS nothing is recorded. On CPU every call
+    runs the body and nothing is recorded (graphs are CUDA-only)."""
+    from harts_hf.kernels import cuda_graphs
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA graphs need a CUDA device (the CPU half of this test runs everywhere)")
+
+    class Plan:
+        pass
+
+    monkeypatch.setattr(cuda_graphs, "MAX_TOKENS", 64)
+    plans = {64: Plan(), 65: Plan()}
+    for tokens, plan in plans.items():
+        for call in range(4):
+            generator = torch.Generator(device).manual_seed(call)
+            x, y = (torch.randn(8, 64, device=device, generator=generator) for _ in range(2))
+            got = cuda_graphs.replay_or_run(plan, ("body",), tokens, _graph_body, (x, y, None))
+            want = _graph_body(x, y, None)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], x) and got[2] is None
+    recorded = {tokens: [type(entry).__name__ for entry in plan.__dict__.get("_cuda_graphs", {}).values()]
+                for tokens, plan in plans.items()}
+    assert recorded == ({64: ["_Graph"], 65: []} if device == "cuda" else {64: [], 65: []})

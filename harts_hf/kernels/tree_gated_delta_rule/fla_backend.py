@@ -31,10 +31,12 @@ tokens; at the model level it is faster on swe and tau and slower on grpo (2 rou
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from .. import cuda_graphs
 from .._backend import in_row_blocks
 from .plan import CONTEXT_STATE, GatedDeltaPlan
 from .serial_state_pass import one_save_per_unit, serial_units, tree_state_backward, tree_state_forward
@@ -309,93 +311,127 @@ def state_pass_for(plan: GatedDeltaPlan) -> str:
 
 
 class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
-    """Same contract as :class:`_TreeGatedDeltaRuleFla`; state-independent stages batched over all rounds."""
+    """Same contract as :class:`_TreeGatedDeltaRuleFla`; state-independent stages batched over all rounds. Forward
+    and backward bodies go through :func:`~harts_hf.kernels.cuda_graphs.replay_or_run`: on a small forest, one CUDA
+    graph per plan replayed by every layer."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel):
-        stages, l2norm_fwd = _import_fla_stages(), _import_fla()[3]
-        HV, V = v.shape[1], v.shape[2]
-        K = k.shape[-1]
-        batch = round_batch(plan, q.device)
-        q_rstd = k_rstd = None
-        if use_qk_l2norm_in_kernel:
-            q, q_rstd = _l2norm(l2norm_fwd, q)
-            k, k_rstd = _l2norm(l2norm_fwd, k)
-        g_dtype = g.dtype
-        index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
-        qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
-        g_cumsum = stages["cumsum"](g[index].float().unsqueeze(0), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
-                                    **grid)
-        w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
-        bank = _state_bank(batch, initial_state, HV, K, V, q.device)
-        initials: list = []
         state_pass = state_pass_for(plan)
-        if state_pass != "rounds":
-            units = serial_units(plan, q.device, lanes=state_pass == "lanes")
-            h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
-            if initial_state is not None:  # the recomputation rebuilds the bank from the handed-in state
-                initials.append(initial_state)
-        else:
-            h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials, bank)
-        o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size, **grid)
-        out = o[0].index_select(0, batch.own_position).to(v.dtype)
-        requested = bank[batch.requested_ids]
+        body = functools.partial(_batched_forward, plan=plan, scale=scale, l2norm=use_qk_l2norm_in_kernel,
+                                 state_pass=state_pass)
+        out, requested, q_normed, k_normed, q_rstd, k_rstd, g_cumsum, A, *initials = cuda_graphs.replay_or_run(
+            plan, ("gdn_forward", scale, use_qk_l2norm_in_kernel, state_pass), _executed(plan), body,
+            (q, k, v, g, beta, initial_state))
+        if use_qk_l2norm_in_kernel:
+            q, k = q_normed, k_normed
         ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials)
         ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
-        ctx.g_dtype, ctx.initial_dtype = g_dtype, None if initial_state is None else initial_state.dtype
+        ctx.g_dtype, ctx.initial_dtype = g.dtype, None if initial_state is None else initial_state.dtype
         ctx.state_pass = state_pass
         return out, requested
 
     @staticmethod
     def backward(ctx, d_out, d_requested):
-        stages, l2norm_bwd = _import_fla_stages(), _import_fla()[4]
         q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials = ctx.saved_tensors
-        plan, scale = ctx.plan, ctx.scale
-        batch = round_batch(plan, q.device)
-        rows, HV, V = v.shape
-        index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
-        qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
-        w, u = stages["recompute_w_u"](k=ke, v=ve, beta=be, A=A, g=g_cumsum, **grid)
-        if ctx.state_pass != "rounds":
-            units = serial_units(plan, q.device, lanes=ctx.state_pass == "lanes")
-            bank = _state_bank(batch, initials[0] if initials else None, HV, k.shape[-1], V, q.device)
-            h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
-        else:
-            h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials)
-        do = batch.executed_grad(d_out)
-        dv = stages["bwd_dv_local"](q=qe, k=ke, g=g_cumsum, do=do, scale=scale, chunk_size=plan.chunk_size, **grid)
-        # gradient flowing into every bank row: from requested states, then from the units that started from it
-        # (rounds in reverse: every unit that starts from a state runs in a later round than the one saving it)
-        d_bank = batch.bank_grad(torch.empty(batch.num_states, HV, k.shape[-1], V, dtype=torch.float32,
-                                             device=v.device), d_requested)
-        if ctx.state_pass != "rounds":
-            dh, dv = tree_state_backward(units, qe, ke, w, g_cumsum, do, dv, d_bank, scale, plan.chunk_size)
-        else:
-            dh, dv = _state_gradient_pass(stages, batch, plan, qe, ke, w, g_cumsum, do, dv, initials, d_bank, scale)
-        d_state = {} if batch.context_id is None else {CONTEXT_STATE: d_bank[batch.context_id]}
-        dq_e, dk_e, dw, dg_e = stages["bwd_dqkwg"](q=qe, k=ke, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
-                                                   scale=scale, chunk_size=plan.chunk_size, **grid)
-        dk2, dv_e, db_e, dg2 = stages["wy_bwd"](k=ke, v=ve, beta=be, g=g_cumsum, A=A, dw=dw, du=dv, **grid)
-        dk_e.add_(dk2)
-        dg_e.add_(dg2)
-        dg_e = stages["cumsum"](dg_e, chunk_size=plan.chunk_size, reverse=True, **grid)
-        dq, dk, dv, dg, dbeta = (batch.sum_by_token(grad[0].float(), rows) for grad in (dq_e, dk_e, dv_e, dg_e, db_e))
-        return _input_grads(ctx, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd), (dq, dk, dv, dg, dbeta), d_state)
+        plan = ctx.plan
+        body = functools.partial(_batched_backward, plan=plan, scale=ctx.scale, l2norm=ctx.use_qk_l2norm_in_kernel,
+                                 state_pass=ctx.state_pass, g_dtype=ctx.g_dtype, initial_dtype=ctx.initial_dtype,
+                                 num_initials=len(initials))
+        grads = cuda_graphs.replay_or_run(
+            plan, ("gdn_backward", ctx.scale, ctx.use_qk_l2norm_in_kernel, ctx.state_pass, ctx.g_dtype,
+                   ctx.initial_dtype), _executed(plan), body,
+            (q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_requested, *initials))
+        return (*grads, None, None, None)
 
 
-def _input_grads(ctx, l2norm_bwd, saved, grads, d_state):
-    """The node's ``backward`` result from fp32 gradients in the normalised q / k: through the L2 norm, cast to
-    the inputs' dtypes, plus the handed-in state's gradient (None for the non-tensor arguments)."""
+def _executed(plan: GatedDeltaPlan) -> int:
+    """The rows a plan's node runs (its executed tokens, replays included), from the host copy of the plan."""
+    return int(round_batch(plan, torch.device("cpu")).token_index.shape[0])
+
+
+def _batched_forward(q, k, v, g, beta, initial_state, *, plan, scale, l2norm, state_pass):
+    """The round-batched node's forward: ``(o, requested states, q and k normalised (None without the L2 norm), their
+    rstd, g_cumsum, A, *initial states the backward reruns the state pass from)``."""
+    stages, l2norm_fwd = _import_fla_stages(), _import_fla()[3]
+    HV, V = v.shape[1], v.shape[2]
+    K = k.shape[-1]
+    batch = round_batch(plan, q.device)
+    q_rstd = k_rstd = None
+    if l2norm:
+        q, q_rstd = _l2norm(l2norm_fwd, q)
+        k, k_rstd = _l2norm(l2norm_fwd, k)
+    index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
+    qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
+    g_cumsum = stages["cumsum"](g[index].float().unsqueeze(0), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
+                                **grid)
+    w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
+    bank = _state_bank(batch, initial_state, HV, K, V, q.device)
+    initials: list = []
+    if state_pass != "rounds":
+        units = serial_units(plan, q.device, lanes=state_pass == "lanes")
+        h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
+        if initial_state is not None:  # the recomputation rebuilds the bank from the handed-in state
+            initials.append(initial_state)
+    else:
+        h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials, bank)
+    o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size, **grid)
+    out = o[0].index_select(0, batch.own_position).to(v.dtype)
+    requested = bank[batch.requested_ids]
+    return (out, requested, q if l2norm else None, k if l2norm else None, q_rstd, k_rstd, g_cumsum, A, *initials)
+
+
+def _batched_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_requested, *initials, plan, scale, l2norm,
+                      state_pass, g_dtype, initial_dtype, num_initials):
+    """The round-batched node's backward: the gradients of ``q, k, v, g, beta`` and the handed-in state (or None)."""
+    stages, l2norm_bwd = _import_fla_stages(), _import_fla()[4]
+    assert len(initials) == num_initials
+    batch = round_batch(plan, q.device)
+    rows, HV, V = v.shape
+    index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
+    qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
+    w, u = stages["recompute_w_u"](k=ke, v=ve, beta=be, A=A, g=g_cumsum, **grid)
+    if state_pass != "rounds":
+        units = serial_units(plan, q.device, lanes=state_pass == "lanes")
+        bank = _state_bank(batch, initials[0] if initials else None, HV, k.shape[-1], V, q.device)
+        h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
+    else:
+        h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, list(initials))
+    do = batch.executed_grad(d_out)
+    dv = stages["bwd_dv_local"](q=qe, k=ke, g=g_cumsum, do=do, scale=scale, chunk_size=plan.chunk_size, **grid)
+    # gradient flowing into every bank row: from requested states, then from the units that started from it
+    # (rounds in reverse: every unit that starts from a state runs in a later round than the one saving it)
+    d_bank = batch.bank_grad(torch.empty(batch.num_states, HV, k.shape[-1], V, dtype=torch.float32,
+                                         device=v.device), d_requested)
+    if state_pass != "rounds":
+        dh, dv = tree_state_backward(units, qe, ke, w, g_cumsum, do, dv, d_bank, scale, plan.chunk_size)
+    else:
+        dh, dv = _state_gradient_pass(stages, batch, plan, qe, ke, w, g_cumsum, do, dv, initials, d_bank, scale)
+    d_state = {} if batch.context_id is None else {CONTEXT_STATE: d_bank[batch.context_id]}
+    dq_e, dk_e, dw, dg_e = stages["bwd_dqkwg"](q=qe, k=ke, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
+                                               scale=scale, chunk_size=plan.chunk_size, **grid)
+    dk2, dv_e, db_e, dg2 = stages["wy_bwd"](k=ke, v=ve, beta=be, g=g_cumsum, A=A, dw=dw, du=dv, **grid)
+    dk_e.add_(dk2)
+    dg_e.add_(dg2)
+    dg_e = stages["cumsum"](dg_e, chunk_size=plan.chunk_size, reverse=True, **grid)
+    dq, dk, dv, dg, dbeta = (batch.sum_by_token(grad[0].float(), rows) for grad in (dq_e, dk_e, dv_e, dg_e, db_e))
+    return input_grads(l2norm, g_dtype, initial_dtype, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd),
+                       (dq, dk, dv, dg, dbeta), d_state)
+
+
+def input_grads(l2norm: bool, g_dtype, initial_dtype, l2norm_bwd, saved, grads, d_state) -> tuple:
+    """The gradients of ``q, k, v, g, beta`` and the handed-in state (None without one) from fp32 gradients in the
+    normalised q / k: through the L2 norm (``l2norm``), cast to the inputs' dtypes (``g_dtype``, ``initial_dtype``:
+    g's and the handed-in state's, None without one)."""
     q, k, v, beta, q_rstd, k_rstd = saved
     dq, dk, dv, dg, dbeta = grads
-    if ctx.use_qk_l2norm_in_kernel:
+    if l2norm:
         dq = _l2norm_grad(l2norm_bwd, q, q_rstd, dq)
         dk = _l2norm_grad(l2norm_bwd, k, k_rstd, dk)
     d_initial = None
-    if ctx.initial_dtype is not None and CONTEXT_STATE in d_state:
-        d_initial = d_state.pop(CONTEXT_STATE).to(ctx.initial_dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype), \
-        d_initial, None, None, None
+    if initial_dtype is not None and CONTEXT_STATE in d_state:
+        d_initial = d_state.pop(CONTEXT_STATE).to(initial_dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g_dtype), dbeta.to(beta.dtype), d_initial
 
 
 def _l2norm(l2norm_fwd, x):
@@ -499,7 +535,8 @@ class _TreeGatedDeltaRuleFla(torch.autograd.Function):
             for slot, key in enumerate(round_.initial_state):
                 if key is not None:
                     d_state[key] = d_state[key] + dh0[slot] if key in d_state else dh0[slot]
-        return _input_grads(ctx, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd), (dq, dk, dv, dg, dbeta), d_state)
+        return (*input_grads(ctx.use_qk_l2norm_in_kernel, ctx.g_dtype, ctx.initial_dtype, l2norm_bwd,
+                             (q, k, v, beta, q_rstd, k_rstd), (dq, dk, dv, dg, dbeta), d_state), None, None, None)
 
 
 def tree_gated_delta_rule_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float,

@@ -153,4 +153,5 @@ class _TreeKdaBatched(torch.autograd.Function):
         dg = st["cumsum"](dg, reverse=True, **grid)
         grads = tuple(batch.sum_by_token(grad[0].float(), rows) for grad in (dq, dk, dv, dg, db))
         d_state = {} if batch.context_id is None else {CONTEXT_STATE: d_bank[batch.context_id]}
-        return fla_backend._input_grads(ctx, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd), grads, d_state)
+        return (*fla_backend.input_grads(ctx.use_qk_l2norm_in_kernel, ctx.g_dtype, ctx.initial_dtype, l2norm_bwd,
+                                         (q, k, v, beta, q_rstd, k_rstd), grads, d_state), None, None, None)
