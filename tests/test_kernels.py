@@ -700,7 +700,8 @@ def _graph_body(x, y, none):
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_cuda_graph_replays_match_eager_runs(device, monkeypatch):
     """replay_or_run on CUDA: per plan and key the first call eager, the second recorded, later ones replayed, each
-    on new inputs and each bit for bit the body's own result; above MAX_TOKENS nothing is recorded. On CPU every call
+    on new inputs and each bit for bit the body's own result; above MAX_TOKENS nothing is recorded; beyond MAX_GRAPHS
+    live graphs the least recently replayed one is dropped and its plan runs eagerly, still exact. On CPU every call
     runs the body and nothing is recorded (graphs are CUDA-only)."""
     from harts_hf.kernels import cuda_graphs
 
@@ -710,15 +711,27 @@ def test_cuda_graph_replays_match_eager_runs(device, monkeypatch):
     class Plan:
         pass
 
-    monkeypatch.setattr(cuda_graphs, "MAX_TOKENS", 64)
-    plans = {64: Plan(), 65: Plan()}
-    for tokens, plan in plans.items():
-        for call in range(4):
+    def calls(plan, tokens, count, seed=0):
+        for call in range(seed, seed + count):
             generator = torch.Generator(device).manual_seed(call)
             x, y = (torch.randn(8, 64, device=device, generator=generator) for _ in range(2))
             got = cuda_graphs.replay_or_run(plan, ("body",), tokens, _graph_body, (x, y, None))
             want = _graph_body(x, y, None)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], x) and got[2] is None
-    recorded = {tokens: [type(entry).__name__ for entry in plan.__dict__.get("_cuda_graphs", {}).values()]
-                for tokens, plan in plans.items()}
-    assert recorded == ({64: ["_Graph"], 65: []} if device == "cuda" else {64: [], 65: []})
+
+    def recorded(plan):
+        return [entry if isinstance(entry, str) else type(entry).__name__
+                for entry in plan.__dict__.get("_cuda_graphs", {}).values()]
+
+    monkeypatch.setattr(cuda_graphs, "MAX_TOKENS", 64)
+    small, large = Plan(), Plan()
+    calls(small, 64, 4)
+    calls(large, 65, 4)
+    assert (recorded(small), recorded(large)) == ((["_Graph"], []) if device == "cuda" else ([], []))
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPHS", 1)
+    first, second = Plan(), Plan()
+    calls(first, 64, 3)
+    calls(second, 64, 3, seed=3)
+    calls(first, 64, 2, seed=6)
+    if device == "cuda":
+        assert (recorded(first), recorded(second)) == (["eager"], ["_Graph"])
