@@ -13,16 +13,20 @@ body's, kernel for kernel: on the H200 the node's outputs, requested states and 
 eager node's wherever two eager runs were (``benchmarks/gpu_kernels.py --parity graph``). A body that cannot be
 recorded (a host read, a device sync, or no memory left) runs eagerly from then on, logged once.
 
-Memory: every graph of a device records into ONE shared memory pool, so the bodies' temporaries occupy the largest
-body's working set once, not once per graph; that is safe because a graph's outputs are copied out right after its
-replay, before any other graph runs (nothing reads a graph's buffers later). What stays reserved per graph is its
-input and output buffers; at most :data:`MAX_GRAPHS` graphs live at once (the least recently replayed one is dropped
-and its call runs eagerly from then on).
+Memory: each graph records into its own memory pool, which keeps the body's whole working set (its temporaries
+included) reserved for as long as the graph lives: by a count of the body's tensors (not measured) about 0.1 MB per
+executed row for the Gated DeltaNet node's forward and 0.25 MB for its backward at the 2B preset's shapes. At most :data:`MAX_GRAPHS` graphs live at once (the
+least recently replayed one is dropped and its plan runs that body eagerly from then on). One pool shared by every
+graph would keep one working set instead; tried on the H200 (2026-12-04), torch's allocator asserted once the graphs
+holding the shared pool were freed, and the failed capture left the CUDA random generator unusable for the rest of the
+process, so it is not used.
 
-Off by default (:data:`MAX_TOKENS` = 0): measured on the H200 the graphs took ``tau`` at scale 0.02 from 0.48 to
-0.44 s per fwd+bwd, but with one memory pool per graph (as first written) a 2B model's pieces on 8 ranks reserved
-80 GiB in graph pools, and the shared pool has not been timed there yet. CPU tensors, and calls made while another
-capture is under way, always run eagerly.
+Off by default (:data:`MAX_TOKENS` = 0). Measured on the H200 (2026-12-04, BENCHMARKS.md): on plans of up to 16,384
+rows the graphs took ``tau`` at scale 0.02 from 0.48 to 0.44 s per fwd+bwd (reserved memory 20.4 -> 23.4 GiB); with
+no cap on live graphs, full-size ``tau`` cut into pieces for 8 ranks reserved 80 GiB in graph pools until captures
+ran out of memory (they then ran eagerly). A capture that fails can leave torch's CUDA random generator in capture
+state (seen after the allocator's assert above): opt in where bodies fit in memory. CPU tensors, and calls made while
+another capture is under way, always run eagerly.
 """
 
 from __future__ import annotations
@@ -42,12 +46,11 @@ MAX_TOKENS = 0
 """Largest number of rows a body runs (a Gated DeltaNet plan's executed tokens, replays included) for which it is
 graphed; 0 (the default): never. ``8192`` graphs the bodies of forests of a few thousand unique tokens, where the
 host's time per node call exceeds the kernels'."""
-MAX_GRAPHS = 8
+MAX_GRAPHS = 4
 """Graphs kept alive at once over the process (a plan's node takes two: forward and backward)."""
 
 _SEEN, _EAGER = "seen", "eager"
-_POOLS: dict = {}  # device index -> the graph memory pool every capture on that device shares
-_LIVE: OrderedDict = OrderedDict()  # (id of the plan's graph cache, key) -> (weak plan, key): least recent first
+_LIVE: OrderedDict = OrderedDict()  # (id of the plan, key) -> (weak plan, key): least recently replayed first
 
 
 class _Graph:
@@ -58,13 +61,11 @@ class _Graph:
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         self.inputs = tuple(torch.empty_like(a, memory_format=torch.contiguous_format).copy_(a)
                             if isinstance(a, torch.Tensor) else a for a in args)
-        if device.index not in _POOLS:
-            _POOLS[device.index] = torch.cuda.graph_pool_handle()
         self.graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
-            self.graph.capture_begin(_POOLS[device.index], capture_error_mode="thread_local")
+            self.graph.capture_begin(capture_error_mode="thread_local")
             try:
                 outputs = body(*self.inputs)
             finally:
