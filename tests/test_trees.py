@@ -189,3 +189,16 @@ def test_groups_keep_trees_apart():
         assert packed.input_ids[packed.sequence_index(i)].tolist() == sequence
     with pytest.raises(ValueError, match="groups has 1 entries"):
         PrefixForest.from_sequences(sequences, groups=["a"])
+
+
+def test_segment_tokens_and_select_take_the_same_tokens():
+    """segment_tokens: the packed index of every token of the given segments, in order (checked against one arange
+    per segment); select keeps exactly those tokens."""
+    from tests.forests import random_tree_sequences
+
+    packed = PrefixForest.from_sequences(random_tree_sequences(random.Random(0), 20, vocab=5, max_tail=50)).pack()
+    cu = packed.cu_seqlens.tolist()
+    for segments in ([0], list(range(packed.num_segments)), [1, 3, 4], [packed.num_segments - 1]):
+        tokens = packed.segment_tokens(segments)
+        assert tokens.tolist() == [t for s in segments for t in range(cu[s], cu[s + 1])]
+        assert torch.equal(packed.select(segments).input_ids, packed.input_ids[tokens])

@@ -395,7 +395,7 @@ class _PlanRunner:
     # ------------------------------------------------------------------ execution
     def _prepare(self, piece: Piece, context: TreeContext | None):
         """``piece``'s packed token ids (global), its tree (exporting its children's hand-offs) and its targets."""
-        tokens = self._piece_tokens(piece)
+        tokens = self.packed.segment_tokens(piece.segments)
         exports = [TreeExport(int(np.searchsorted(tokens.numpy(), child.handoff.branch_token)),
                               child.handoff.ancestor_tokens) for child in self.children[piece.index]]
         if context is not None and context.ancestor_tokens != piece.handoff.ancestor_tokens:
@@ -523,9 +523,6 @@ class _PlanRunner:
             raise RuntimeError(f"the forward did not export the hand-off at branch tokens {missing}")
         return output
 
-    def _piece_tokens(self, piece: Piece) -> torch.Tensor:
-        cu = self.packed.cu_seqlens.cpu()
-        return torch.cat([torch.arange(int(cu[s]), int(cu[s + 1])) for s in piece.segments])
 
     def _store(self, tokens, targets, output) -> None:
         where = tokens.to(self.device)[targets]

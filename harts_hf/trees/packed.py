@@ -89,10 +89,8 @@ class PackedForest:
             raise ValueError(f"select: segment ids must lie in [0, {self.num_segments}); got {segments.tolist()}")
         if self.device.type != "cpu":
             return self.to("cpu").select(segments).to(self.device)
-        cu = self.cu_seqlens.numpy().astype(np.int64)
-        lengths = cu[segments + 1] - cu[segments]
-        tokens = np.repeat(cu[segments] - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths) + np.arange(
-            int(lengths.sum()))
+        tokens = self.segment_tokens(segments).numpy()
+        lengths = np.diff(self.cu_seqlens.numpy().astype(np.int64))[segments]
         local = np.full(self.num_tokens + 1, -1, dtype=np.int64)  # global -> local; entry -1 maps -1 to -1
         local[tokens] = np.arange(tokens.shape[0])
         local_segment = np.full(self.num_segments + 1, -1, dtype=np.int64)
@@ -122,6 +120,14 @@ class PackedForest:
             sequence_offsets=as_long(sequence_offsets),
             sequence_token_index=as_long(sequence_tokens[inside]),
         )
+
+    def segment_tokens(self, segments) -> torch.Tensor:
+        """``[T]`` long on the CPU: the packed index of every token of ``segments`` (segment ids), in their order."""
+        cu = self.cu_seqlens.cpu().numpy().astype(np.int64)
+        segments = np.asarray(segments, dtype=np.int64)
+        lengths = cu[segments + 1] - cu[segments]
+        starts = cu[segments] - (np.cumsum(lengths) - lengths)  # a segment's first token minus its offset in the result
+        return torch.from_numpy(np.repeat(starts, lengths) + np.arange(int(lengths.sum())))
 
     # ------------------------------------------------------------------ sequences
     def sequence_index(self, i: int) -> torch.Tensor:
