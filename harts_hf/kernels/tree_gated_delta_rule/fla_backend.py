@@ -336,8 +336,7 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials = ctx.saved_tensors
         plan = ctx.plan
         body = functools.partial(_batched_backward, plan=plan, scale=ctx.scale, l2norm=ctx.use_qk_l2norm_in_kernel,
-                                 state_pass=ctx.state_pass, g_dtype=ctx.g_dtype, initial_dtype=ctx.initial_dtype,
-                                 num_initials=len(initials))
+                                 state_pass=ctx.state_pass, g_dtype=ctx.g_dtype, initial_dtype=ctx.initial_dtype)
         grads = cuda_graphs.replay_or_run(
             plan, ("gdn_backward", ctx.scale, ctx.use_qk_l2norm_in_kernel, ctx.state_pass, ctx.g_dtype,
                    ctx.initial_dtype), _executed(plan), body,
@@ -382,10 +381,9 @@ def _batched_forward(q, k, v, g, beta, initial_state, *, plan, scale, l2norm, st
 
 
 def _batched_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_requested, *initials, plan, scale, l2norm,
-                      state_pass, g_dtype, initial_dtype, num_initials):
+                      state_pass, g_dtype, initial_dtype):
     """The round-batched node's backward: the gradients of ``q, k, v, g, beta`` and the handed-in state (or None)."""
     stages, l2norm_bwd = _import_fla_stages(), _import_fla()[4]
-    assert len(initials) == num_initials
     batch = round_batch(plan, q.device)
     rows, HV, V = v.shape
     index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
