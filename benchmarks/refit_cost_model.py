@@ -7,15 +7,15 @@
 Runs on the CPU: each ``WORKLOAD=PROBE_JSON`` names a ``plan_memory_probe.py --scale 1.0`` result of that workload
 preset (a workload may be named more than once: its tree and its packed path from different runs). Its forests are
 rebuilt from the preset (the probe's seed 0 and vocabulary): the tree with its measured seconds (one piece, or the
-planner's pieces at the probe's budget), every call of the packed per-trajectory path (consecutive trajectories,
-each its own tree, as the probe ran them; each call's measured seconds), and every piece of a ``--replicas`` run
-(the planner's placement on 2-8 ranks timed piece by piece: small forests with hand-offs, one call each). Every
-forest's features are the planner's own (``harts_hf.planner.plan`` over the forest as one piece plus its one
-microbatch, or over its pieces, summed, one microbatch each), so the fit prices what the planner prices. The coefficients are fitted by non-negative least
-squares on every forest; the table gives each forest's measured seconds and the relative error of three predictions:
-the refit's, a fit on the OTHER workloads only (the forest held out: leave-one-workload-out), and the library's
-current defaults (``CostModel()``). ``--out`` writes the coefficients and the table; ``--save-model`` writes the
-refit as a cost model file (TreeGRPOConfig's ``tree_cost_model``).
+planner's pieces at the probe's budget), every call of the packed per-trajectory path (consecutive trajectories, each
+its own tree, as the probe ran them; each call's measured seconds), and every piece of a ``--replicas`` run (the
+planner's placement on 2-8 ranks timed piece by piece: small forests with hand-offs, one call each). Every forest's
+features are the planner's own (``harts_hf.planner.plan`` over the forest as one piece plus its one microbatch, or over
+its pieces, summed, one microbatch each), so the fit prices what the planner prices. The coefficients are fitted by
+non-negative least squares on every forest; the table gives each forest's measured seconds and the relative error of
+three predictions: the refit's, a fit on the OTHER workloads only (the forest held out: leave-one-workload-out), and
+the library's current defaults (``CostModel()``). ``--out`` writes the coefficients and the table; ``--save-model``
+writes the refit as a cost model file (TreeGRPOConfig's ``tree_cost_model``).
 """
 
 from __future__ import annotations
@@ -78,8 +78,9 @@ def piece_samples(workload: str, sequences, balance: dict) -> list[dict]:
                     pieces_per_replica=balance.get("pieces_per_replica", 4))
     tokens = [piece.unique_tokens for piece in the_plan.pieces]
     if len(tokens) != balance["pieces"] or tokens != balance.get("piece_tokens", tokens):
-        raise ValueError(f"the rebuilt {balance['replicas']}-replica plan has pieces of {tokens} tokens, the probe ran "
-                         f"{balance.get('piece_tokens', str(balance['pieces']) + ' pieces')} (another planner?)")
+        ran = balance.get("piece_tokens", f"{balance['pieces']} pieces")
+        raise ValueError(f"the rebuilt {balance['replicas']}-replica plan has pieces of {tokens} tokens, the probe "
+                         f"ran {ran} (another planner?)")
     return [dict(name=f"{workload} {balance['replicas']}-rank piece {piece.index}",
                  features=dict(piece.features, microbatches=1), seconds=seconds)
             for piece, seconds in zip(the_plan.pieces, balance["piece_seconds"])]

@@ -15,11 +15,11 @@ recorded (a host read, a device sync, or no memory left) runs eagerly from then 
 
 Memory: each graph records into its own memory pool, which keeps the body's whole working set (its temporaries
 included) reserved for as long as the graph lives: by a count of the body's tensors (not measured) about 0.1 MB per
-executed row for the Gated DeltaNet node's forward and 0.25 MB for its backward at the 2B preset's shapes. At most :data:`MAX_GRAPHS` graphs live at once (the
-least recently replayed one is dropped and its plan runs that body eagerly from then on). One pool shared by every
-graph would keep one working set instead; tried on the H200 (2026-12-04), torch's allocator asserted once the graphs
-holding the shared pool were freed, and the failed capture left the CUDA random generator unusable for the rest of the
-process, so it is not used.
+executed row for the Gated DeltaNet node's forward and 0.25 MB for its backward at the 2B preset's shapes. At most
+:data:`MAX_GRAPHS` graphs live at once (the least recently replayed one is dropped and its plan runs that body eagerly
+from then on). One pool shared by every graph would keep one working set instead; tried on the H200 (2026-12-04),
+torch's allocator asserted once the graphs holding the shared pool were freed, and the failed capture left the CUDA
+random generator unusable for the rest of the process, so it is not used.
 
 Off by default (:data:`MAX_TOKENS` = 0). Measured on the H200 (2026-12-04, BENCHMARKS.md): on plans of up to 16,384
 rows the graphs took ``tau`` at scale 0.02 from 0.48 to 0.44 s per fwd+bwd (reserved memory 20.4 -> 23.4 GiB); with

@@ -523,7 +523,6 @@ class _PlanRunner:
             raise RuntimeError(f"the forward did not export the hand-off at branch tokens {missing}")
         return output
 
-
     def _store(self, tokens, targets, output) -> None:
         where = tokens.to(self.device)[targets]
         self.token_logprobs[where] = output.logprobs.detach()

@@ -321,7 +321,7 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
         body = functools.partial(_batched_forward, plan=plan, scale=scale, l2norm=use_qk_l2norm_in_kernel,
                                  state_pass=state_pass)
         out, requested, q_normed, k_normed, q_rstd, k_rstd, g_cumsum, A, *initials = cuda_graphs.replay_or_run(
-            plan, ("gdn_forward", scale, use_qk_l2norm_in_kernel, state_pass), _executed(plan), body,
+            plan, ("gdn_forward", scale, use_qk_l2norm_in_kernel, state_pass), plan.stats["executed_tokens"], body,
             (q, k, v, g, beta, initial_state))
         if use_qk_l2norm_in_kernel:
             q, k = q_normed, k_normed
@@ -339,14 +339,9 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
                                  state_pass=ctx.state_pass, g_dtype=ctx.g_dtype, initial_dtype=ctx.initial_dtype)
         grads = cuda_graphs.replay_or_run(
             plan, ("gdn_backward", ctx.scale, ctx.use_qk_l2norm_in_kernel, ctx.state_pass, ctx.g_dtype,
-                   ctx.initial_dtype), _executed(plan), body,
+                   ctx.initial_dtype), plan.stats["executed_tokens"], body,
             (q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_requested, *initials))
         return (*grads, None, None, None)
-
-
-def _executed(plan: GatedDeltaPlan) -> int:
-    """The rows a plan's node runs (its executed tokens, replays included), from the host copy of the plan."""
-    return int(round_batch(plan, torch.device("cpu")).token_index.shape[0])
 
 
 def _batched_forward(q, k, v, g, beta, initial_state, *, plan, scale, l2norm, state_pass):
