@@ -735,3 +735,13 @@ def test_cuda_graph_replays_match_eager_runs(device, monkeypatch):
     calls(first, 64, 2, seed=6)
     if device == "cuda":
         assert (recorded(first), recorded(second)) == (["eager"], ["_Graph"])
+
+
+def test_cuda_graph_settings_are_checked(monkeypatch):
+    """A bad MAX_TOKENS is named with its value and what 0 means, on any device."""
+    from harts_hf.kernels import cuda_graphs
+
+    for bad, error in ((-1, ValueError), ("8192", TypeError)):
+        monkeypatch.setattr(cuda_graphs, "MAX_TOKENS", bad)
+        with pytest.raises(error, match=r"cuda_graphs.MAX_TOKENS \(0 turns graphs off\) must be an integer >= 0"):
+            cuda_graphs.replay_or_run(object(), ("body",), 8, _graph_body, (torch.ones(2), torch.ones(2), None))

@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._checks import check_int
 from ._backend import _log_once
 
 __all__ = ["MAX_GRAPHS", "MAX_TOKENS", "replay_or_run"]
@@ -87,7 +88,7 @@ def _touch(plan, full_key) -> None:
     token = (id(plan), full_key)
     _LIVE[token] = (weakref.ref(plan), full_key)
     _LIVE.move_to_end(token)
-    while len(_LIVE) > max(MAX_GRAPHS, 0):
+    while len(_LIVE) > check_int(MAX_GRAPHS, "harts_hf.kernels.cuda_graphs.MAX_GRAPHS"):
         _, (owner, key) = _LIVE.popitem(last=False)
         owner = owner()
         if owner is not None:
@@ -102,8 +103,9 @@ def replay_or_run(plan, key: tuple, tokens: int, body: Callable, args: tuple) ->
     """``body(*args)`` (a tuple of tensors or None; ``args`` tensors or None, on one device), through a CUDA graph
     cached on ``plan`` under ``key`` and the arguments' shapes and dtypes when the inputs are on CUDA and ``tokens``
     (the rows the body runs) is at most :data:`MAX_TOKENS`; ``key`` must name everything else the body depends on."""
+    limit = check_int(MAX_TOKENS, "harts_hf.kernels.cuda_graphs.MAX_TOKENS (0 turns graphs off)", minimum=0)
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if (first is None or not first.is_cuda or not 0 < tokens <= MAX_TOKENS
+    if (first is None or not first.is_cuda or not 0 < tokens <= limit
             or torch.cuda.is_current_stream_capturing()):
         return tuple(body(*args))
     cache = plan.__dict__.setdefault("_cuda_graphs", {})
