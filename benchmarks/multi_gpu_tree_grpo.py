@@ -282,8 +282,9 @@ def timed_trainer_class(tree: bool = True):
     return TimedTreeGRPOTrainer
 
 
-def step_recorder(trainer, records: list):
-    """Callback: wall time of every optimizer step on this rank (CUDA-synchronised), with the trainer's counters."""
+def step_recorder(trainer, records: list, partial: Path | None = None):
+    """Callback: wall time of every optimizer step on this rank (CUDA-synchronised), with the trainer's counters;
+    with ``partial``, the steps so far are written there after each step (a run stopped by a time limit keeps them)."""
     from transformers import TrainerCallback
 
     class StepRecorder(TrainerCallback):
@@ -300,6 +301,11 @@ def step_recorder(trainer, records: list):
             records.append(dict(step=state.global_step, step_s=time.perf_counter() - self.start, peak_gib=peak,
                                 **trainer.step_record))
             trainer.step_record = trainer._fresh_record()
+            if partial is not None:
+                logged = [{k: v for k, v in entry.items() if isinstance(v, (int, float))}
+                          for entry in state.log_history if "loss" in entry]
+                partial.parent.mkdir(parents=True, exist_ok=True)
+                partial.write_text(json.dumps(dict(steps=records, logged=logged), indent=1))
 
     return StepRecorder()
 
@@ -517,10 +523,10 @@ def main(argv=None):
     records: list[dict] = []
     if trainer.accelerator.num_processes != world:
         raise RuntimeError(f"WORLD_SIZE={world} but Accelerate runs {trainer.accelerator.num_processes} processes")
-    trainer.add_callback(step_recorder(trainer, records))
+    rank = trainer.accelerator.process_index
+    trainer.add_callback(step_recorder(trainer, records, out / f"rank{rank}.partial.json"))
     trainer.train()
 
-    rank = trainer.accelerator.process_index
     device = str(trainer.accelerator.device)
     if cuda:
         device += f" ({torch.cuda.get_device_name()})"

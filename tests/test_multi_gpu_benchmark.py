@@ -38,6 +38,8 @@ def test_two_processes_on_swe_trees_match_one_process(tmp_path):
     ranks = [json.loads((two / f"rank{k}.json").read_text()) for k in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2], "accelerate ran fewer than 2 processes"
     assert [len(r["steps"]) for r in ranks] == [2, 2]
+    partial = [json.loads((two / f"rank{k}.partial.json").read_text()) for k in range(2)]  # written after each step
+    assert [p["steps"] for p in partial] == [r["steps"] for r in ranks]
     assert all(step["path_tokens"] > step["unique_tokens"] > 0 for r in ranks for step in r["steps"])
     reference, summary = (json.loads((path / "summary.json").read_text()) for path in (one, two))
     assert reference["world_size"] == 1 and summary["world_size"] == 2 and summary["same_steps_on_every_rank"]
