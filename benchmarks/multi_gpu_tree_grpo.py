@@ -82,7 +82,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_tree_vs_trajectory import MODELS, build_model  # noqa: E402
 
 PRESETS = {"tiny": "tiny", "2b": "qwen3_next_2b"}  # --preset -> bench_tree_vs_trajectory.MODELS
-WORKLOADS = ("swe", "grpo", "distinct")
+WORKLOADS = ("swe", "tau", "grpo", "distinct")
+AGENTIC = ("swe", "tau")  # agentic presets: tasks of forking multi-turn rollouts
 SPECIAL = ("<pad>", "<eos>")  # the last two ids of the model's vocabulary; workload tokens stay below them
 
 
@@ -104,7 +105,8 @@ class WorkloadRollouts:
     loss mask becomes TRL's ``env_mask``: observations (tool output) carry no loss, thinking and actions do.
     Token ids are drawn below ``vocab_size - 2``; the last two ids are the tokenizer's pad and EOS.
 
-    ``workload="grpo"``: a task is one prompt group of the `grpo` preset (shared system prompt, then the group's
+    ``workload="tau"``: the same for the `tau` preset (a ~4.8k-token policy shared by all tasks, short turns, thinking
+    dropped at q = 0.45 of them: R_tok ~9 within a task). ``workload="grpo"``: a task is one prompt group of the `grpo` preset (shared system prompt, then the group's
     prompt). ``workload="distinct"``: the no-sharing control; each task is ``rows_per_task`` (default 8) unrelated
     sequences of the `distinct` preset after ONE shared token (TRL needs a prompt per group), so the forest shares
     one token per group and the tree has nothing else to share.
@@ -121,7 +123,7 @@ class WorkloadRollouts:
         self.tasks: dict[str, tuple[list[int], list[list[int]], list[list[int]]]] = {}
         per_step = []
         for step in range(steps):
-            count = dict(num_tasks=tasks_per_step) if workload == "swe" else \
+            count = dict(num_tasks=tasks_per_step) if workload in AGENTIC else \
                 dict(num_prompts=tasks_per_step * (rows_per_task if workload == "distinct" else 1))
             generated = make_workload(workload, scale=scale, seed=seed + step, vocab_size=vocab_size - len(SPECIAL),
                                       **{**count, **(overrides or {})})
@@ -401,8 +403,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny", choices=list(PRESETS), help="model (default: %(default)s)")
     parser.add_argument("--workload", default="swe", choices=WORKLOADS,
-                        help="rollout preset: swe (agentic trees), grpo (prompt groups) or distinct (the no-sharing "
-                             "control; --rows-per-task default 8) (default: %(default)s)")
+                        help="rollout preset: swe or tau (agentic trees), grpo (prompt groups) or distinct (the "
+                             "no-sharing control; --rows-per-task default 8) (default: %(default)s)")
     parser.add_argument("--scale", type=float, default=0.002, help="token-length scale (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default: %(default)s)")
     parser.add_argument("--tasks-per-step", type=int, default=4,

@@ -127,6 +127,21 @@ def test_trl_trainer_on_distinct_rows_matches_the_tree_trainer(tmp_path):
         assert entry["loss_rel_diff"] < 1e-4 and entry["grad_norm_rel_diff"] < 1e-4, entry
 
 
+def test_trl_trainer_on_tau_trees_matches_the_tree_trainer(tmp_path):
+    """--workload tau (a task's rollouts fork often and share a long policy): TRL's GRPOTrainer, every row padded
+    and computed alone, and TreeGRPOTrainer's one forest per step give the same loss and grad_norm."""
+    args = ["--preset", "tiny", "--workload", "tau", "--scale", "0.02", "--steps", "2", "--tasks-per-step", "1"]
+    tree, trl = tmp_path / "tree", tmp_path / "trl"
+    run([sys.executable, str(SCRIPT), *args, "--out", str(tree)])
+    run([sys.executable, str(SCRIPT), *args, "--trainer", "trl", "--grad-accum", "5", "--out", str(trl),
+         "--compare", str(tree / "summary.json")])
+    reference = json.loads((tree / "summary.json").read_text())
+    assert reference["config"]["rows_per_task"] == 95  # one task, all its sequences
+    assert all(sum(r["path_tokens"]) > 5 * sum(r["unique_tokens"]) for r in reference["steps"])  # R_tok > 5
+    for entry in json.loads((trl / "summary.json").read_text())["compare"]["steps"]:
+        assert entry["loss_rel_diff"] < 1e-4 and entry["grad_norm_rel_diff"] < 1e-4, entry
+
+
 def test_liger_is_the_trl_baselines_option(capsys):
     """--liger turns on TRL's use_liger_kernel for the TRL baselines only (GRPO and SFT benchmarks): without a TRL
     trainer it is refused, naming the flag and the fix (the tree configs refuse use_liger_kernel with use_tree)."""
