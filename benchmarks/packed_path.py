@@ -57,7 +57,7 @@ def consecutive_groups(sequences, max_tokens: int) -> list[list]:
 
 
 def packed_groups(model, sequences, max_tokens: int, device, attention: str = "auto", progress=None,
-                  repeats: int = 1, warmup: str = "each") -> dict:
+                  repeats: int = 1, warmup: str = "each", calls: slice | None = None) -> dict:
     """The strongest per-trajectory path at a size no single call holds: consecutive trajectories packed into ONE
     forward each (every trajectory its own tree: same kernels, no padding, no sharing; ``tree_logprobs`` as the
     bench's ``packed``) of at most ``max_tokens`` path tokens, fwd+bwd, the second of two runs timed (the first
@@ -66,24 +66,35 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
     Sum of the calls' seconds, the largest peak, and ``c + a tokens + b pairs`` fitted to the calls (least squares;
     pairs = sum L(L+1)/2) with the tree's price under it (:func:`packed_fit`). ``warmup="first"``: only the first
     call gets the untimed run (the others' ``first_seconds`` is None), one pass fewer where nothing compiles per
-    call size (harts_hf's kernels with a warm kernel cache); ``"none"``: no untimed run (a pass after a warm one)."""
+    call size (harts_hf's kernels with a warm kernel cache); ``"none"``: no untimed run (a pass after a warm one).
+    ``calls``: time only that slice of the calls (each row keeps its index as ``call``; the first call of the slice
+    gets the ``"first"`` warm-up), so that a path too long for one process can be timed in parts."""
     from harts_hf.trees import PrefixForest
 
     rows = []
     model.zero_grad(set_to_none=True)
-    for group in consecutive_groups(sequences, max_tokens):
+    groups = list(enumerate(consecutive_groups(sequences, max_tokens)))
+    if calls is not None:
+        groups = groups[calls]
+        if not groups:
+            raise ValueError(f"calls={calls}: no packed call in it ({len(consecutive_groups(sequences, max_tokens))} "
+                             f"calls of <= {max_tokens} tokens)")
+    for index, group in groups:
         forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
-        torch.cuda.empty_cache()
+        cuda = device.type == "cuda"  # on a CPU (the tests) no memory figures
+        if cuda:
+            torch.cuda.empty_cache()
         warm = warmup == "each" or (warmup == "first" and not rows)
         first = timed_run(model, forest, device, attention, zero_grad=False) if warm else None
-        torch.cuda.reset_peak_memory_stats(device)  # the timed runs' peak (a warm-up's autotuning buffers left out)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)  # the timed runs' peak (a warm-up's autotuning buffers left out)
         retries = alloc_retries(device)
         timed = [timed_run(model, forest, device, attention, zero_grad=False) for _ in range(repeats)]
-        rows.append(dict(trajectories=len(group), tokens=sum(map(len, group)),
+        rows.append(dict(call=index, trajectories=len(group), tokens=sum(map(len, group)),
                          pairs=sum(len(s) * (len(s) + 1) / 2 for s in group), seconds=float(np.mean(timed)),
                          seconds_all=timed, first_seconds=first,
-                         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
-                         reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30,
+                         peak_gib=torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan"),
+                         reserved_gib=torch.cuda.max_memory_reserved(device) / 2**30 if cuda else float("nan"),
                          alloc_retries=alloc_retries(device) - retries))
         print(f"packed call: {len(group)} trajectories, {rows[-1]['tokens']} tokens, {rows[-1]['seconds']:.3f} s (first run "
               f"{'none' if first is None else f'{first:.3f}'}), peak {rows[-1]['peak_gib']:.1f} GiB, reserved "
@@ -91,7 +102,7 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
         if progress is not None:
             progress(rows)
     model.zero_grad(set_to_none=True)
-    total = dict(calls=len(rows), max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
+    total = dict(calls=len(rows), call_range=[rows[0]["call"], rows[-1]["call"] + 1], max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
                  repeat_seconds=[sum(r["seconds_all"][i] for r in rows) for i in range(repeats)],
                  peak_gib=max(r["peak_gib"] for r in rows), alloc_retries=sum(r["alloc_retries"] for r in rows),
                  groups=rows, **packed_fit(rows, sequences))

@@ -17,6 +17,8 @@ innermost frame inside harts_hf / transformers / fla, and the innermost frame of
         --kernels fused_fa4 --repeats 2 --packed-groups 0 --out results/headline   # the headline, one process
     python3 benchmarks/plan_memory_probe.py --workload swe --scale 1.0 --budget 131072 --no-history --no-tree \
         --kernels fused_fa4 --packed-groups 131072 --packed-warmup first   # a large packed path in its own process
+    python3 benchmarks/plan_memory_probe.py ... --no-tree --packed-groups 131072 --packed-calls 0:12   # its first 12
+        # calls (then --packed-calls 12: in another process; the two JSONs' per-call rows together are the path)
     python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --replicas 2 4 8
     python3 benchmarks/plan_memory_probe.py --workload distinct --scale 1.0 --budget 0 --no-history --kernels fused_fa4 \
         --packed-groups 0 --interleave --repeats 4   # tree and packed timed alternately
@@ -335,6 +337,10 @@ def main(argv=None):
     parser.add_argument("--packed-groups", type=int, default=None, metavar="TOKENS",
                         help="also time the packed per-trajectory path over ALL trajectories, in calls of at most "
                              "TOKENS path tokens (0: the forest's unique-token count, i.e. the tree's memory envelope)")
+    parser.add_argument("--packed-calls", type=call_range, default=None, metavar="START:STOP",
+                        help="time only the packed calls START..STOP-1 (0-based; the calls as --packed-groups cuts "
+                             "them), e.g. a path too long for one device call split over two processes; the JSON "
+                             "then holds those calls only, each with its index")
     parser.add_argument("--packed-warmup", choices=["each", "first"], default="each",
                         help="an untimed run before each packed call's timed ones (each; the default) or before the "
                              "first call only (one pass fewer; where no call size compiles anything new)")
@@ -453,7 +459,7 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
             rows.append(dict(packed_groups=packed_groups(
                 model, sequences, packed_cap(args, sequences), device, args.attention,
                 progress=lambda calls: (out / "probe_packed_calls.json").write_text(json.dumps(calls, indent=1)),
-                repeats=max(args.repeats, 1), warmup=args.packed_warmup)))
+                repeats=max(args.repeats, 1), warmup=args.packed_warmup, calls=args.packed_calls)))
         packed = next(r["packed_groups"] for r in rows if "packed_groups" in r)
         packed["keep_attention"] = args.keep_attention[0]
         for tree in (r for r in rows if r.get("pieces") is not None):
@@ -465,6 +471,17 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
                                                  args.attention)))
     add_throughput(rows, model, sequences)
     save()
+
+
+def call_range(text: str) -> slice:
+    """``START:STOP`` (either may be empty) as a slice of the packed calls."""
+    start, sep, stop = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return slice(int(start) if start else None, int(stop) if stop else None)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--packed-calls {text!r}: expected START:STOP, e.g. 0:12 or 12:") from None
 
 
 def packed_cap(args, sequences) -> int:

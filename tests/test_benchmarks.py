@@ -313,6 +313,32 @@ def test_run_tree_accumulates_gradients_when_asked():
     assert all(torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7) for p, g in zip(model.parameters(), once))
 
 
+def test_packed_path_times_a_slice_of_its_calls(capsys):
+    """--packed-calls START:STOP times only those calls of the packed path (as --packed-groups cuts them), each row
+    with its index, so that a path too long for one process can be timed in parts; a bad range names the flag."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_tree_vs_trajectory import build_model
+    from packed_path import consecutive_groups, packed_groups
+    from plan_memory_probe import call_range, main
+
+    model = build_model("tiny", "qwen3_next", torch.device("cpu"), torch.float32)
+    sequences = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [9, 10, 11], [12, 13, 14, 15], [16, 17]]
+    assert [len(group) for group in consecutive_groups(sequences, 8)] == [1, 2, 2]
+    part = packed_groups(model, sequences, 8, torch.device("cpu"), warmup="first", calls=call_range("1:3"))
+    assert [row["call"] for row in part["groups"]] == [1, 2] and part["call_range"] == [1, 3]
+    assert part["groups"][0]["first_seconds"] is not None and part["groups"][1]["first_seconds"] is None
+    assert [row["tokens"] for row in part["groups"]] == [8, 6]
+    assert [row["call"] for row in packed_groups(model, sequences, 8, torch.device("cpu"),
+                                                 calls=call_range("2:"))["groups"]] == [2]
+    with pytest.raises(ValueError, match="no packed call"):
+        packed_groups(model, sequences, 8, torch.device("cpu"), calls=call_range("3:"))
+    with pytest.raises(SystemExit):
+        main(["--packed-calls", "7", "--packed-groups", "0"])
+    assert "--packed-calls '7'" in capsys.readouterr().err
+
+
 def test_module_breakdown_counts_device_time_once():
     """On CUDA (events built by hand as Kineto's parse gives them): a kernel's time is its launching op's own device
     time; the GPU-side spans of the ``record_function`` ranges are not kernels; a checkpointed layer's norm recomputed
