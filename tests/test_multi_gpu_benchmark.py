@@ -112,34 +112,34 @@ def test_grpo_and_distinct_rollouts_make_prompt_groups():
         assert all(len(m) == len(c) and any(m) for m, c in zip(masks, completions))
 
 
+def both_trainers(tmp_path, args: list[str], grad_accum: int) -> dict:
+    """TreeGRPOTrainer, then TRL's GRPOTrainer (``grad_accum`` padded micro-batches) on the same rollouts; asserts
+    the same loss and grad_norm in every step and returns the tree run's summary."""
+    tree, trl = tmp_path / "tree", tmp_path / "trl"
+    run([sys.executable, str(SCRIPT), *args, "--out", str(tree)])
+    run([sys.executable, str(SCRIPT), *args, "--trainer", "trl", "--grad-accum", str(grad_accum), "--out", str(trl),
+         "--compare", str(tree / "summary.json")])
+    for entry in json.loads((trl / "summary.json").read_text())["compare"]["steps"]:
+        assert entry["loss_rel_diff"] < 1e-4 and entry["grad_norm_rel_diff"] < 1e-4, entry
+    return json.loads((tree / "summary.json").read_text())
+
+
 def test_trl_trainer_on_distinct_rows_matches_the_tree_trainer(tmp_path):
     """The no-sharing control under both trainers: TRL's GRPOTrainer and TreeGRPOTrainer train the same distinct
     rows to the same loss and grad_norm."""
-    args = ["--preset", "tiny", "--workload", "distinct", "--scale", "0.004", "--steps", "2", "--tasks-per-step", "2"]
-    tree, trl = tmp_path / "tree", tmp_path / "trl"
-    run([sys.executable, str(SCRIPT), *args, "--out", str(tree)])
-    run([sys.executable, str(SCRIPT), *args, "--trainer", "trl", "--grad-accum", "2", "--out", str(trl),
-         "--compare", str(tree / "summary.json")])
-    reference = json.loads((tree / "summary.json").read_text())
+    reference = both_trainers(tmp_path, ["--preset", "tiny", "--workload", "distinct", "--scale", "0.004", "--steps",
+                                         "2", "--tasks-per-step", "2"], grad_accum=2)
     # 2 groups of 8 rows per step; all 16 rows start with the same prompt token, the one token computed once
     assert all(sum(r["path_tokens"]) - sum(r["unique_tokens"]) == 2 * 8 - 1 for r in reference["steps"])
-    for entry in json.loads((trl / "summary.json").read_text())["compare"]["steps"]:
-        assert entry["loss_rel_diff"] < 1e-4 and entry["grad_norm_rel_diff"] < 1e-4, entry
 
 
 def test_trl_trainer_on_tau_trees_matches_the_tree_trainer(tmp_path):
     """--workload tau (a task's rollouts fork often and share a long policy): TRL's GRPOTrainer, every row padded
     and computed alone, and TreeGRPOTrainer's one forest per step give the same loss and grad_norm."""
-    args = ["--preset", "tiny", "--workload", "tau", "--scale", "0.02", "--steps", "2", "--tasks-per-step", "1"]
-    tree, trl = tmp_path / "tree", tmp_path / "trl"
-    run([sys.executable, str(SCRIPT), *args, "--out", str(tree)])
-    run([sys.executable, str(SCRIPT), *args, "--trainer", "trl", "--grad-accum", "5", "--out", str(trl),
-         "--compare", str(tree / "summary.json")])
-    reference = json.loads((tree / "summary.json").read_text())
+    reference = both_trainers(tmp_path, ["--preset", "tiny", "--workload", "tau", "--scale", "0.02", "--steps", "2",
+                                         "--tasks-per-step", "1"], grad_accum=5)
     assert reference["config"]["rows_per_task"] == 95  # one task, all its sequences
     assert all(sum(r["path_tokens"]) > 5 * sum(r["unique_tokens"]) for r in reference["steps"])  # R_tok > 5
-    for entry in json.loads((trl / "summary.json").read_text())["compare"]["steps"]:
-        assert entry["loss_rel_diff"] < 1e-4 and entry["grad_norm_rel_diff"] < 1e-4, entry
 
 
 def test_liger_is_the_trl_baselines_option(capsys):
