@@ -17,10 +17,11 @@
 # (144 s for the first full-size `swe` packed call, 2026-12-03): run a call's measurements in ONE process
 # (`step --workload distinct tau:0.02 ...`) and give it most of the call's time.
 # Compiled kernels: Triton's cache (compiled binaries, their metadata and autotuning results; the intermediate
-# representations left out) and TileLang's come back with `save_caches` as $OUT/kernels.tar.xz.aa, .ab, ... (15 MiB
-# parts: the tool returns files of at most 16 MiB). Copied into .device/kernels/ and carried by a later call
-# (`carry: [".device/kernels"]`, on its own: the bundle and the parts together exceed 64 MiB), they are unpacked into
-# ~ before anything compiles, so that machine loads the kernels instead of compiling and autotuning them again.
+# representations left out), TileLang's and FlashAttention-4's come back with `save_caches` as $OUT/kernels.tar.xz.aa,
+# .ab, ... (15 MiB parts: the tool returns files of at most 16 MiB). Copied into .device/kernels/ and carried by a
+# later call (`carry: [".device/kernels"]`, on its own: the bundle and the parts together exceed 64 MiB), they are
+# unpacked into ~ before anything compiles, so that machine loads the kernels instead of compiling and autotuning
+# them again.
 for pair in site:site.tar.xz tf524:tf.tar.xz liger:liger.tar.xz; do
   dir=.device/${pair%%:*}; archive=.device/${pair#*:}
   if [ ! -f "$dir/.ok" ] && [ -f "$archive" ]; then
@@ -43,6 +44,13 @@ if compgen -G ".device/kernels/kernels.tar.xz.*" > /dev/null && [ ! -f ~/.harts_
   du -sh ~/.triton/cache ~/.tilelang/cache 2>/dev/null
 fi
 export PYTHONPATH="$PWD:$PWD/.device/site" TF524="$PWD/.device/tf524" PYTHONUNBUFFERED=1
+# FlashAttention-4 keeps its compiled CuTe kernels on disk only when asked: a later process on the same machine then
+# loads them instead of compiling again. On 2026-12-04 (cache off) a fresh machine's first process spent 211 s before
+# its first tree run and the next process on it 227 s before its first packed call; how much of that is
+# FlashAttention-4's compilation is not measured (the first call with this on will say). Set it to 0 in a command to
+# compile afresh, should a cached kernel fail to load.
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=${FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED:-1}
+export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-$HOME/.cache/fa4_cute_dsl}
 [ -f .device/liger/.ok ] && PYTHONPATH="$PYTHONPATH:$PWD/.device/liger"  # liger-kernel (TRL's use_liger_kernel)
 if [ -f .device/fa4x/.fa4libs ] && [ -f .device/fa4x/.fa4rest ]; then
   PYTHONPATH="$PYTHONPATH:$PWD/.device/fa4x:$PWD/.device/fa4x/nvidia_cutlass_dsl/dsl_packages"
@@ -51,13 +59,13 @@ W=$OUT/w
 mkdir -p "$W"
 save_caches() {
   local dirs=() d
-  for d in .triton/cache .tilelang/cache; do [ -d ~/"$d" ] && dirs+=("$d"); done
+  for d in .triton/cache .tilelang/cache .cache/fa4_cute_dsl; do [ -d ~/"$d" ] && dirs+=("$d"); done
   [ ${#dirs[@]} -gt 0 ] || return 0
   tar -C ~ -cf - --exclude='*.ptx' --exclude='*.ttir' --exclude='*.ttgir' --exclude='*.llir' --exclude='*.source' \
     "${dirs[@]}" | xz -T0 -6 | split -b 15M - "$OUT/kernels.tar.xz."
   ls -l "$OUT"/kernels.tar.xz.* > "$W/kernels_saved.txt"
 }
 finish() {
-  du -sh ~/.triton/cache > "$W/triton_cache_size.txt" 2>&1
+  du -sh ~/.triton/cache ~/.tilelang/cache ~/.cache/fa4_cute_dsl > "$W/triton_cache_size.txt" 2>&1  # where compiles went
   tar -C "$W" -czf "$OUT/results.tgz" . && rm -rf "$W"
 }
