@@ -66,6 +66,7 @@ save_caches() {
   ls -l "$OUT"/kernels.tar.xz.* > "$W/kernels_saved.txt"
 }
 finish() {
-  du -sh ~/.triton/cache ~/.tilelang/cache ~/.cache/fa4_cute_dsl > "$W/triton_cache_size.txt" 2>&1  # where compiles went
+  # where the compiled kernels went
+  du -sh ~/.triton/cache ~/.tilelang/cache ~/.cache/fa4_cute_dsl > "$W/triton_cache_size.txt" 2>&1
   tar -C "$W" -czf "$OUT/results.tgz" . && rm -rf "$W"
 }
