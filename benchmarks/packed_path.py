@@ -102,15 +102,43 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
         if progress is not None:
             progress(rows)
     model.zero_grad(set_to_none=True)
-    total = dict(calls=len(rows), call_range=[rows[0]["call"], rows[-1]["call"] + 1], max_tokens=max_tokens, seconds=sum(r["seconds"] for r in rows),
-                 repeat_seconds=[sum(r["seconds_all"][i] for r in rows) for i in range(repeats)],
-                 peak_gib=max(r["peak_gib"] for r in rows), alloc_retries=sum(r["alloc_retries"] for r in rows),
-                 groups=rows, **packed_fit(rows, sequences))
+    total = packed_total(rows, max_tokens, sequences)
     print(f"packed per-trajectory: {len(sequences)} trajectories in {len(rows)} calls of <= {max_tokens} tokens: "
           f"{total['seconds']:.2f} s (repeats {', '.join(f'{x:.2f}' for x in total['repeat_seconds'])}), peak {total['peak_gib']:.1f} GiB; fit c {total['fit'][0]:.4g} s, "
           f"a {total['fit'][1]:.4g} s/token, b {total['fit'][2]:.4g} s/pair; the tree priced "
           f"{total['tree_priced_seconds']:.2f} s, S_phys against this path {total['S_phys_packed']:.2f}", flush=True)
     return total
+
+
+def packed_total(rows: list[dict], max_tokens: int, sequences) -> dict:
+    """The packed path's result from its calls' rows: the sum of their seconds, each timed run's total over the calls,
+    the largest peak, the allocator's retries and the ``c + a tokens + b pairs`` fit."""
+    repeats = len(rows[0]["seconds_all"])
+    return dict(calls=len(rows), call_range=[rows[0]["call"], rows[-1]["call"] + 1], max_tokens=max_tokens,
+                seconds=sum(r["seconds"] for r in rows),
+                repeat_seconds=[sum(r["seconds_all"][i] for r in rows) for i in range(repeats)],
+                peak_gib=max(r["peak_gib"] for r in rows), alloc_retries=sum(r["alloc_retries"] for r in rows),
+                groups=rows, **packed_fit(rows, sequences))
+
+
+def join_parts(parts: list[list[dict]], sequences, max_tokens: int) -> dict:
+    """The whole packed path from runs of its slices (``--packed-calls``; each part the calls' rows a run wrote):
+    every call exactly once, each as the calls of ``max_tokens`` cut ``sequences`` (token count and trajectories),
+    the same number of timed runs in each."""
+    expected = consecutive_groups(sequences, max_tokens)
+    rows = sorted((row for part in parts for row in part), key=lambda row: row["call"])
+    calls = [row["call"] for row in rows]
+    if calls != list(range(len(expected))):
+        raise ValueError(f"the parts hold calls {calls}; the packed path of <= {max_tokens} tokens has calls 0.."
+                         f"{len(expected) - 1}, each exactly once: run the missing ones with --packed-calls")
+    for row, group in zip(rows, expected):
+        if (row["tokens"], row["trajectories"]) != (sum(map(len, group)), len(group)):
+            raise ValueError(f"call {row['call']}: {row['trajectories']} trajectories of {row['tokens']} tokens in "
+                             f"the part, {len(group)} of {sum(map(len, group))} here: not the same workload or "
+                             "--packed-groups")
+    if len({len(row["seconds_all"]) for row in rows}) != 1:
+        raise ValueError("the parts timed their calls a different number of times (--repeats): run them alike")
+    return packed_total(rows, max_tokens, sequences)
 
 
 def merge_passes(passes: list[dict], sequences) -> dict:

@@ -17,8 +17,10 @@ innermost frame inside harts_hf / transformers / fla, and the innermost frame of
         --kernels fused_fa4 --repeats 2 --packed-groups 0 --out results/headline   # the headline, one process
     python3 benchmarks/plan_memory_probe.py --workload swe --scale 1.0 --budget 131072 --no-history --no-tree \
         --kernels fused_fa4 --packed-groups 131072 --packed-warmup first   # a large packed path in its own process
-    python3 benchmarks/plan_memory_probe.py ... --no-tree --packed-groups 131072 --packed-calls 0:12   # its first 12
-        # calls (then --packed-calls 12: in another process; the two JSONs' per-call rows together are the path)
+    python3 benchmarks/plan_memory_probe.py ... --no-tree --packed-groups 131072 --packed-calls 0:12 --out A  # its
+        # first 12 calls (then --packed-calls 12: --out B in another process), then on any machine:
+    python3 benchmarks/plan_memory_probe.py --workload swe --scale 1.0 --packed-groups 131072 --join-packed A B \
+        --join-tree TREE/probe.json --out JOINED   # the whole packed path, its MFU, the tree's speed-up against it
     python3 benchmarks/plan_memory_probe.py --workload tau --scale 1.0 --budget 0 --no-history --replicas 2 4 8
     python3 benchmarks/plan_memory_probe.py --workload distinct --scale 1.0 --budget 0 --no-history --kernels fused_fa4 \
         --packed-groups 0 --interleave --repeats 4   # tree and packed timed alternately
@@ -31,8 +33,8 @@ padding) into calls of at most as many path tokens as the tree has unique ones (
 ``--replicas`` measures the planner's placement on several data-parallel ranks one rank after another on this GPU
 (each rank's compute, next to the cost model's prediction; communication and waits are not in it).
 
-Needs CUDA. Writes ``OUT/probe.json`` (and ``OUT/run.json``: command, date, machine, versions; with several
-workloads ``OUT/<workload>/`` each) and prints the tables.
+Needs CUDA (``--join-packed`` does not). Writes ``OUT/probe.json`` (and ``OUT/run.json``: command, date, machine,
+versions; with several workloads ``OUT/<workload>/`` each) and prints the tables.
 Also ``python -m benchmarks step ...``.
 """
 
@@ -372,8 +374,20 @@ def main(argv=None):
                         help="also measure the planner's placement on this many data-parallel ranks, one rank after "
                              "another on this GPU (each rank's compute; no communication): predicted and measured "
                              "seconds per rank and their max/mean, at the first budget")
+    parser.add_argument("--join-packed", nargs="+", default=None, metavar="DIR",
+                        help="no runs (CPU): join the packed calls that --packed-calls runs of this command wrote "
+                             "(each DIR's probe_packed_calls.json) into the whole packed path, with its MFU and, "
+                             "given --join-tree, the tree's speed-up and fraction against it; written to OUT")
+    parser.add_argument("--join-tree", default=None, metavar="PROBE_JSON",
+                        help="with --join-packed: a tree run's probe.json (its tree rows) on the same workload")
     parser.add_argument("--out", default="results/memory")
     args = parser.parse_args(argv)
+    if args.join_tree and not args.join_packed:
+        parser.error("--join-tree goes with --join-packed")
+    if args.join_packed:
+        if args.packed_groups is None or len(args.workload) != 1:
+            parser.error("--join-packed needs the parts' --packed-groups and their one --workload")
+        return join_packed(args)
     if args.interleave:
         several = [name for name, values in (("--kernels", args.kernels), ("--budget", args.budget),
                                                ("--keep-attention", args.keep_attention),
@@ -393,6 +407,32 @@ def main(argv=None):
         name = workload if scale is None else f"{workload}_{scale:g}"
         probe_workload(argparse.Namespace(**{**vars(args), "scale": args.scale if scale is None else scale}), model,
                        device, workload, Path(args.out) if len(args.workload) == 1 else Path(args.out) / name)
+
+
+def join_packed(args) -> list[dict]:
+    """``--join-packed``: the whole packed path from its parts, the tree rows of ``--join-tree`` beside it, MFU from
+    the model's shapes (built on the meta device: no weights, no GPU); ``OUT/probe.json`` as a run of both writes."""
+    from packed_path import join_parts
+
+    workload, scale = args.workload[0]
+    scale = args.scale if scale is None else scale
+    sequences = task_sequences(scale, MODELS[args.model]["vocab_size"], workload=workload)
+    parts = [json.loads((Path(directory) / "probe_packed_calls.json").read_text()) for directory in args.join_packed]
+    packed = join_parts(parts, sequences, packed_cap(args, sequences))
+    packed.update(keep_attention=args.keep_attention[0], joined_from=list(args.join_packed))
+    rows = [] if args.join_tree is None else [r for r in json.loads(Path(args.join_tree).read_text())
+                                              if r.get("pieces") is not None]
+    rows.append(dict(packed_groups=packed))
+    with torch.device("meta"):
+        model = build_model(args.model, "qwen3_next", torch.device("meta"), torch.float32)
+    print(f"packed per-trajectory, joined from {len(parts)} parts: {packed['calls']} calls, {packed['seconds']:.2f} s "
+          f"(repeats {', '.join(f'{x:.2f}' for x in packed['repeat_seconds'])}), peak {packed['peak_gib']:.1f} GiB",
+          flush=True)
+    add_throughput(rows, model, sequences)
+    out = Path(args.out)
+    write_run_record(out)
+    (out / "probe.json").write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 def probe_workload(args, model, device, workload: str, out: Path) -> None:

@@ -339,6 +339,47 @@ def test_packed_path_times_a_slice_of_its_calls(capsys):
     assert "--packed-calls '7'" in capsys.readouterr().err
 
 
+def test_packed_parts_join_into_the_whole_path(tmp_path, capsys):
+    """--join-packed (no GPU): the rows of --packed-calls runs joined into the whole packed path, with its MFU and the
+    speed-up and fraction of a tree run given by --join-tree; a missing call or another workload's call is named."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from packed_path import consecutive_groups
+    from plan_memory_probe import MODELS, main, task_sequences
+
+    sequences = task_sequences(0.02, MODELS["tiny"]["vocab_size"], workload="tau")
+    groups = consecutive_groups(sequences, 4096)
+    rows = [dict(call=i, trajectories=len(g), tokens=sum(map(len, g)), pairs=sum(len(x) * (len(x) + 1) / 2 for x in g),
+                 seconds=1.0 + i, seconds_all=[0.5 + i, 1.5 + i], first_seconds=None, peak_gib=2.0 + i % 2,
+                 reserved_gib=4.0, alloc_retries=0) for i, g in enumerate(groups)]
+    assert len(rows) >= 4
+    for name, part in (("a", rows[:2]), ("b", rows[2:])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "probe_packed_calls.json").write_text(json.dumps(part))
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps([dict(budget=None, pieces=1, seconds=2.0, keep_attention="on", checkpointed_layers=[],
+                                     peak_gib=1.0)]))
+    common = ["--model", "tiny", "--workload", "tau", "--scale", "0.02", "--packed-groups", "4096"]
+    joined = main([*common, "--join-packed", str(tmp_path / "b"), str(tmp_path / "a"), "--join-tree", str(tree),
+                   "--out", str(tmp_path / "out")])
+    packed = joined[-1]["packed_groups"]
+    assert [g["call"] for g in packed["groups"]] == list(range(len(rows))) and packed["calls"] == len(rows)
+    assert packed["seconds"] == sum(1.0 + i for i in range(len(rows)))
+    assert packed["repeat_seconds"] == [sum(0.5 + i for i in range(len(rows))), sum(1.5 + i for i in range(len(rows)))]
+    assert packed["peak_gib"] == 3.0 and 0 < packed["throughput"]["mfu"]
+    assert joined[0]["speedup_vs_packed"] == packed["seconds"] / 2.0 and joined[0]["fraction_of_flop_ratio"] > 0
+    assert json.loads((tmp_path / "out" / "probe.json").read_text())[-1]["packed_groups"]["seconds"] == packed["seconds"]
+    with pytest.raises(ValueError, match="run the missing ones with --packed-calls"):
+        main([*common, "--join-packed", str(tmp_path / "b"), "--out", str(tmp_path / "out")])
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "probe_packed_calls.json").write_text(json.dumps([dict(rows[2], tokens=rows[2]["tokens"] + 1),
+                                                                        *rows[3:]]))
+    with pytest.raises(ValueError, match="not the same workload"):
+        main([*common, "--join-packed", str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit):
+        main([*common, "--join-tree", str(tree)])
+    assert "--join-tree goes with --join-packed" in capsys.readouterr().err
+
+
 def test_module_breakdown_counts_device_time_once():
     """On CUDA (events built by hand as Kineto's parse gives them): a kernel's time is its launching op's own device
     time; the GPU-side spans of the ``record_function`` ranges are not kernels; a checkpointed layer's norm recomputed
