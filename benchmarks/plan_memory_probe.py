@@ -422,6 +422,10 @@ def join_packed(args) -> list[dict]:
     packed.update(keep_attention=args.keep_attention[0], joined_from=list(args.join_packed))
     rows = [] if args.join_tree is None else [r for r in json.loads(Path(args.join_tree).read_text())
                                               if r.get("pieces") is not None]
+    for row in rows:
+        if row.get("unique_tokens", packed["unique_tokens"]) != packed["unique_tokens"]:
+            raise ValueError(f"--join-tree {args.join_tree}: its tree ran {row['unique_tokens']} unique tokens, this "
+                             f"workload has {packed['unique_tokens']}: not the same workload or scale")
     rows.append(dict(packed_groups=packed))
     with torch.device("meta"):
         model = build_model(args.model, "qwen3_next", torch.device("meta"), torch.float32)

@@ -375,6 +375,11 @@ def test_packed_parts_join_into_the_whole_path(tmp_path, capsys):
                                                                         *rows[3:]]))
     with pytest.raises(ValueError, match="not the same workload"):
         main([*common, "--join-packed", str(tmp_path / "a"), str(tmp_path / "c"), "--out", str(tmp_path / "out")])
+    other = tmp_path / "other_tree.json"
+    other.write_text(json.dumps([dict(budget=None, pieces=1, seconds=2.0, unique_tokens=7, peak_gib=1.0)]))
+    with pytest.raises(ValueError, match="not the same workload or scale"):
+        main([*common, "--join-packed", str(tmp_path / "a"), str(tmp_path / "b"), "--join-tree", str(other),
+              "--out", str(tmp_path / "out")])
     with pytest.raises(SystemExit):
         main([*common, "--join-tree", str(tree)])
     assert "--join-tree goes with --join-packed" in capsys.readouterr().err
