@@ -106,10 +106,10 @@ class WorkloadRollouts:
     Token ids are drawn below ``vocab_size - 2``; the last two ids are the tokenizer's pad and EOS.
 
     ``workload="tau"``: the same for the `tau` preset (a ~4.8k-token policy shared by all tasks, short turns, thinking
-    dropped at q = 0.45 of them: R_tok ~9 within a task). ``workload="grpo"``: a task is one prompt group of the `grpo` preset (shared system prompt, then the group's
-    prompt). ``workload="distinct"``: the no-sharing control; each task is ``rows_per_task`` (default 8) unrelated
-    sequences of the `distinct` preset after ONE shared token (TRL needs a prompt per group), so the forest shares
-    one token per group and the tree has nothing else to share.
+    dropped at q = 0.45 of them: R_tok ~9 within a task). ``workload="grpo"``: a task is one prompt group of the `grpo`
+    preset (shared system prompt, then the group's prompt). ``workload="distinct"``: the no-sharing control; each task
+    is ``rows_per_task`` (default 8) unrelated sequences of the `distinct` preset after ONE shared token (TRL needs a
+    prompt per group), so the forest shares one token per group and the tree has nothing else to share.
     """
 
     def __init__(self, steps: int, tasks_per_step: int, scale: float, vocab_size: int, seed: int = 0,
@@ -304,12 +304,16 @@ def step_recorder(trainer, records: list, partial: Path | None = None):
                                 **trainer.step_record))
             trainer.step_record = trainer._fresh_record()
             if partial is not None:
-                logged = [{k: v for k, v in entry.items() if isinstance(v, (int, float))}
-                          for entry in state.log_history if "loss" in entry]
                 partial.parent.mkdir(parents=True, exist_ok=True)
-                partial.write_text(json.dumps(dict(steps=records, logged=logged), indent=1))
+                partial.write_text(json.dumps(dict(steps=records, logged=logged_steps(state.log_history)), indent=1))
 
     return StepRecorder()
+
+
+def logged_steps(log_history: list[dict]) -> list[dict]:
+    """The trainer's logged optimizer steps (entries with a loss and a grad norm), their numeric fields."""
+    return [{k: v for k, v in entry.items() if isinstance(v, (int, float))} for entry in log_history
+            if "loss" in entry and "grad_norm" in entry]
 
 
 # ---------------------------------------------------------------------------------------------- summary
@@ -532,8 +536,7 @@ def main(argv=None):
     device = str(trainer.accelerator.device)
     if cuda:
         device += f" ({torch.cuda.get_device_name()})"
-    logged = [{k: v for k, v in entry.items() if isinstance(v, (int, float))} for entry in trainer.state.log_history
-              if "loss" in entry and "grad_norm" in entry]
+    logged = logged_steps(trainer.state.log_history)
     run_config = dict(vars(args), rows_per_task=rollouts.rows_per_task, world_size=world,
                       per_device_train_batch_size=config.per_device_train_batch_size,
                       distributed_type=str(trainer.accelerator.distributed_type), torch=torch.__version__,

@@ -73,15 +73,13 @@ def packed_groups(model, sequences, max_tokens: int, device, attention: str = "a
 
     rows = []
     model.zero_grad(set_to_none=True)
-    groups = list(enumerate(consecutive_groups(sequences, max_tokens)))
-    if calls is not None:
-        groups = groups[calls]
-        if not groups:
-            raise ValueError(f"calls={calls}: no packed call in it ({len(consecutive_groups(sequences, max_tokens))} "
-                             f"calls of <= {max_tokens} tokens)")
+    every = list(enumerate(consecutive_groups(sequences, max_tokens)))
+    groups = every if calls is None else every[calls]
+    if not groups:
+        raise ValueError(f"calls={calls}: no packed call in it ({len(every)} calls of <= {max_tokens} tokens)")
+    cuda = device.type == "cuda"  # on a CPU (the tests) no memory figures
     for index, group in groups:
         forest = PrefixForest.from_sequences(group, groups=list(range(len(group))))
-        cuda = device.type == "cuda"  # on a CPU (the tests) no memory figures
         if cuda:
             torch.cuda.empty_cache()
         warm = warmup == "each" or (warmup == "first" and not rows)
