@@ -65,8 +65,22 @@ save_caches() {
     "${dirs[@]}" | xz -T0 -6 | split -b 15M - "$OUT/kernels.tar.xz."
   ls -l "$OUT"/kernels.tar.xz.* > "$W/kernels_saved.txt"
 }
+# The job worker (scripts/device_worker.py): ONE process on this machine runs every job submitted to it, so the
+# kernels compile once per machine instead of once per process. It is detached from the call that starts it; whether
+# it outlives that call on this machine was not yet seen (if not, the next call's `jobs_wait` says the worker is gone
+# and `jobs_start` marks the job it held as lost). Jobs write under $JOBS/w (outside $OUT, which is per call):
+#   jobs_start; job tau_tree benchmarks/plan_memory_probe.py --workload tau ... --out $JOBS/w/tau_tree; jobs_wait; finish
+JOBS=/tmp/harts_jobs
+jobs_start() { python3 scripts/device_worker.py start "$JOBS" --idle "${JOBS_IDLE:-900}"; }
+job() { python3 scripts/device_worker.py submit "$JOBS" "$@"; }
+jobs_wait() {  # until the queue is empty, the worker is gone, or 25 s before the call's 600 s (T0: the call's start)
+  python3 scripts/device_worker.py wait "$JOBS" --seconds $((575 - ($(date +%s) - ${T0:-$(date +%s)})))
+}
 finish() {
   # where the compiled kernels went
   du -sh ~/.triton/cache ~/.tilelang/cache ~/.cache/fa4_cute_dsl > "$W/triton_cache_size.txt" 2>&1
+  if [ -d "$JOBS" ]; then  # every job's log, status and results so far (the worker's jobs may still be running)
+    tar -C "$JOBS" -czf "$W/jobs.tgz" --exclude=./queue --exclude=./running . 2>/dev/null
+  fi
   tar -C "$W" -czf "$OUT/results.tgz" . && rm -rf "$W"
 }

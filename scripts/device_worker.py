@@ -1,0 +1,227 @@
+"""One long-lived Python process on the device machine that runs benchmark scripts one after another, in itself.
+
+Every new process there compiles and autotunes its kernels again (fla's Triton autotuning, TileLang, FlashAttention-4's
+CuTe DSL: 150-300 s before the first timed run, 2026-12-04), which took a third to a half of each 10-minute call.
+Jobs run by one worker share what the first compiled. Each job is a script of the checkout with its arguments, run as
+``__main__`` in the worker (its folder first on ``sys.path``, its folder as the working directory, its stdout and
+stderr, Python's and the kernels' own, in ``DIR/NAME.log``); its exit status and seconds go to ``DIR/NAME.rc``.
+
+    python3 scripts/device_worker.py start DIR                      # a detached worker serving DIR, if none is alive
+    python3 scripts/device_worker.py submit DIR NAME SCRIPT [ARGS...]   # queue a job (a leading '--' is dropped);
+                                                                     # `submit --own-process DIR ...`: in a child process
+    python3 scripts/device_worker.py wait DIR --seconds 540         # until the queue is empty, the time is up or the
+                                                                     # worker is gone (exit 0, 3 and 4)
+    python3 scripts/device_worker.py stop DIR                       # the worker ends after the job in hand
+
+The worker leaves after ``--idle`` seconds without a job (default 600). A job found running when ``start`` finds its
+worker dead (a call's end that took the worker with it) gets rc ``lost`` and is not run again.
+"""
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import runpy
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a finished child of this process stays a zombie until reaped: not alive
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return True
+
+
+def _worker_pid(folder: Path) -> int | None:
+    path = folder / "worker.pid"
+    if not path.exists():
+        return None
+    pid = int(path.read_text())
+    return pid if _alive(pid) else None
+
+
+def _queued(folder: Path) -> list[Path]:
+    return sorted((folder / "queue").glob("*.json"))
+
+
+def _running(folder: Path) -> list[Path]:
+    return sorted((folder / "running").glob("*.json"))
+
+
+@contextlib.contextmanager
+def _output_to(log: Path):
+    """File descriptors 1 and 2 (Python's streams and everything C code writes) into ``log``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(log, "ab", buffering=0) as handle:
+        os.dup2(handle.fileno(), 1)
+        os.dup2(handle.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def run_job(folder: Path, job: dict) -> dict:
+    """Run one job in this process (or, for ``own_process`` jobs, in a child); the record written to ``NAME.rc``."""
+    script = (ROOT / job["script"]).resolve()
+    start = time.perf_counter()
+    with _output_to(folder / f"{job['name']}.log"):
+        print(f"[device_worker] {job['script']} {' '.join(job['args'])}", flush=True)
+        if job.get("own_process"):  # a script that cannot share a process (one that sets up torch.distributed, say)
+            rc = subprocess.run([sys.executable, str(script), *job["args"]], cwd=script.parent).returncode
+            return dict(name=job["name"], rc=rc, seconds=round(time.perf_counter() - start, 2))
+        argv, cwd, path = sys.argv, os.getcwd(), list(sys.path)
+        sys.argv = [str(script), *job["args"]]
+        sys.path.insert(0, str(script.parent))
+        os.chdir(script.parent)
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+            rc = 0
+        except SystemExit as stop:
+            rc = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:  # a job's failure (out of memory included) is its own, not the worker's
+            traceback.print_exc()
+            rc = 1
+        finally:
+            sys.argv, sys.path[:] = argv, path
+            os.chdir(cwd)
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the next job starts with the memory this one held given back
+    return dict(name=job["name"], rc=rc, seconds=round(time.perf_counter() - start, 2))
+
+
+def serve(folder: Path, idle: float) -> None:
+    (folder / "worker.pid").write_text(str(os.getpid()))
+    last = time.monotonic()
+    while not (folder / "stop").exists():
+        queued = _queued(folder)
+        if not queued:
+            if time.monotonic() - last > idle:
+                break
+            time.sleep(0.5)
+            continue
+        running = folder / "running" / queued[0].name
+        queued[0].rename(running)
+        job = json.loads(running.read_text())
+        record = run_job(folder, job)
+        (folder / f"{job['name']}.rc").write_text(json.dumps(record) + "\n")
+        running.unlink()
+        print(json.dumps(record), flush=True)
+        last = time.monotonic()
+    (folder / "worker.pid").unlink(missing_ok=True)
+
+
+def start(folder: Path, idle: float) -> None:
+    for sub in ("queue", "running"):
+        (folder / sub).mkdir(parents=True, exist_ok=True)
+    pid = _worker_pid(folder)
+    if pid is not None:
+        print(f"worker {pid} is serving {folder}")
+        return
+    for lost in _running(folder):  # its worker died with it
+        name = json.loads(lost.read_text())["name"]
+        (folder / f"{name}.rc").write_text(json.dumps(dict(name=name, rc="lost")) + "\n")
+        lost.unlink()
+        print(f"job {name}: lost with its worker")
+    (folder / "stop").unlink(missing_ok=True)
+    with open(folder / "worker.log", "ab") as log:
+        child = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "serve", str(folder), "--idle",
+                                  str(idle)], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True, cwd=ROOT)
+    for _ in range(100):  # the pid file says the worker runs
+        if (folder / "worker.pid").exists():
+            break
+        time.sleep(0.05)
+    print(f"worker {child.pid} started, serving {folder}")
+
+
+def submit(folder: Path, name: str, script: str, args: list[str], own_process: bool = False) -> None:
+    if not name or not all(c.isalnum() or c in "._-" for c in name):
+        raise SystemExit(f"submit: job name {name!r} must be letters, digits, '.', '_' or '-' (it names DIR/NAME.log)")
+    if not (ROOT / script).is_file():
+        raise SystemExit(f"submit: no script {script!r} under {ROOT} (give its path from the checkout's root)")
+    if (folder / f"{name}.rc").exists() or any(p.stem.split("-", 1)[1] == name
+                                                 for p in _queued(folder) + _running(folder)):
+        raise SystemExit(f"submit: a job named {name!r} was already submitted to {folder}; pick another name")
+    (folder / "queue").mkdir(parents=True, exist_ok=True)
+    number = len(list((folder / "queue").glob("*.json"))) + len(list(folder.glob("*.rc"))) + \
+        len(_running(folder))
+    job = dict(name=name, script=script, args=args[1:] if args[:1] == ["--"] else args, own_process=own_process)
+    (folder / "queue" / f"{number:04d}-{name}.json").write_text(json.dumps(job))
+    print(f"queued {name}: {script} {' '.join(job['args'])}")
+
+
+def wait(folder: Path, seconds: float) -> int:
+    deadline = time.monotonic() + seconds
+    seen = set()  # every finished job's record, those finished before this call included
+    while True:
+        for path in sorted(folder.glob("*.rc")):
+            if path.name not in seen:
+                seen.add(path.name)
+                print(path.read_text().strip(), flush=True)
+        pending = _queued(folder) + _running(folder)
+        if not pending:
+            return 0
+        if _worker_pid(folder) is None:
+            print(f"the worker is gone; {len(pending)} jobs not finished: {', '.join(p.stem for p in pending)}")
+            return 4
+        if time.monotonic() > deadline:
+            print(f"time is up; {len(pending)} jobs not finished: {', '.join(p.stem for p in pending)}")
+            return 3
+        time.sleep(1.0)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for verb in ("start", "serve"):
+        sub = verbs.add_parser(verb)
+        sub.add_argument("folder", type=Path)
+        sub.add_argument("--idle", type=float, default=600.0, help="seconds without a job before the worker leaves")
+    sub = verbs.add_parser("submit")
+    sub.add_argument("--own-process", action="store_true", help="run the job in a process of its own")
+    sub.add_argument("folder", type=Path)
+    sub.add_argument("name")
+    sub.add_argument("script", help="the script's path from the checkout's root")
+    sub.add_argument("args", nargs=argparse.REMAINDER)
+    sub = verbs.add_parser("wait")
+    sub.add_argument("folder", type=Path)
+    sub.add_argument("--seconds", type=float, default=540.0, help="at most this long")
+    verbs.add_parser("stop").add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    folder = args.folder.resolve()
+    if args.verb == "start":
+        start(folder, args.idle)
+    elif args.verb == "serve":
+        serve(folder, args.idle)
+    elif args.verb == "submit":
+        submit(folder, args.name, args.script, args.args, args.own_process)
+    elif args.verb == "wait":
+        return wait(folder, args.seconds)
+    else:
+        (folder / "stop").touch()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

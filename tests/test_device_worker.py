@@ -1,0 +1,77 @@
+"""scripts/device_worker.py: jobs run one after another in ONE detached process (what lets the device machine's
+later jobs reuse the kernels the first compiled), each with its own log and exit status."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WORKER = Path(__file__).resolve().parents[1] / "scripts" / "device_worker.py"
+
+JOB = '''
+import os, sys
+state = sys.modules.setdefault("_device_worker_test_state", type(sys)("_device_worker_test_state"))
+state.runs = getattr(state, "runs", 0) + 1
+print("run", state.runs, "pid", os.getpid(), "args", " ".join(sys.argv[1:]), "cwd", os.getcwd())
+os.write(2, b"written to file descriptor 2\\n")
+if "raise" in sys.argv:
+    raise RuntimeError("the job failed")
+if "exit" in sys.argv:
+    sys.exit(5)
+'''
+
+
+def _worker(*args, check=True):
+    return subprocess.run([sys.executable, str(WORKER), *map(str, args)], capture_output=True, text=True,
+                          check=check, timeout=300)
+
+
+def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    queue = tmp_path / "queue_dir"
+    _worker("start", queue, "--idle", 120)
+    try:
+        for name, mode in [("first", "ok"), ("second", "ok"), ("fails", "raise"), ("exits", "exit")]:
+            _worker("submit", queue, name, script, "--", mode, "--flag", 1)
+        _worker("submit", "--own-process", queue, "alone", script, "exit")
+        refused = _worker("submit", queue, "first", script, check=False)
+        assert refused.returncode != 0 and "already submitted" in refused.stderr
+        waited = _worker("wait", queue, "--seconds", 240)
+        assert waited.returncode == 0, waited.stdout + waited.stderr
+        records = {r["name"]: r for r in map(json.loads, waited.stdout.splitlines())}
+        assert {n: r["rc"] for n, r in records.items()} == {"first": 0, "second": 0, "fails": 1, "exits": 5, "alone": 5}
+        logs = {name: (queue / f"{name}.log").read_text() for name in records}
+        assert "run 1 " in logs["first"] and "run 2 " in logs["second"]  # the second job saw the first's state
+        pids = {name: log.split(" pid ")[1].split()[0] for name, log in logs.items()}
+        assert len({pids[name] for name in ("first", "second", "fails", "exits")}) == 1  # one process ran them all
+        assert pids["alone"] != pids["first"] and "run 1 " in logs["alone"]  # a process of its own
+        assert "args ok --flag 1" in logs["first"] and f"cwd {tmp_path}" in logs["first"]
+        assert all("written to file descriptor 2" in log for log in logs.values())
+        assert "RuntimeError: the job failed" in logs["fails"]
+    finally:
+        _worker("stop", queue)
+    for _ in range(600):  # it leaves after the job in hand
+        if not (queue / "worker.pid").exists():
+            break
+        time.sleep(0.1)
+    assert not (queue / "worker.pid").exists()
+
+
+def test_a_job_whose_worker_died_is_reported_lost_not_rerun(tmp_path):
+    queue = tmp_path / "queue_dir"
+    (queue / "running").mkdir(parents=True)
+    (queue / "running" / "0000-orphan.json").write_text(json.dumps(dict(name="orphan", script="x.py", args=[])))
+    (queue / "worker.pid").write_text("999999999")  # no such process
+    started = _worker("start", queue, "--idle", 1)
+    assert "orphan: lost" in started.stdout
+    assert json.loads((queue / "orphan.rc").read_text())["rc"] == "lost"
+    assert not list((queue / "running").iterdir())
+
+
+def test_submit_names_what_is_wrong(tmp_path):
+    bad_name = _worker("submit", tmp_path, "a/b", WORKER, check=False)
+    assert bad_name.returncode != 0 and "job name 'a/b'" in bad_name.stderr
+    no_script = _worker("submit", tmp_path, "job", tmp_path / "missing.py", check=False)
+    assert no_script.returncode != 0 and "no script" in no_script.stderr
