@@ -73,6 +73,7 @@ save_caches() {
 JOBS=/tmp/harts_jobs
 jobs_start() { python3 scripts/device_worker.py start "$JOBS" --idle "${JOBS_IDLE:-900}"; }
 job() { python3 scripts/device_worker.py submit "$JOBS" "$@"; }
+job_alone() { python3 scripts/device_worker.py submit --own-process "$JOBS" "$@"; }  # a child process of the worker
 jobs_wait() {  # until the queue is empty, the worker is gone, or 25 s before the call's 600 s (T0: the call's start)
   python3 scripts/device_worker.py wait "$JOBS" --seconds $((575 - ($(date +%s) - ${T0:-$(date +%s)})))
 }
