@@ -16,6 +16,7 @@ from harts_hf.model_patches import (
     checkpointing,
     keep_attention_outputs,
     keep_matmul_outputs,
+    matmul_output_bytes_per_token,
     store_layer_activations,
 )
 from harts_hf.model_patches.checkpointing import _attention_ops, _choose, _matmul_ops
@@ -102,11 +103,15 @@ class _CountOps(TorchDispatchMode):
     def __init__(self, ops=None):
         super().__init__()
         self.ops = _attention_ops() if ops is None else ops
-        self.calls = 0
+        self.calls = self.output_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls += func in self.ops
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func in self.ops:
+            self.calls += 1
+            if isinstance(out, torch.Tensor):  # a matrix product's (attention ops return tuples)
+                self.output_bytes += out.numel() * out.element_size()
+        return out
 
 
 def _attention_runs_off_and_kept(model, forest) -> dict:
@@ -219,7 +224,7 @@ def test_kept_matmul_outputs_give_the_same_gradients_and_run_no_gemm_twice(famil
     with _CountOps(_matmul_ops() - _attention_ops()) as counter:
         _fwd_bwd(model, forest)
     assert counter.calls == counts[layers]  # the setting survives re-enabling
-    with pytest.raises(ValueError, match=rf"keep_matmul_outputs={layers + 1} exceeds the model's {layers} decoder"):
+    with pytest.raises(ValueError, match=rf"tree_keep_matmul_layers={layers + 1} exceeds the model's {layers} decoder"):
         keep_matmul_outputs(model, layers + 1)
 
 
@@ -239,3 +244,26 @@ def test_deep_copy_keeps_its_own_settings():
     twin = copy.deepcopy(model)
     twin.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert checkpointed_layers(twin) == [0, 2] and checkpointed_layers(model) == []
+
+
+def test_matmul_output_bytes_per_token_is_what_the_products_write():
+    """The bytes per token counted for each layer are the outputs of the layer's matrix products under bf16
+    autocast (the attention's aside): what keep_matmul_outputs keeps in it."""
+    model = build("llama").eval()
+    tokens = 37
+    counted = {}
+
+    def count(index):
+        def hook(module, args, output):
+            counted[index] = mode.output_bytes - counted.pop(("start", index))
+        return hook
+
+    for index, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda m, a, i=index: counted.__setitem__(("start", i), mode.output_bytes))
+        layer.register_forward_hook(count(index))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _CountOps(_matmul_ops() - _attention_ops()) as mode:
+        model(torch.randint(0, VOCAB, (1, tokens)))
+    expected = matmul_output_bytes_per_token(model)
+    assert len(expected) == len(model.model.layers) and min(expected) > 0
+    assert [counted[i] for i in range(len(expected))] == [b * tokens for b in expected]
+    assert matmul_output_bytes_per_token(model, torch.float32) == [2 * b for b in expected]

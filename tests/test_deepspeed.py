@@ -154,3 +154,22 @@ def test_deepspeed_zero_tree_sft_pieces_train_like_one_process(tmp_path, stage, 
     assert evaluated[0]["eval_tree/pieces"] > 1, evaluated  # forward-only pieces ran
     print(f"\n[TreeSFT pieces, ZeRO-{stage}, 2 processes vs 1] losses {[e['loss'] for e in ranks[0]['logged']]} vs "
           f"{[e['loss'] for e in single['logged']]}; pieces {pairs}; fillers on process 1 {ranks[1]['padding']}")
+
+
+def test_kept_matmul_outputs_are_refused_under_zero3():
+    """tree_keep_matmul_layers needs a selective-checkpointing policy, which ZeRO-3 cannot run: refused, naming the
+    fix (in process: transformers' ZeRO-3 flag, as the Trainer sets it from its DeepSpeed config)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations import HfDeepSpeedConfig
+
+    from harts_hf.trainers.config import apply_layer_counts
+    from tests.models import build
+
+    settings = SimpleNamespace(tree_stored_layers=0, tree_keep_matmul_layers=1)
+    zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    try:
+        with pytest.raises(ValueError, match="tree_keep_matmul_layers=1 .* DeepSpeed ZeRO-3.*tree_keep_matmul_layers=0"):
+            apply_layer_counts(build("llama"), settings)
+    finally:
+        del zero3  # the flag is a weak reference to this object

@@ -150,6 +150,17 @@ def test_stored_layers_match_grpo_trainer(saved_model, tmp_path):
     assert_same_loss_and_grads(base, tree)
 
 
+def test_kept_matmul_outputs_match_grpo_trainer(saved_model, tmp_path):
+    """tree_keep_matmul_layers: the chosen layers keep their products through the trainer's own enabling, and the
+    loss and gradients are GRPOTrainer's."""
+    base, tree = make_trainers(saved_model, tmp_path, tree_args=dict(tree_keep_matmul_layers=2))
+    for trainer in (base, tree):  # as Trainer.train() does
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert checkpointed_layers(tree.model) == [0, 1, 2, 3]
+    assert tree.model._set_gradient_checkpointing.matmul_layers == [1, 3]  # the attention layers
+    assert_same_loss_and_grads(base, tree)
+
+
 def test_training_steps_give_the_same_parameters(saved_model, tmp_path):
     """Three optimizer steps of two microbatches each (generation every step, siblings shuffled as TRL does)."""
     base, tree = make_trainers(saved_model, tmp_path, max_steps=3, per_device_train_batch_size=6,
@@ -282,6 +293,11 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_head_chunk_size=0), ["tree_head_chunk_size"]),
     (dict(tree_stored_layers=2, gradient_checkpointing=False), ["tree_stored_layers=2", "gradient_checkpointing=True"]),
     (dict(tree_stored_layers=-1), ["tree_stored_layers", ">= 0"]),
+    (dict(tree_keep_matmul_layers=2, gradient_checkpointing=False),
+     ["tree_keep_matmul_layers=2", "gradient_checkpointing=True"]),
+    (dict(tree_keep_matmul_layers=2, gradient_checkpointing_kwargs={"use_reentrant": True}),
+     ["tree_keep_matmul_layers=2", "use_reentrant=True", "tree_keep_matmul_layers=0"]),
+    (dict(tree_keep_matmul_layers=-1), ["tree_keep_matmul_layers", ">= 0"]),
     (dict(tree_cost_model="no/such/cost.json"), ["tree_cost_model", "CostModel.save"]),
 ])
 def test_contradictory_config_is_refused(tmp_path, fields, words):

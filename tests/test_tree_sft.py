@@ -145,6 +145,17 @@ def test_stored_layers_match_sft_trainer(saved_model, tmp_path):
     assert_same_loss_and_grads(base, tree)
 
 
+def test_kept_matmul_outputs_match_sft_trainer(saved_model, tmp_path):
+    """tree_keep_matmul_layers: the chosen layers keep their products through the trainer's own enabling, and the
+    loss and gradients are SFTTrainer's."""
+    base, tree = make_trainers(saved_model, tmp_path, completion_dataset(), tree_args=dict(tree_keep_matmul_layers=2),
+                               gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    for trainer in (base, tree):  # as Trainer.train() does
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert tree.model._set_gradient_checkpointing.matmul_layers == [1, 3]  # the attention layers
+    assert_same_loss_and_grads(base, tree)
+
+
 def test_training_steps_give_the_same_parameters(saved_model, tmp_path):
     base, tree = make_trainers(saved_model, tmp_path, text_dataset(), max_steps=2, per_device_train_batch_size=3,
                                gradient_accumulation_steps=2)
@@ -161,6 +172,9 @@ def test_training_steps_give_the_same_parameters(saved_model, tmp_path):
     (dict(tree_token_budget=0), ["tree_token_budget", "None"]),
     (dict(tree_stored_layers=2, gradient_checkpointing=False), ["tree_stored_layers=2", "gradient_checkpointing=True"]),
     (dict(tree_stored_layers=-1), ["tree_stored_layers", ">= 0"]),
+    (dict(tree_keep_matmul_layers=1, gradient_checkpointing=False),
+     ["tree_keep_matmul_layers=1", "gradient_checkpointing=True"]),
+    (dict(tree_keep_matmul_layers=True), ["tree_keep_matmul_layers", "int"]),
     (dict(tree_per_turn_rows=True, completion_only_loss=False), ["tree_per_turn_rows=True", "completion_only_loss"]),
     (dict(tree_per_turn_rows=True, dataset_kwargs={"skip_prepare_dataset": True}), ["skip_prepare_dataset"]),
 ])

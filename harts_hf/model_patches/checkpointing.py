@@ -35,7 +35,8 @@ import torch
 from .._checks import check_bool, check_int
 from .core import zero3_enabled
 
-__all__ = ["checkpointed_layers", "keep_attention_outputs", "keep_matmul_outputs", "store_layer_activations"]
+__all__ = ["checkpointed_layers", "keep_attention_outputs", "keep_matmul_outputs", "matmul_output_bytes_per_token",
+           "store_layer_activations"]
 
 _ORIGINAL = "_harts_original_checkpoint"  # a layer's checkpoint function before the policy was added
 
@@ -270,9 +271,20 @@ def keep_matmul_outputs(model: torch.nn.Module, count: int) -> list[int]:
     the backward skips the GEMMs; now and whenever checkpointing is enabled again; 0 turns it off. Returns the
     layers' indices. The gradients are the same (checkpointing changes what is kept, not the arithmetic)."""
     settings = _settings(model)
-    settings.matmul_layers = _count_layers(settings.model, count, "keep_matmul_outputs")
+    settings.matmul_layers = _count_layers(settings.model, count, "tree_keep_matmul_layers")
     _apply(settings.model)
     return settings.matmul_layers
+
+
+def matmul_output_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[int]:
+    """Per decoder layer of ``model``, the bytes per token that :func:`keep_matmul_outputs` keeps in that layer for the
+    step: every ``nn.Linear``'s output (``out_features`` values in ``dtype``, autocast's dtype; an adapter's own
+    products counted too). Not counted: MoE experts' grouped products (per routed token), and the attention output,
+    which :func:`keep_attention_outputs` keeps anyway. Times the tokens of one forward (a planner piece's), summed
+    over the layers chosen (:func:`keep_matmul_outputs` returns their indices), it is what keeping them costs."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return [sum(m.out_features for m in layer.modules() if isinstance(m, torch.nn.Linear)) * size
+            for layer in _decoder_layers(model)]
 
 
 def keep_attention_outputs(model: torch.nn.Module, enable: bool = True) -> None:

@@ -23,14 +23,33 @@ STORED_LAYERS_HELP = ("With gradient_checkpointing: how many decoder layers keep
                       "backward instead of recomputing their forward (softmax-attention layers first, then the others "
                       "spread evenly). Less compute, more memory; the gradients are the same. 0: every layer is "
                       "checkpointed (transformers' default).")
+MATMUL_LAYERS_HELP = ("With gradient_checkpointing (non-reentrant, transformers' default): in how many checkpointed "
+                      "decoder layers the forward's matrix-product outputs (every projection's GEMM, and the "
+                      "attention) are kept, so that the backward's rerun of those layers recomputes only the "
+                      "per-element work between them (softmax-attention layers first, then the others spread "
+                      "evenly). Each such layer keeps its projections' outputs for the step: about 2 bytes per token "
+                      "per output feature under bf16 (matmul_output_bytes_per_token(model) in "
+                      "harts_hf.model_patches says how many per layer). Less compute, more memory; the gradients are "
+                      "the same. Not under DeepSpeed ZeRO-3. 0: none.")
 
 
-def check_stored_layers(config) -> None:
-    """``config.tree_stored_layers`` is a count >= 0, and needs gradient checkpointing when it is not 0."""
+def check_layer_counts(config) -> None:
+    """``config.tree_stored_layers`` and ``config.tree_keep_matmul_layers`` are counts >= 0; either needs gradient
+    checkpointing when it is not 0, and kept matrix products need its non-reentrant kind."""
     config.tree_stored_layers = check_int(config.tree_stored_layers, "tree_stored_layers", minimum=0)
     if config.tree_stored_layers and not config.gradient_checkpointing:
         raise ValueError(f"tree_stored_layers={config.tree_stored_layers} picks layers to leave out of gradient "
                          "checkpointing, which is off; set gradient_checkpointing=True or tree_stored_layers=0.")
+    count = config.tree_keep_matmul_layers = check_int(config.tree_keep_matmul_layers, "tree_keep_matmul_layers",
+                                                       minimum=0)
+    if count and not config.gradient_checkpointing:
+        raise ValueError(f"tree_keep_matmul_layers={count} keeps products of checkpointed layers, and gradient "
+                         "checkpointing is off (every product is kept already); set gradient_checkpointing=True or "
+                         "tree_keep_matmul_layers=0.")
+    if count and (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+        raise ValueError(f"tree_keep_matmul_layers={count} needs non-reentrant checkpointing (a selective-"
+                         "checkpointing policy), and gradient_checkpointing_kwargs sets use_reentrant=True; drop it "
+                         "(transformers' default is non-reentrant) or set tree_keep_matmul_layers=0.")
 
 
 _BOOL_FIELDS = ("use_tree", "tree_share_across_groups", "tree_keep_groups_together", "tree_balance_replicas",
@@ -135,6 +154,7 @@ class TreeGRPOConfig(GRPOConfig):
                           "transformers does."},
     )
     tree_stored_layers: int = field(default=0, metadata={"help": STORED_LAYERS_HELP})
+    tree_keep_matmul_layers: int = field(default=0, metadata={"help": MATMUL_LAYERS_HELP})
 
     def __post_init__(self):
         self._check_tree_field_types()
@@ -169,7 +189,7 @@ class TreeGRPOConfig(GRPOConfig):
         if self.tree_cross_replica_handoffs and self.tree_token_budget is None:
             raise ValueError("tree_cross_replica_handoffs=True plans microbatches into pieces: set tree_token_budget "
                              "(the most unique tokens of one piece), or tree_cross_replica_handoffs=False.")
-        check_stored_layers(self)
+        check_layer_counts(self)
         if self.use_tree and self.use_liger_kernel:
             raise ValueError("use_tree=True and use_liger_kernel=True both replace how log-probs are computed; set "
                              "use_liger_kernel=False to train on trees, or use_tree=False to keep Liger.")
@@ -182,6 +202,7 @@ class TreeGRPOConfig(GRPOConfig):
         self.tree_token_budget = check_int(self.tree_token_budget, "tree_token_budget", allow_none=True)
         self.tree_head_chunk_size = check_int(self.tree_head_chunk_size, "tree_head_chunk_size")
         self.tree_stored_layers = check_int(self.tree_stored_layers, "tree_stored_layers", minimum=0)
+        self.tree_keep_matmul_layers = check_int(self.tree_keep_matmul_layers, "tree_keep_matmul_layers", minimum=0)
         if isinstance(self.tree_cost_model, os.PathLike):
             self.tree_cost_model = os.fspath(self.tree_cost_model)
         if self.tree_cost_model is not None and not isinstance(self.tree_cost_model, str):
@@ -220,3 +241,20 @@ def apply_varlen_kernel(choice: str | None) -> None:
                           "flash-attn-4); or set tree_varlen_kernel='auto' (FlashAttention-4 where it is installed) "
                           "or 'torch'.")
     varlen.KERNEL = choice
+
+
+def apply_layer_counts(model, args) -> None:
+    """Put ``tree_stored_layers`` and ``tree_keep_matmul_layers`` in force on ``model`` (a transformers model, as
+    unwrapped for the trainer); kept products under DeepSpeed ZeRO-3 fail here, naming the fix."""
+    from ..model_patches import keep_matmul_outputs, store_layer_activations
+    from ..model_patches.core import zero3_enabled
+
+    if args.tree_stored_layers:
+        store_layer_activations(model, args.tree_stored_layers)
+    if args.tree_keep_matmul_layers:
+        if zero3_enabled():
+            raise ValueError(f"tree_keep_matmul_layers={args.tree_keep_matmul_layers} keeps products through a "
+                             "selective-checkpointing policy, which cannot run under DeepSpeed ZeRO-3 (its parameter "
+                             "all-gathers inside the checkpointed layers); set tree_keep_matmul_layers=0, or use "
+                             "ZeRO-2 or DDP.")
+        keep_matmul_outputs(model, args.tree_keep_matmul_layers)

@@ -22,12 +22,12 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 from .._checks import trainer_args
 from ..logprobs import run_tree_forward, unwrap_model
-from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs, store_layer_activations
+from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
 from ..planner import CostModel, Plan, imbalance
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
-from .config import TreeGRPOConfig, apply_varlen_kernel, budget_plan
+from .config import TreeGRPOConfig, apply_layer_counts, apply_varlen_kernel, budget_plan
 from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
 from .piece_padding import PiecePadding
 from .replica_balance import (
@@ -90,8 +90,7 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
             apply_varlen_kernel(args.tree_varlen_kernel)
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(unwrap_model(self.model))
-        if args.tree_stored_layers:
-            store_layer_activations(unwrap_model(self.model), args.tree_stored_layers)
+        apply_layer_counts(unwrap_model(self.model), args)
 
     # ------------------------------------------------------------------ log-probs
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,

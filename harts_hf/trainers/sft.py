@@ -21,7 +21,7 @@ from trl.data_utils import is_conversational_from_value, maybe_convert_to_chatml
 
 from .._checks import check_bool, check_int, trainer_args
 from ..logprobs import tree_logprobs, unwrap_model
-from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs, store_layer_activations
+from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from ..planner import Plan
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
@@ -29,11 +29,13 @@ from ..trees import PackedForest, PrefixForest
 from .config import (
     _ATTENTION_BACKENDS,
     _GDN_BACKENDS,
+    MATMUL_LAYERS_HELP,
     STORED_LAYERS_HELP,
     VARLEN_KERNEL_HELP,
+    apply_layer_counts,
     apply_varlen_kernel,
     budget_plan,
-    check_stored_layers,
+    check_layer_counts,
     check_varlen_kernel,
 )
 from .piece_padding import PiecePadding
@@ -65,6 +67,7 @@ class TreeSFTConfig(SFTConfig):
         "help": "With gradient checkpointing: keep each attention kernel's output from the forward so the "
                 "backward's rerun skips attention (the same gradients)."})
     tree_stored_layers: int = field(default=0, metadata={"help": STORED_LAYERS_HELP})
+    tree_keep_matmul_layers: int = field(default=0, metadata={"help": MATMUL_LAYERS_HELP})
     tree_token_budget: int | None = field(default=None, metadata={
         "help": "Most unique tokens in one tree forward. A microbatch whose forest is larger runs as planner pieces "
                 "cut at branch points, each its own forward and backward, with exact hand-offs (every token computed "
@@ -96,7 +99,7 @@ class TreeSFTConfig(SFTConfig):
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
         check_varlen_kernel(self.tree_varlen_kernel)
         super().__post_init__()
-        check_stored_layers(self)
+        check_layer_counts(self)
         if self.tree_per_turn_rows and self.completion_only_loss is False:
             raise ValueError("TreeSFTConfig: tree_per_turn_rows=True puts each row's loss on its last assistant turn "
                              "(TRL's completion_only_loss), but completion_only_loss=False would train on the whole "
@@ -162,8 +165,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
             apply_varlen_kernel(args.tree_varlen_kernel)
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(base)
-        if args.tree_stored_layers:
-            store_layer_activations(base, args.tree_stored_layers)
+        apply_layer_counts(base, args)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """SFTTrainer's hook, changed: with ``use_tree`` the microbatch's rows are one prefix forest, computed in one
