@@ -4,6 +4,7 @@ gradients, each attention op run once) and matrix products' outputs kept in chos
 same gradients, no GEMM run again); all kept when checkpointing is enabled again."""
 
 import functools
+import inspect
 import random
 
 import pytest
@@ -86,6 +87,24 @@ def test_kept_out_when_checkpointing_is_enabled_again_and_reset_by_zero():
     store_layer_activations(model, 4)  # every layer stored, checkpointing still on: 0 brings them all back
     assert checkpointed_layers(model) == []
     store_layer_activations(model, 0)
+    assert checkpointed_layers(model) == [0, 1, 2, 3]
+
+
+def test_layers_transformers_leaves_out_stay_out():
+    """transformers >= 5.25 checkpoints every n-th layer only (``every_n_layers``); harts_hf's settings never put a
+    layer it left out back into checkpointing, and their own stored layers come on top."""
+    model = build("qwen3_next").train()
+    if "every_n_layers" not in inspect.signature(model.activation_checkpointing_enable).parameters:
+        pytest.skip("this transformers has no every_n_layers (added in 5.25)")
+    keep_attention_outputs(model)  # harts_hf's settings in force, as in a tree trainer
+    model.activation_checkpointing_enable(every_n_layers=2)
+    assert checkpointed_layers(model) == [0, 2]
+    assert store_layer_activations(model, 3) == [1, 2, 3]
+    assert checkpointed_layers(model) == [0]
+    store_layer_activations(model, 0)
+    assert checkpointed_layers(model) == [0, 2]
+    model.activation_checkpointing_disable()
+    model.activation_checkpointing_enable()  # every layer again
     assert checkpointed_layers(model) == [0, 1, 2, 3]
 
 

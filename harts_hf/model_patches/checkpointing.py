@@ -170,14 +170,18 @@ def _non_reentrant(function) -> bool:
 
 class _SetGradientCheckpointing:
     """A model's ``_set_gradient_checkpointing``: transformers' own, then harts_hf's settings (``stored`` layer
-    indices, ``keep_attention``, ``matmul_layers`` indices). An object holding its model, so a deep copy of the
-    model gets its own."""
+    indices, ``keep_attention``, ``matmul_layers`` indices). ``enabled``: per decoder layer, whether transformers'
+    own enabling checkpointed it (every layer, or every n-th with ``every_n_layers`` of transformers >= 5.25); a
+    layer it left out stays out whatever the settings. An object holding its model, so a deep copy of the model gets
+    its own."""
 
     def __init__(self, model):
         self.model, self.stored, self.keep_attention, self.matmul_layers = model, [], False, []
+        self.enabled = [layer.gradient_checkpointing for layer in _decoder_layers(model)]  # before the settings came
 
     def __call__(self, *args, **kwargs):
         type(self.model)._set_gradient_checkpointing(self.model, *args, **kwargs)
+        self.enabled = [layer.gradient_checkpointing for layer in _decoder_layers(self.model)]
         _apply(self.model)
 
 
@@ -217,8 +221,9 @@ def _apply(model: torch.nn.Module) -> None:
         else:
             function = original
         module._gradient_checkpointing_func = function
+    enabled = settings.enabled if len(settings.enabled) == len(layers) else [True] * len(layers)
     for index, layer in enumerate(layers):
-        layer.gradient_checkpointing = index not in settings.stored
+        layer.gradient_checkpointing = enabled[index] and index not in settings.stored
 
 
 def _checkpointing_on(model, layers) -> bool:
