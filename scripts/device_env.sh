@@ -74,6 +74,9 @@ JOBS=/tmp/harts_jobs
 jobs_start() { python3 scripts/device_worker.py start "$JOBS" --idle "${JOBS_IDLE:-900}"; }
 job() { python3 scripts/device_worker.py submit "$JOBS" "$@"; }
 job_alone() { python3 scripts/device_worker.py submit --own-process "$JOBS" "$@"; }  # a child process of the worker
+job_tf524() {  # a child process with transformers 5.24 first (bailing_hybrid; carry .device/tf.tar.xz once)
+  python3 scripts/device_worker.py submit --own-process --env "PYTHONPATH=$TF524:$PYTHONPATH" "$JOBS" "$@"
+}
 jobs_wait() {  # until the queue is empty, the worker is gone, or 25 s before the call's 600 s (T0: the call's start)
   python3 scripts/device_worker.py wait "$JOBS" --seconds $((575 - ($(date +%s) - ${T0:-$(date +%s)})))
 }

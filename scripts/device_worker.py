@@ -8,7 +8,8 @@ stderr, Python's and the kernels' own, in ``DIR/NAME.log``); its exit status and
 
     python3 scripts/device_worker.py start DIR                      # a detached worker serving DIR, if none is alive
     python3 scripts/device_worker.py submit DIR NAME SCRIPT [ARGS...]   # queue a job (a leading '--' is dropped);
-                                                                     # `submit --own-process DIR ...`: in a child process
+                                                                     # `submit --own-process [--env K=V] DIR ...`: in a
+                                                                     # child process (with K=V in its environment)
     python3 scripts/device_worker.py wait DIR --seconds 540         # until the queue is empty, the time is up or the
                                                                      # worker is gone (exit 0, 3 and 4)
     python3 scripts/device_worker.py stop DIR                       # the worker ends after the job in hand
@@ -86,7 +87,8 @@ def run_job(folder: Path, job: dict) -> dict:
     with _output_to(folder / f"{job['name']}.log"):
         print(f"[device_worker] {job['script']} {' '.join(job['args'])}", flush=True)
         if job.get("own_process"):  # a script that cannot share a process (one that sets up torch.distributed, say)
-            rc = subprocess.run([sys.executable, str(script), *job["args"]], cwd=script.parent).returncode
+            env = dict(os.environ, **dict(item.split("=", 1) for item in job.get("env", [])))
+            rc = subprocess.run([sys.executable, str(script), *job["args"]], cwd=script.parent, env=env).returncode
             return dict(name=job["name"], rc=rc, seconds=round(time.perf_counter() - start, 2))
         argv, cwd, path = sys.argv, os.getcwd(), list(sys.path)
         sys.argv = [str(script), *job["args"]]
@@ -155,18 +157,25 @@ def start(folder: Path, idle: float) -> None:
     print(f"worker {child.pid} started, serving {folder}")
 
 
-def submit(folder: Path, name: str, script: str, args: list[str], own_process: bool = False) -> None:
+def submit(folder: Path, name: str, script: str, args: list[str], own_process: bool = False,
+           env: list[str] = ()) -> None:
     if not name or not all(c.isalnum() or c in "._-" for c in name):
         raise SystemExit(f"submit: job name {name!r} must be letters, digits, '.', '_' or '-' (it names DIR/NAME.log)")
     if not (ROOT / script).is_file():
         raise SystemExit(f"submit: no script {script!r} under {ROOT} (give its path from the checkout's root)")
+    if env and not own_process:
+        raise SystemExit("submit: --env sets a child's environment; add --own-process (a job in the worker shares its "
+                         "environment)")
+    if any("=" not in item or not item.split("=", 1)[0] for item in env):
+        raise SystemExit(f"submit: --env takes NAME=VALUE, got {list(env)}")
     if (folder / f"{name}.rc").exists() or any(p.stem.split("-", 1)[1] == name
                                                  for p in _queued(folder) + _running(folder)):
         raise SystemExit(f"submit: a job named {name!r} was already submitted to {folder}; pick another name")
     (folder / "queue").mkdir(parents=True, exist_ok=True)
     number = len(list((folder / "queue").glob("*.json"))) + len(list(folder.glob("*.rc"))) + \
         len(_running(folder))
-    job = dict(name=name, script=script, args=args[1:] if args[:1] == ["--"] else args, own_process=own_process)
+    job = dict(name=name, script=script, args=args[1:] if args[:1] == ["--"] else args, own_process=own_process,
+               env=list(env))
     (folder / "queue" / f"{number:04d}-{name}.json").write_text(json.dumps(job))
     print(f"queued {name}: {script} {' '.join(job['args'])}")
 
@@ -200,6 +209,8 @@ def main(argv=None) -> int:
         sub.add_argument("--idle", type=float, default=600.0, help="seconds without a job before the worker leaves")
     sub = verbs.add_parser("submit")
     sub.add_argument("--own-process", action="store_true", help="run the job in a process of its own")
+    sub.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                     help="with --own-process: set in the child's environment (repeatable)")
     sub.add_argument("folder", type=Path)
     sub.add_argument("name")
     sub.add_argument("script", help="the script's path from the checkout's root")
@@ -215,7 +226,7 @@ def main(argv=None) -> int:
     elif args.verb == "serve":
         serve(folder, args.idle)
     elif args.verb == "submit":
-        submit(folder, args.name, args.script, args.args, args.own_process)
+        submit(folder, args.name, args.script, args.args, args.own_process, args.env)
     elif args.verb == "wait":
         return wait(folder, args.seconds)
     else:

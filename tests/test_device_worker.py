@@ -13,7 +13,8 @@ JOB = '''
 import os, sys
 state = sys.modules.setdefault("_device_worker_test_state", type(sys)("_device_worker_test_state"))
 state.runs = getattr(state, "runs", 0) + 1
-print("run", state.runs, "pid", os.getpid(), "args", " ".join(sys.argv[1:]), "cwd", os.getcwd())
+print("run", state.runs, "pid", os.getpid(), "args", " ".join(sys.argv[1:]), "cwd", os.getcwd(),
+      "env", os.environ.get("DEVICE_WORKER_TEST", "unset"))
 os.write(2, b"written to file descriptor 2\\n")
 if "raise" in sys.argv:
     raise RuntimeError("the job failed")
@@ -35,7 +36,7 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
     try:
         for name, mode in [("first", "ok"), ("second", "ok"), ("fails", "raise"), ("exits", "exit")]:
             _worker("submit", queue, name, script, "--", mode, "--flag", 1)
-        _worker("submit", "--own-process", queue, "alone", script, "exit")
+        _worker("submit", "--own-process", "--env", "DEVICE_WORKER_TEST=set", queue, "alone", script, "exit")
         refused = _worker("submit", queue, "first", script, check=False)
         assert refused.returncode != 0 and "already submitted" in refused.stderr
         waited = _worker("wait", queue, "--seconds", 240)
@@ -47,6 +48,7 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
         pids = {name: log.split(" pid ")[1].split()[0] for name, log in logs.items()}
         assert len({pids[name] for name in ("first", "second", "fails", "exits")}) == 1  # one process ran them all
         assert pids["alone"] != pids["first"] and "run 1 " in logs["alone"]  # a process of its own
+        assert "env set" in logs["alone"] and "env unset" in logs["first"]
         assert "args ok --flag 1" in logs["first"] and f"cwd {tmp_path}" in logs["first"]
         assert all("written to file descriptor 2" in log for log in logs.values())
         assert "RuntimeError: the job failed" in logs["fails"]
@@ -75,3 +77,5 @@ def test_submit_names_what_is_wrong(tmp_path):
     assert bad_name.returncode != 0 and "job name 'a/b'" in bad_name.stderr
     no_script = _worker("submit", tmp_path, "job", tmp_path / "missing.py", check=False)
     assert no_script.returncode != 0 and "no script" in no_script.stderr
+    shared_env = _worker("submit", "--env", "A=1", tmp_path, "job", WORKER, check=False)
+    assert shared_env.returncode != 0 and "--own-process" in shared_env.stderr
