@@ -108,6 +108,25 @@ def test_layers_transformers_leaves_out_stay_out():
     assert checkpointed_layers(model) == [0, 1, 2, 3]
 
 
+def test_kept_products_go_to_checkpointed_layers_only():
+    """tree_keep_matmul_layers chooses among the layers that run checkpointed: never a stored one (it keeps all
+    already), and the choice follows when layers are stored later or transformers leaves some out."""
+    model = build("qwen3_next").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert keep_matmul_outputs(model, 2) == [1, 3]  # the attention layers
+    assert store_layer_activations(model, 2) == [1, 3]
+    assert model._set_gradient_checkpointing.matmul_layers == [0, 2]  # moved to the layers still checkpointed
+    with pytest.raises(ValueError, match=r"tree_keep_matmul_layers=3 exceeds the model's 2 checkpointed decoder "
+                                         r"layers \(of 4; 2 stored by tree_stored_layers"):
+        keep_matmul_outputs(model, 3)
+    assert model._set_gradient_checkpointing.matmul_layers == [0, 2]  # a refused count changes nothing
+    store_layer_activations(model, 0)
+    assert model._set_gradient_checkpointing.matmul_layers == [1, 3]
+    if "every_n_layers" in inspect.signature(model.activation_checkpointing_enable).parameters:  # transformers >= 5.25
+        model.activation_checkpointing_enable(every_n_layers=2)  # layers 0 and 2 checkpointed
+        assert model._set_gradient_checkpointing.matmul_layers == [0, 2]
+
+
 def test_bad_counts_are_refused():
     model = build("llama")
     with pytest.raises(ValueError, match=r"tree_stored_layers=3 exceeds the model's 2 decoder layers"):
@@ -243,7 +262,8 @@ def test_kept_matmul_outputs_give_the_same_gradients_and_run_no_gemm_twice(famil
     with _CountOps(_matmul_ops() - _attention_ops()) as counter:
         _fwd_bwd(model, forest)
     assert counter.calls == counts[layers]  # the setting survives re-enabling
-    with pytest.raises(ValueError, match=rf"tree_keep_matmul_layers={layers + 1} exceeds the model's {layers} decoder"):
+    with pytest.raises(ValueError, match=rf"tree_keep_matmul_layers={layers + 1} exceeds the model's {layers} "
+                                         "checkpointed decoder layers"):
         keep_matmul_outputs(model, layers + 1)
 
 
@@ -280,7 +300,8 @@ def test_matmul_output_bytes_per_token_is_what_the_products_write():
     for index, layer in enumerate(model.model.layers):
         layer.register_forward_pre_hook(lambda m, a, i=index: counted.__setitem__(("start", i), mode.output_bytes))
         layer.register_forward_hook(count(index))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _CountOps(_matmul_ops() - _attention_ops()) as mode:
+    products = _matmul_ops() - _attention_ops()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), _CountOps(products) as mode:
         model(torch.randint(0, VOCAB, (1, tokens)))
     expected = matmul_output_bytes_per_token(model)
     assert len(expected) == len(model.model.layers) and min(expected) > 0

@@ -42,7 +42,8 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
         waited = _worker("wait", queue, "--seconds", 240)
         assert waited.returncode == 0, waited.stdout + waited.stderr
         records = {r["name"]: r for r in map(json.loads, waited.stdout.splitlines())}
-        assert {n: r["rc"] for n, r in records.items()} == {"first": 0, "second": 0, "fails": 1, "exits": 5, "alone": 5}
+        statuses = {name: record["rc"] for name, record in records.items()}
+        assert statuses == {"first": 0, "second": 0, "fails": 1, "exits": 5, "alone": 5}
         logs = {name: (queue / f"{name}.log").read_text() for name in records}
         assert "run 1 " in logs["first"] and "run 2 " in logs["second"]  # the second job saw the first's state
         pids = {name: log.split(" pid ")[1].split()[0] for name, log in logs.items()}

@@ -170,18 +170,19 @@ def _non_reentrant(function) -> bool:
 
 class _SetGradientCheckpointing:
     """A model's ``_set_gradient_checkpointing``: transformers' own, then harts_hf's settings (``stored`` layer
-    indices, ``keep_attention``, ``matmul_layers`` indices). ``enabled``: per decoder layer, whether transformers'
-    own enabling checkpointed it (every layer, or every n-th with ``every_n_layers`` of transformers >= 5.25); a
-    layer it left out stays out whatever the settings. An object holding its model, so a deep copy of the model gets
-    its own."""
+    indices, ``keep_attention``, ``matmul_count`` and the ``matmul_layers`` chosen for it). ``enabled``: per decoder
+    layer, whether transformers' own enabling checkpointed it (every layer, or every n-th with ``every_n_layers`` of
+    transformers >= 5.25); a layer it left out stays out whatever the settings. An object holding its model, so a
+    deep copy of the model gets its own."""
 
     def __init__(self, model):
-        self.model, self.stored, self.keep_attention, self.matmul_layers = model, [], False, []
+        self.model, self.stored, self.keep_attention, self.matmul_layers, self.matmul_count = model, [], False, [], 0
         self.enabled = [layer.gradient_checkpointing for layer in _decoder_layers(model)]  # before the settings came
 
     def __call__(self, *args, **kwargs):
         type(self.model)._set_gradient_checkpointing(self.model, *args, **kwargs)
         self.enabled = [layer.gradient_checkpointing for layer in _decoder_layers(self.model)]
+        _choose_matmul_layers(self)
         _apply(self.model)
 
 
@@ -251,8 +252,7 @@ def store_layer_activations(model: torch.nn.Module, count: int) -> list[int]:
     """Leave ``count`` decoder layers of ``model`` (a transformers model) out of gradient checkpointing, now and
     whenever it is enabled again; 0 checkpoints every layer again. Returns the indices of the stored layers."""
     settings = _settings(model)
-    settings.stored = _count_layers(settings.model, count, "tree_stored_layers")
-    _apply(settings.model)
+    _update(settings, stored=_count_layers(settings.model, count, "tree_stored_layers"))
     return settings.stored
 
 
@@ -263,22 +263,57 @@ def _count_layers(model: torch.nn.Module, count: int, name: str) -> list[int]:
     if count > len(layers):
         raise ValueError(f"{name}={count} exceeds the model's {len(layers)} decoder layers; pass at most "
                          f"{len(layers)} (every layer) or 0 (none)")
+    return _choose(_layer_types(model, len(layers)), count)
+
+
+def _layer_types(model: torch.nn.Module, count: int) -> list[str]:
+    """The config's ``layer_types`` (``count`` of them), or every layer ``full_attention`` where it has none."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     layer_types = list(getattr(config, "layer_types", None) or [])
-    if len(layer_types) != len(layers):
-        layer_types = ["full_attention"] * len(layers)
-    return _choose(layer_types, count)
+    return layer_types if len(layer_types) == count else ["full_attention"] * count
+
+
+def _choose_matmul_layers(settings: _SetGradientCheckpointing) -> None:
+    """``settings.matmul_layers``: ``settings.matmul_count`` of the layers that run checkpointed (not stored, not
+    left out by transformers' own enabling), by :func:`_choose` among them."""
+    layers = _decoder_layers(settings.model)
+    enabled = settings.enabled if any(settings.enabled) and len(settings.enabled) == len(layers) else \
+        [True] * len(layers)  # checkpointing off: every layer as transformers' enabling would check it
+    pool = [i for i in range(len(layers)) if enabled[i] and i not in settings.stored]
+    if settings.matmul_count > len(pool):
+        raise ValueError(f"tree_keep_matmul_layers={settings.matmul_count} exceeds the model's {len(pool)} "
+                         f"checkpointed decoder layers (of {len(layers)}; {len(settings.stored)} stored by "
+                         f"tree_stored_layers, {enabled.count(False)} left out by transformers' every_n_layers); pass "
+                         f"at most {len(pool)}, or 0 (none)")
+    types = _layer_types(settings.model, len(layers))
+    settings.matmul_layers = [pool[j] for j in _choose([types[i] for i in pool], settings.matmul_count)]
 
 
 def keep_matmul_outputs(model: torch.nn.Module, count: int) -> list[int]:
     """Under non-reentrant gradient checkpointing, keep every matrix product's output from the forward in ``count``
-    decoder layers of ``model`` (softmax-attention layers first, then the others spread evenly), so their rerun in
-    the backward skips the GEMMs; now and whenever checkpointing is enabled again; 0 turns it off. Returns the
-    layers' indices. The gradients are the same (checkpointing changes what is kept, not the arithmetic)."""
+    checkpointed decoder layers of ``model`` (softmax-attention layers first, then the others spread evenly; never a
+    layer :func:`store_layer_activations` stores or transformers' ``every_n_layers`` leaves out: the choice follows
+    those), so their rerun in the backward skips the GEMMs; now and whenever checkpointing is enabled again; 0 turns
+    it off. Returns the layers' indices. The gradients are the same (checkpointing changes what is kept, not the
+    arithmetic)."""
     settings = _settings(model)
-    settings.matmul_layers = _count_layers(settings.model, count, "tree_keep_matmul_layers")
-    _apply(settings.model)
+    _update(settings, matmul_count=check_int(count, "tree_keep_matmul_layers", minimum=0))
     return settings.matmul_layers
+
+
+def _update(settings: _SetGradientCheckpointing, **values) -> None:
+    """Set ``values`` on ``settings``, choose the kept-product layers again and apply; on an error (a count that no
+    longer fits) the settings stay as they were."""
+    before = {name: getattr(settings, name) for name in (*values, "matmul_layers")}
+    for name, value in values.items():
+        setattr(settings, name, value)
+    try:
+        _choose_matmul_layers(settings)
+    except ValueError:
+        for name, value in before.items():
+            setattr(settings, name, value)
+        raise
+    _apply(settings.model)
 
 
 def matmul_output_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[int]:
