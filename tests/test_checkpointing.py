@@ -17,6 +17,7 @@ from harts_hf.model_patches import (
     checkpointing,
     keep_attention_outputs,
     keep_matmul_outputs,
+    keep_matmul_outputs_within,
     matmul_output_bytes_per_token,
     store_layer_activations,
 )
@@ -125,6 +126,26 @@ def test_kept_products_go_to_checkpointed_layers_only():
     if "every_n_layers" in inspect.signature(model.activation_checkpointing_enable).parameters:  # transformers >= 5.25
         model.activation_checkpointing_enable(every_n_layers=2)  # layers 0 and 2 checkpointed
         assert model._set_gradient_checkpointing.matmul_layers == [0, 2]
+
+
+def test_kept_products_within_a_memory_budget():
+    """keep_matmul_outputs_within: the most layers whose products fit in the GiB at the tokens per forward, by
+    matmul_output_bytes_per_token; worked out again when layers are stored."""
+    model = build("qwen3_next").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    per_token, tokens = matmul_output_bytes_per_token(model), 1000
+    fits = (per_token[1] + per_token[3]) * tokens  # the two attention layers, exactly
+    assert keep_matmul_outputs_within(model, fits / 2**30, tokens) == [1, 3]
+    assert keep_matmul_outputs_within(model, (fits - 1) / 2**30, tokens) == [3]  # one byte short: one layer
+    assert keep_matmul_outputs_within(model, 0, tokens) == []
+    assert keep_matmul_outputs_within(model, 1e6, tokens) == [0, 1, 2, 3]
+    store_layer_activations(model, 2)  # the attention layers leave checkpointing: the budget goes to the others
+    assert model._set_gradient_checkpointing.matmul_layers == [0, 2]
+    with pytest.raises(TypeError, match="tree_keep_matmul_gib"):
+        keep_matmul_outputs_within(model, "4", tokens)
+    assert keep_matmul_outputs(model, 1) == [2]  # a count replaces the budget
+    store_layer_activations(model, 0)
+    assert model._set_gradient_checkpointing.matmul_layers == [3]
 
 
 def test_bad_counts_are_refused():

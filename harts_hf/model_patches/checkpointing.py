@@ -32,11 +32,11 @@ import threading
 
 import torch
 
-from .._checks import check_bool, check_int
+from .._checks import check_bool, check_int, check_number
 from .core import zero3_enabled
 
-__all__ = ["checkpointed_layers", "keep_attention_outputs", "keep_matmul_outputs", "matmul_output_bytes_per_token",
-           "store_layer_activations"]
+__all__ = ["checkpointed_layers", "keep_attention_outputs", "keep_matmul_outputs", "keep_matmul_outputs_within",
+           "matmul_output_bytes_per_token", "store_layer_activations"]
 
 _ORIGINAL = "_harts_original_checkpoint"  # a layer's checkpoint function before the policy was added
 
@@ -177,6 +177,7 @@ class _SetGradientCheckpointing:
 
     def __init__(self, model):
         self.model, self.stored, self.keep_attention, self.matmul_layers, self.matmul_count = model, [], False, [], 0
+        self.matmul_budget = None  # (bytes, tokens, dtype): the count follows from it (keep_matmul_outputs_within)
         self.enabled = [layer.gradient_checkpointing for layer in _decoder_layers(model)]  # before the settings came
 
     def __call__(self, *args, **kwargs):
@@ -280,12 +281,17 @@ def _choose_matmul_layers(settings: _SetGradientCheckpointing) -> None:
     enabled = settings.enabled if any(settings.enabled) and len(settings.enabled) == len(layers) else \
         [True] * len(layers)  # checkpointing off: every layer as transformers' enabling would check it
     pool = [i for i in range(len(layers)) if enabled[i] and i not in settings.stored]
+    types = _layer_types(settings.model, len(layers))
+    if settings.matmul_budget is not None:  # the most layers whose products fit
+        budget, tokens, dtype = settings.matmul_budget
+        per_token = matmul_output_bytes_per_token(settings.model, dtype)
+        settings.matmul_count = max(count for count in range(len(pool) + 1) if tokens * sum(
+            per_token[pool[j]] for j in _choose([types[i] for i in pool], count)) <= budget)
     if settings.matmul_count > len(pool):
         raise ValueError(f"tree_keep_matmul_layers={settings.matmul_count} exceeds the model's {len(pool)} "
                          f"checkpointed decoder layers (of {len(layers)}; {len(settings.stored)} stored by "
                          f"tree_stored_layers, {enabled.count(False)} left out by transformers' every_n_layers); pass "
                          f"at most {len(pool)}, or 0 (none)")
-    types = _layer_types(settings.model, len(layers))
     settings.matmul_layers = [pool[j] for j in _choose([types[i] for i in pool], settings.matmul_count)]
 
 
@@ -297,14 +303,27 @@ def keep_matmul_outputs(model: torch.nn.Module, count: int) -> list[int]:
     it off. Returns the layers' indices. The gradients are the same (checkpointing changes what is kept, not the
     arithmetic)."""
     settings = _settings(model)
-    _update(settings, matmul_count=check_int(count, "tree_keep_matmul_layers", minimum=0))
+    _update(settings, matmul_count=check_int(count, "tree_keep_matmul_layers", minimum=0), matmul_budget=None)
+    return settings.matmul_layers
+
+
+def keep_matmul_outputs_within(model: torch.nn.Module, gib: float, tokens: int,
+                               dtype: torch.dtype = torch.bfloat16) -> list[int]:
+    """:func:`keep_matmul_outputs` in as many checkpointed layers as fit in ``gib`` GiB at ``tokens`` tokens per
+    forward (a planner piece's most: ``tree_token_budget``), by :func:`matmul_output_bytes_per_token` in ``dtype``
+    (autocast's); the count is worked out again whenever the checkpointed layers change. 0 GiB keeps none. Returns
+    the layers' indices."""
+    gib = check_number(gib, "tree_keep_matmul_gib", allow_zero=True)
+    tokens = check_int(tokens, "tree_token_budget")
+    settings = _settings(model)
+    _update(settings, matmul_budget=(gib * 2**30, tokens, dtype))
     return settings.matmul_layers
 
 
 def _update(settings: _SetGradientCheckpointing, **values) -> None:
     """Set ``values`` on ``settings``, choose the kept-product layers again and apply; on an error (a count that no
     longer fits) the settings stay as they were."""
-    before = {name: getattr(settings, name) for name in (*values, "matmul_layers")}
+    before = {name: getattr(settings, name) for name in ("stored", "matmul_count", "matmul_budget", "matmul_layers")}
     for name, value in values.items():
         setattr(settings, name, value)
     try:

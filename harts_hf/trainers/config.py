@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from .._checks import check_bool, check_int
+from .._checks import check_bool, check_int, check_number
 
 __all__ = ["TreeGRPOConfig"]
 
@@ -31,25 +31,40 @@ MATMUL_LAYERS_HELP = ("With gradient_checkpointing (non-reentrant, transformers'
                       "per output feature under bf16 (matmul_output_bytes_per_token(model) in "
                       "harts_hf.model_patches says how many per layer). Less compute, more memory; the gradients are "
                       "the same. Not under DeepSpeed ZeRO-3. 0: none.")
+MATMUL_GIB_HELP = ("Instead of tree_keep_matmul_layers: GiB of GPU memory to spend on kept matrix-product outputs; "
+                   "they are kept in as many checkpointed layers as fit at tree_token_budget tokens per piece (needs "
+                   "tree_token_budget; counted by matmul_output_bytes_per_token in autocast's dtype, worked out again "
+                   "when the checkpointed layers change). The chosen layers are logged. None: off.")
 
 
 def check_layer_counts(config) -> None:
-    """``config.tree_stored_layers`` and ``config.tree_keep_matmul_layers`` are counts >= 0; either needs gradient
-    checkpointing when it is not 0, and kept matrix products need its non-reentrant kind."""
+    """``config.tree_stored_layers`` and ``config.tree_keep_matmul_layers`` are counts >= 0, ``tree_keep_matmul_gib``
+    None or GiB >= 0 (with ``tree_token_budget``, and not beside a count); each needs gradient checkpointing when
+    set, and kept matrix products need its non-reentrant kind."""
     config.tree_stored_layers = check_int(config.tree_stored_layers, "tree_stored_layers", minimum=0)
     if config.tree_stored_layers and not config.gradient_checkpointing:
         raise ValueError(f"tree_stored_layers={config.tree_stored_layers} picks layers to leave out of gradient "
                          "checkpointing, which is off; set gradient_checkpointing=True or tree_stored_layers=0.")
     count = config.tree_keep_matmul_layers = check_int(config.tree_keep_matmul_layers, "tree_keep_matmul_layers",
                                                        minimum=0)
-    if count and not config.gradient_checkpointing:
-        raise ValueError(f"tree_keep_matmul_layers={count} keeps products of checkpointed layers, and gradient "
-                         "checkpointing is off (every product is kept already); set gradient_checkpointing=True or "
-                         "tree_keep_matmul_layers=0.")
-    if count and (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-        raise ValueError(f"tree_keep_matmul_layers={count} needs non-reentrant checkpointing (a selective-"
-                         "checkpointing policy), and gradient_checkpointing_kwargs sets use_reentrant=True; drop it "
-                         "(transformers' default is non-reentrant) or set tree_keep_matmul_layers=0.")
+    gib = config.tree_keep_matmul_gib
+    if gib is not None:
+        gib = config.tree_keep_matmul_gib = check_number(gib, "tree_keep_matmul_gib", allow_zero=True)
+        if count:
+            raise ValueError(f"tree_keep_matmul_layers={count} and tree_keep_matmul_gib={gib} both say where products "
+                             "are kept; set one (the other 0 / None).")
+        if config.tree_token_budget is None:
+            raise ValueError(f"tree_keep_matmul_gib={gib} sizes the kept products for pieces of at most "
+                             "tree_token_budget tokens, which is None; set tree_token_budget, or use "
+                             "tree_keep_matmul_layers instead.")
+    setting = f"tree_keep_matmul_layers={count}" if count else f"tree_keep_matmul_gib={gib}"
+    if (count or gib) and not config.gradient_checkpointing:
+        raise ValueError(f"{setting} keeps products of checkpointed layers, and gradient checkpointing is off (every "
+                         "product is kept already); set gradient_checkpointing=True or turn the setting off.")
+    if (count or gib) and (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+        raise ValueError(f"{setting} needs non-reentrant checkpointing (a selective-checkpointing policy), and "
+                         "gradient_checkpointing_kwargs sets use_reentrant=True; drop it (transformers' default is "
+                         "non-reentrant) or turn the setting off.")
 
 
 _BOOL_FIELDS = ("use_tree", "tree_share_across_groups", "tree_keep_groups_together", "tree_balance_replicas",
@@ -155,6 +170,7 @@ class TreeGRPOConfig(GRPOConfig):
     )
     tree_stored_layers: int = field(default=0, metadata={"help": STORED_LAYERS_HELP})
     tree_keep_matmul_layers: int = field(default=0, metadata={"help": MATMUL_LAYERS_HELP})
+    tree_keep_matmul_gib: float | None = field(default=None, metadata={"help": MATMUL_GIB_HELP})
 
     def __post_init__(self):
         self._check_tree_field_types()
@@ -243,18 +259,30 @@ def apply_varlen_kernel(choice: str | None) -> None:
     varlen.KERNEL = choice
 
 
-def apply_layer_counts(model, args) -> None:
-    """Put ``tree_stored_layers`` and ``tree_keep_matmul_layers`` in force on ``model`` (a transformers model, as
-    unwrapped for the trainer); kept products under DeepSpeed ZeRO-3 fail here, naming the fix."""
-    from ..model_patches import keep_matmul_outputs, store_layer_activations
+def apply_layer_counts(model, args, logger) -> None:
+    """Put ``tree_stored_layers`` and ``tree_keep_matmul_layers`` / ``tree_keep_matmul_gib`` in force on ``model`` (a
+    transformers model, as unwrapped for the trainer); kept products under DeepSpeed ZeRO-3 fail here, naming the
+    fix."""
+    import torch
+
+    from ..model_patches import keep_matmul_outputs, keep_matmul_outputs_within, store_layer_activations
     from ..model_patches.core import zero3_enabled
 
     if args.tree_stored_layers:
         store_layer_activations(model, args.tree_stored_layers)
-    if args.tree_keep_matmul_layers:
-        if zero3_enabled():
-            raise ValueError(f"tree_keep_matmul_layers={args.tree_keep_matmul_layers} keeps products through a "
-                             "selective-checkpointing policy, which cannot run under DeepSpeed ZeRO-3 (its parameter "
-                             "all-gathers inside the checkpointed layers); set tree_keep_matmul_layers=0, or use "
-                             "ZeRO-2 or DDP.")
+    gib = args.tree_keep_matmul_gib
+    if not args.tree_keep_matmul_layers and gib is None:
+        return
+    setting = f"tree_keep_matmul_gib={gib}" if gib is not None else \
+        f"tree_keep_matmul_layers={args.tree_keep_matmul_layers}"
+    if zero3_enabled():
+        raise ValueError(f"{setting} keeps products through a selective-checkpointing policy, which cannot run under "
+                         "DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed layers); turn it off, "
+                         "or use ZeRO-2 or DDP.")
+    if gib is None:
         keep_matmul_outputs(model, args.tree_keep_matmul_layers)
+        return
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(model.parameters()).dtype
+    layers = keep_matmul_outputs_within(model, gib, args.tree_token_budget, dtype)
+    logger.info(f"{setting}: matrix products kept in {len(layers)} decoder layers {layers} at tree_token_budget="
+                f"{args.tree_token_budget}")

@@ -90,7 +90,7 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
             apply_varlen_kernel(args.tree_varlen_kernel)
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(unwrap_model(self.model))
-        apply_layer_counts(unwrap_model(self.model), args)
+        apply_layer_counts(unwrap_model(self.model), args, logger)
 
     # ------------------------------------------------------------------ log-probs
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,

@@ -29,6 +29,7 @@ from ..trees import PackedForest, PrefixForest
 from .config import (
     _ATTENTION_BACKENDS,
     _GDN_BACKENDS,
+    MATMUL_GIB_HELP,
     MATMUL_LAYERS_HELP,
     STORED_LAYERS_HELP,
     VARLEN_KERNEL_HELP,
@@ -68,6 +69,7 @@ class TreeSFTConfig(SFTConfig):
                 "backward's rerun skips attention (the same gradients)."})
     tree_stored_layers: int = field(default=0, metadata={"help": STORED_LAYERS_HELP})
     tree_keep_matmul_layers: int = field(default=0, metadata={"help": MATMUL_LAYERS_HELP})
+    tree_keep_matmul_gib: float | None = field(default=None, metadata={"help": MATMUL_GIB_HELP})
     tree_token_budget: int | None = field(default=None, metadata={
         "help": "Most unique tokens in one tree forward. A microbatch whose forest is larger runs as planner pieces "
                 "cut at branch points, each its own forward and backward, with exact hand-offs (every token computed "
@@ -165,7 +167,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
             apply_varlen_kernel(args.tree_varlen_kernel)
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(base)
-        apply_layer_counts(base, args)
+        apply_layer_counts(base, args, logger)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """SFTTrainer's hook, changed: with ``use_tree`` the microbatch's rows are one prefix forest, computed in one
