@@ -106,10 +106,12 @@ def run_job(folder: Path, job: dict) -> dict:
             sys.argv, sys.path[:] = argv, path
             os.chdir(cwd)
     gc.collect()
+    record = dict(name=job["name"], rc=rc, seconds=round(time.perf_counter() - start, 2))
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next job starts with the memory this one held given back
-    return dict(name=job["name"], rc=rc, seconds=round(time.perf_counter() - start, 2))
+        record["cuda_allocated_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)  # left behind by the job
+    return record
 
 
 def serve(folder: Path, idle: float) -> None:
