@@ -288,12 +288,14 @@ def test_kept_matmul_outputs_give_the_same_gradients_and_run_no_gemm_twice(famil
         keep_matmul_outputs(model, layers + 1)
 
 
-def test_reentrant_checkpointing_keeps_its_function():
+def test_reentrant_checkpointing_keeps_its_function(caplog):
     model = build("llama").train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
     before = model.model.layers[0]._gradient_checkpointing_func
-    keep_attention_outputs(model)
+    with caplog.at_level("WARNING", logger=checkpointing.__name__):
+        keep_attention_outputs(model)
     assert model.model.layers[0]._gradient_checkpointing_func is before  # selective checkpointing needs non-reentrant
+    assert "reentrant checkpointing cannot take: the backward reruns them" in caplog.text  # said, not skipped silently
 
 
 def test_deep_copy_keeps_its_own_settings():

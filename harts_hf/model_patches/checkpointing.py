@@ -31,9 +31,12 @@ import inspect
 import threading
 
 import torch
+from transformers.utils import logging
 
 from .._checks import check_bool, check_int, check_number
 from .core import zero3_enabled
+
+logger = logging.get_logger(__name__)
 
 __all__ = ["checkpointed_layers", "keep_attention_outputs", "keep_matmul_outputs", "keep_matmul_outputs_within",
            "matmul_output_bytes_per_token", "store_layer_activations"]
@@ -207,6 +210,7 @@ def _apply(model: torch.nn.Module) -> None:
         return
     selective = not zero3_enabled()
     matmul_layers = {id(layers[i]) for i in settings.matmul_layers if i < len(layers)}
+    refused = False  # a policy asked for that this checkpointing cannot take
     for module in model.modules():
         function = getattr(module, "_gradient_checkpointing_func", None)
         if function is None:
@@ -221,8 +225,16 @@ def _apply(model: torch.nn.Module) -> None:
             if contexts is _attention_module_contexts:
                 _hook_attention_modules(attention)
         else:
+            refused |= contexts is not None
             function = original
         module._gradient_checkpointing_func = function
+    if refused:
+        why = "DeepSpeed ZeRO-3 cannot run" if not selective else "reentrant checkpointing cannot take"
+        logger.warning_once(
+            "harts_hf keeps attention outputs (tree_keep_attention_outputs) and matrix products (tree_keep_matmul_*) "
+            f"through a selective-checkpointing policy, which {why}: the backward reruns them instead (the same "
+            "gradients). Non-reentrant checkpointing (transformers' default, gradient_checkpointing_kwargs="
+            "{'use_reentrant': False}) outside ZeRO-3 keeps them.")
     enabled = settings.enabled if len(settings.enabled) == len(layers) else [True] * len(layers)
     for index, layer in enumerate(layers):
         layer.gradient_checkpointing = enabled[index] and index not in settings.stored
