@@ -235,7 +235,7 @@ def _apply(model: torch.nn.Module) -> None:
             f"through a selective-checkpointing policy, which {why}: the backward reruns them instead (the same "
             "gradients). Non-reentrant checkpointing (transformers' default, gradient_checkpointing_kwargs="
             "{'use_reentrant': False}) outside ZeRO-3 keeps them.")
-    enabled = settings.enabled if len(settings.enabled) == len(layers) else [True] * len(layers)
+    enabled = _enabled_by_transformers(settings, len(layers))
     for index, layer in enumerate(layers):
         layer.gradient_checkpointing = enabled[index] and index not in settings.stored
 
@@ -286,12 +286,17 @@ def _layer_types(model: torch.nn.Module, count: int) -> list[str]:
     return layer_types if len(layer_types) == count else ["full_attention"] * count
 
 
+def _enabled_by_transformers(settings: _SetGradientCheckpointing, count: int) -> list[bool]:
+    """``settings.enabled`` for ``count`` decoder layers; every layer while checkpointing is off (as transformers'
+    enabling checkpoints them unless ``every_n_layers`` says otherwise)."""
+    return settings.enabled if any(settings.enabled) and len(settings.enabled) == count else [True] * count
+
+
 def _choose_matmul_layers(settings: _SetGradientCheckpointing) -> None:
     """``settings.matmul_layers``: ``settings.matmul_count`` of the layers that run checkpointed (not stored, not
     left out by transformers' own enabling), by :func:`_choose` among them."""
     layers = _decoder_layers(settings.model)
-    enabled = settings.enabled if any(settings.enabled) and len(settings.enabled) == len(layers) else \
-        [True] * len(layers)  # checkpointing off: every layer as transformers' enabling would check it
+    enabled = _enabled_by_transformers(settings, len(layers))
     pool = [i for i in range(len(layers)) if enabled[i] and i not in settings.stored]
     types = _layer_types(settings.model, len(layers))
     if settings.matmul_budget is not None:  # the most layers whose products fit
