@@ -14,7 +14,8 @@ features are the planner's own (``harts_hf.planner.plan`` over the forest as one
 its pieces, summed, one microbatch each), so the fit prices what the planner prices. The coefficients are fitted by
 non-negative least squares on every forest; the table gives each forest's measured seconds and the relative error of
 three predictions: the refit's, a fit on the OTHER workloads only (the forest held out: leave-one-workload-out), and
-the library's current defaults (``CostModel()``). ``--out`` writes the coefficients and the table; ``--save-model``
+the library's current defaults (``CostModel()``); ``--model JSON`` adds a fourth, a saved cost model's (one fitted on
+earlier runs: tested on these, which it never saw). ``--out`` writes the coefficients and the table; ``--save-model``
 writes the refit as a cost model file (TreeGRPOConfig's ``tree_cost_model``).
 """
 
@@ -119,6 +120,9 @@ def main(argv=None):
     parser.add_argument("--save-model", default=None, metavar="JSON",
                         help="also write the refit as a cost model file (CostModel.save): TreeGRPOConfig's "
                              "tree_cost_model takes its path")
+    parser.add_argument("--model", default=None, metavar="JSON",
+                        help="also price every forest with this saved cost model (CostModel.save; e.g. a refit of "
+                             "earlier runs) and give its error in a column of its own")
     args = parser.parse_args(argv)
     by_workload: dict[str, list[dict]] = {}
     for workload, path in (item.split("=", 1) for item in args.results):  # a workload may come in several files
@@ -126,20 +130,23 @@ def main(argv=None):
     fit = lambda samples: CostModel.fit([s["features"] for s in samples], [s["seconds"] for s in samples])  # noqa: E731
     everything = [s for samples in by_workload.values() for s in samples]
     refit, default = fit(everything), CostModel()
+    saved = CostModel.load(args.model) if args.model else None
+    columns = ("refit", "held_out", "default") + (("saved",) if saved else ())
     table = []
     print(f"{'forest':24s} {'unique':>7s} {'pairs':>9s} {'replay':>6s} {'rounds':>6s} {'measured':>8s} {'refit':>7s} "
-          f"{'held out':>8s} {'default':>8s}")
+          f"{'held out':>8s} {'default':>8s}" + (f" {'saved':>8s}" if saved else ""))
     for workload, samples in by_workload.items():
         others = fit([s for w, group in by_workload.items() if w != workload for s in group]) \
             if len(by_workload) > 1 else None
         for s in samples:
             f, measured = s["features"], s["seconds"]
             errors = {name: model.cost(f) / measured - 1 for name, model in
-                      (("refit", refit), ("held_out", others), ("default", default)) if model is not None}
+                      (("refit", refit), ("held_out", others), ("default", default), ("saved", saved))
+                      if model is not None}
             table.append(dict(s, errors=errors))
             print(f"{s['name']:24s} {f['unique_tokens']:7d} {f['attention_pairs']:9.3g} {f['replay_tokens']:6d} "
                   f"{f['rounds']:6d} {measured:8.3f} " + " ".join(f"{errors.get(k, float('nan')):+8.1%}"
-                                                                for k in ("refit", "held_out", "default")))
+                                                                for k in columns))
     coefficients = {name: getattr(refit, name) for name in FEATURES}
     print("refit (seconds per unit):", {k: float(f"{v:.4g}") for k, v in coefficients.items()})
     if args.out:

@@ -66,9 +66,11 @@ save_caches() {
   ls -l "$OUT"/kernels.tar.xz.* > "$W/kernels_saved.txt"
 }
 # The job worker (scripts/device_worker.py): ONE process on this machine runs every job submitted to it, so the
-# kernels compile once per machine instead of once per process. It is detached from the call that starts it; whether
-# it outlives that call on this machine was not yet seen (if not, the next call's `jobs_wait` says the worker is gone
-# and `jobs_start` marks the job it held as lost). Jobs write under $JOBS/w (outside $OUT, which is per call):
+# kernels compile once per machine instead of once per process. It is detached from the call that starts it (a new
+# process session) and outlives that call while the machine stays warm (seen 2026-12-04: started in one call, it ran
+# its jobs on through the next, with no first-run compilation in any later job); a machine given back takes it along
+# (the next call's `jobs_wait` says the worker is gone, and `jobs_start` marks the job it held as lost). Follow a call
+# with the next within the machine's 30 s idle release. Jobs write under $JOBS/w (outside $OUT, which is per call):
 #   jobs_start; job tau_tree benchmarks/plan_memory_probe.py --workload tau ... --out $JOBS/w/tau_tree; jobs_wait; finish
 JOBS=/tmp/harts_jobs
 jobs_start() { python3 scripts/device_worker.py start "$JOBS" --idle "${JOBS_IDLE:-900}"; }

@@ -551,6 +551,26 @@ def test_cost_model_refit_rebuilds_the_measured_forests(tmp_path):
     assert json.loads((tmp_path / "refit.json").read_text())["coefficients"].keys() == set(FEATURES)
 
 
+def test_cost_model_refit_prices_with_a_saved_model(tmp_path):
+    """``--model``: a saved cost model (fitted on earlier runs) prices every forest in a column of its own, the error
+    of exactly that model's prediction; a model saved from this very refit reproduces the refit's column."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import refit_cost_model
+
+    from harts_hf.planner import CostModel
+
+    probe = ROOT / "benchmarks" / "results" / "2026-12-01" / "plan_memory_probe_distinct.json"
+    refit, _ = refit_cost_model.main([f"distinct={probe}", "--save-model", str(tmp_path / "fit.json")])
+    _, table = refit_cost_model.main([f"distinct={probe}", "--model", str(tmp_path / "fit.json")])
+    assert all(math.isclose(row["errors"]["saved"], row["errors"]["refit"], abs_tol=1e-12) for row in table)
+    saved = CostModel(unique_tokens=1e-4)
+    saved.save(tmp_path / "other.json")
+    _, table = refit_cost_model.main([f"distinct={probe}", "--model", str(tmp_path / "other.json")])
+    for row in table:
+        assert math.isclose(row["errors"]["saved"], saved.cost(row["features"]) / row["seconds"] - 1, rel_tol=1e-12)
+    assert all("saved" not in row["errors"] for row in refit_cost_model.main([f"distinct={probe}"])[1])
+
+
 def test_cost_model_refit_takes_the_pieces_of_a_replicas_run():
     """A ``--replicas`` record gives one sample per piece (its planner features, one call, its measured seconds),
     from the plan rebuilt with the record's ``pieces_per_replica`` (4 where the record predates the field); a plan
