@@ -4,7 +4,9 @@ Every new process there compiles and autotunes its kernels again (fla's Triton a
 CuTe DSL: 150-300 s before the first timed run, 2026-12-04), which took a third to a half of each 10-minute call.
 Jobs run by one worker share what the first compiled. Each job is a script of the checkout with its arguments, run as
 ``__main__`` in the worker (its folder first on ``sys.path``, its folder as the working directory, its stdout and
-stderr, Python's and the kernels' own, in ``DIR/NAME.log``); its exit status and seconds go to ``DIR/NAME.rc``.
+stderr, Python's and the kernels' own, in ``DIR/NAME.log``); its exit status and seconds go to ``DIR/NAME.rc``. A job
+that ends with ``sys.exit`` or ``os._exit`` ends itself, not the worker (``os._exit`` is turned into ``SystemExit``
+while a job runs: the trainer benchmark ends that way to skip teardown, and took the worker and its queue with it).
 
     python3 scripts/device_worker.py start DIR                      # a detached worker serving DIR, if none is alive
     python3 scripts/device_worker.py submit DIR NAME SCRIPT [ARGS...]   # queue a job (a leading '--' is dropped);
@@ -77,6 +79,13 @@ def _output_to(log: Path):
             os.close(saved[1])
 
 
+def _exit_the_job(code: int = 0):
+    """``os._exit`` while a job runs in the worker: the job ends with that status, the worker goes on."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)
+
+
 def run_job(folder: Path, job: dict) -> dict:
     """Run one job in this process (or, for ``own_process`` jobs, in a child); the record written to ``NAME.rc``."""
     script = (ROOT / job["script"]).resolve()
@@ -91,6 +100,8 @@ def run_job(folder: Path, job: dict) -> dict:
         sys.argv = [str(script), *job["args"]]
         sys.path.insert(0, str(script.parent))
         os.chdir(script.parent)
+        hard_exit = os._exit
+        os._exit = _exit_the_job
         try:
             runpy.run_path(str(script), run_name="__main__")
             rc = 0
@@ -100,6 +111,7 @@ def run_job(folder: Path, job: dict) -> dict:
             traceback.print_exc()
             rc = 1
         finally:
+            os._exit = hard_exit
             sys.argv, sys.path[:] = argv, path
             os.chdir(cwd)
     gc.collect()

@@ -20,6 +20,9 @@ if "raise" in sys.argv:
     raise RuntimeError("the job failed")
 if "exit" in sys.argv:
     sys.exit(5)
+if "hard_exit" in sys.argv:
+    print("leaving hard", flush=True)
+    os._exit(7)
 '''
 
 
@@ -34,7 +37,8 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
     queue = tmp_path / "queue_dir"
     _worker("start", queue, "--idle", 120)
     try:
-        for name, mode in [("first", "ok"), ("second", "ok"), ("fails", "raise"), ("exits", "exit")]:
+        for name, mode in [("first", "ok"), ("hard", "hard_exit"), ("second", "ok"), ("fails", "raise"),
+                           ("exits", "exit")]:
             _worker("submit", queue, name, script, "--", mode, "--flag", 1)
         _worker("submit", "--own-process", "--env", "DEVICE_WORKER_TEST=set", queue, "alone", script, "exit")
         refused = _worker("submit", queue, "first", script, check=False)
@@ -43,11 +47,13 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
         assert waited.returncode == 0, waited.stdout + waited.stderr
         records = {r["name"]: r for r in map(json.loads, waited.stdout.splitlines())}
         statuses = {name: record["rc"] for name, record in records.items()}
-        assert statuses == {"first": 0, "second": 0, "fails": 1, "exits": 5, "alone": 5}
+        # os._exit ends the job with its status, not the worker: the jobs after it ran in the same process
+        assert statuses == {"first": 0, "hard": 7, "second": 0, "fails": 1, "exits": 5, "alone": 5}
         logs = {name: (queue / f"{name}.log").read_text() for name in records}
-        assert "run 1 " in logs["first"] and "run 2 " in logs["second"]  # the second job saw the first's state
+        assert "run 1 " in logs["first"]  # each later job saw the earlier ones' state
         pids = {name: log.split(" pid ")[1].split()[0] for name, log in logs.items()}
-        assert len({pids[name] for name in ("first", "second", "fails", "exits")}) == 1  # one process ran them all
+        assert len({pids[name] for name in ("first", "hard", "second", "fails", "exits")}) == 1  # one process, all
+        assert "leaving hard" in logs["hard"] and "run 2 " in logs["hard"] and "run 3 " in logs["second"]
         assert pids["alone"] != pids["first"] and "run 1 " in logs["alone"]  # a process of its own
         assert "env set" in logs["alone"] and "env unset" in logs["first"]
         assert "args ok --flag 1" in logs["first"] and f"cwd {tmp_path}" in logs["first"]
