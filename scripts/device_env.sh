@@ -85,6 +85,9 @@ jobs_wait() {  # until the queue is empty, the worker is gone, or 25 s before th
 finish() {
   # where the compiled kernels went
   du -sh ~/.triton/cache ~/.tilelang/cache ~/.cache/fa4_cute_dsl > "$W/triton_cache_size.txt" 2>&1
+  # where else compiled kernels may be kept (the three above held only 4.5 MB after 239 s of compiling, 2026-12-04)
+  { env | grep -i -E "triton|tilelang|cache|cute" ; du -sh ~/.cache/* ~/.triton/* /tmp/* 2>/dev/null | sort -h | tail -15
+  } >> "$W/triton_cache_size.txt" 2>&1
   if [ -d "$JOBS" ]; then  # every job's log, status and results so far (the worker's jobs may still be running)
     tar -C "$JOBS" -czf "$W/jobs.tgz" --exclude=./queue --exclude=./running . 2>/dev/null
   fi
