@@ -27,7 +27,7 @@ def run_record() -> dict:
         versions[name] = getattr(module, "__version__", None)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     return dict(command=" ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 host=platform.node(), python=platform.python_version(), device=device, versions=versions)
 
 

@@ -22,3 +22,29 @@ def test_use_snippet_runs_as_printed(tmp_path):
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert "train_runtime" in result.stdout
+
+
+def test_the_python_the_readme_names_is_the_one_the_requirements_take():
+    """The README's "Python 3.X+" is setup.cfg's python_requires, and no requirement installed here asks for a newer
+    Python than that (TRL 1.16 and transformers >= 5.21 need 3.11: a 3.10 user would get pip's resolution error
+    for an environment the README promised)."""
+    import configparser
+    from importlib.metadata import PackageNotFoundError, metadata
+
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    floor = config["options"]["python_requires"].strip()
+    assert floor.startswith(">="), floor
+    oldest = floor[2:]
+    assert f"any Python {oldest}+ environment" in (ROOT / "README.md").read_text()
+    for line in config["options"]["install_requires"].strip().splitlines():
+        name = Requirement(line.strip()).name
+        try:
+            needs = metadata(name).get("Requires-Python")
+        except PackageNotFoundError:
+            continue
+        if needs:
+            assert SpecifierSet(needs).contains(oldest), f"{name} needs Python {needs}; setup.cfg says {floor}"
