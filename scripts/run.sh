@@ -14,6 +14,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 HELPERS=${HARTS_ENV_DIR:-.harts-env}
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then  # TRL 1.16 and transformers need 3.11
+  echo "harts_hf needs Python 3.11 or newer (TRL 1.16 does); PYTHON=$PYTHON is $("$PYTHON" -V 2>&1):" \
+       "activate a 3.11+ environment or set PYTHON=/path/to/python3.11" >&2
+  exit 2
+fi
 
 helper_env() {  # helper_env NAME PACKAGE: a venv in $HELPERS/NAME that sees $PYTHON's packages, PACKAGE on top
   local dir="$HELPERS/$1"

@@ -48,3 +48,15 @@ def test_the_python_the_readme_names_is_the_one_the_requirements_take():
             continue
         if needs:
             assert SpecifierSet(needs).contains(oldest), f"{name} needs Python {needs}; setup.cfg says {floor}"
+
+
+def test_run_sh_refuses_an_older_python_naming_it_and_the_fix(tmp_path):
+    """`PYTHON=<a 3.10> bash scripts/run.sh train` stops before installing anything, naming the interpreter, its
+    version and what to do (pip's own refusal would come after resolving every requirement)."""
+    fake = tmp_path / "python3.10"
+    fake.write_text('#!/usr/bin/env bash\nif [ "$1" = "-V" ]; then echo "Python 3.10.13"; exit 0; fi\nexit 1\n')
+    fake.chmod(0o755)
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "run.sh"), "train"], env=dict(os.environ, PYTHON=str(fake)),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert f"PYTHON={fake} is Python 3.10.13" in result.stderr and "3.11" in result.stderr
