@@ -7,6 +7,10 @@ Jobs run by one worker share what the first compiled. Each job is a script of th
 stderr, Python's and the kernels' own, in ``DIR/NAME.log``); its exit status and seconds go to ``DIR/NAME.rc``. A job
 that ends with ``sys.exit`` or ``os._exit`` ends itself, not the worker (``os._exit`` is turned into ``SystemExit``
 while a job runs: the trainer benchmark ends that way to skip teardown, and took the worker and its queue with it).
+Nothing of a finished job stays alive: its module's globals are cleared when it ends (libraries keep the ``__main__``
+module of their first import: ``multiprocessing`` as ``sys.modules['__mp_main__']``, dill, which datasets imports, as
+``dill._dill._main_module``; were it a job's, that job's globals, a trainer and its model among them, would stay for
+the worker's life: 37 GiB of weights, gradients and AdamW states for the 2.3B preset).
 
     python3 scripts/device_worker.py start DIR                      # a detached worker serving DIR, if none is alive
     python3 scripts/device_worker.py submit DIR NAME SCRIPT [ARGS...]   # queue a job (a leading '--' is dropped);
@@ -24,12 +28,13 @@ import argparse
 import contextlib
 import gc
 import json
+import multiprocessing  # noqa: F401  (its import aliases __mp_main__ to the worker's __main__, not a job's)
 import os
-import runpy
 import subprocess
 import sys
 import time
 import traceback
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +91,20 @@ def _exit_the_job(code: int = 0):
     raise SystemExit(code)
 
 
+def _run_as_main(script: Path) -> None:
+    """Run ``script`` as ``__main__`` (as ``python script`` would) in a module of its own, whose globals are cleared
+    when it ends, whatever still holds the module."""
+    module = types.ModuleType("__main__")
+    module.__file__, module.__spec__, module.__builtins__ = str(script), None, __builtins__
+    saved = sys.modules["__main__"]
+    sys.modules["__main__"] = module
+    try:
+        exec(compile(script.read_bytes(), str(script), "exec"), module.__dict__)
+    finally:
+        sys.modules["__main__"] = saved
+        module.__dict__.clear()
+
+
 def run_job(folder: Path, job: dict) -> dict:
     """Run one job in this process (or, for ``own_process`` jobs, in a child); the record written to ``NAME.rc``."""
     script = (ROOT / job["script"]).resolve()
@@ -100,10 +119,10 @@ def run_job(folder: Path, job: dict) -> dict:
         sys.argv = [str(script), *job["args"]]
         sys.path.insert(0, str(script.parent))
         os.chdir(script.parent)
-        hard_exit = os._exit
+        hard_exit, mp_main = os._exit, sys.modules.get("__mp_main__")
         os._exit = _exit_the_job
         try:
-            runpy.run_path(str(script), run_name="__main__")
+            _run_as_main(script)
             rc = 0
         except SystemExit as stop:
             rc = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -112,6 +131,8 @@ def run_job(folder: Path, job: dict) -> dict:
             rc = 1
         finally:
             os._exit = hard_exit
+            if mp_main is not None:  # a job that set it would keep its globals alive
+                sys.modules["__mp_main__"] = mp_main
             sys.argv, sys.path[:] = argv, path
             os.chdir(cwd)
     gc.collect()

@@ -20,6 +20,18 @@ if "raise" in sys.argv:
     raise RuntimeError("the job failed")
 if "exit" in sys.argv:
     sys.exit(5)
+if "hold" in sys.argv:  # a module global of this job, and __mp_main__ made to point at this job's module
+    import weakref
+    class Held:
+        pass
+    held = Held()
+    state.held = weakref.ref(held)
+    sys.modules["__mp_main__"] = sys.modules["__main__"]
+    state.main_module = sys.modules["__main__"]  # as dill keeps the __main__ of its first import
+if "check" in sys.argv:
+    import gc
+    gc.collect()
+    print("held alive", state.held() is not None)
 if "hard_exit" in sys.argv:
     print("leaving hard", flush=True)
     os._exit(7)
@@ -38,7 +50,7 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
     _worker("start", queue, "--idle", 120)
     try:
         for name, mode in [("first", "ok"), ("hard", "hard_exit"), ("second", "ok"), ("fails", "raise"),
-                           ("exits", "exit")]:
+                           ("exits", "exit"), ("holds", "hold"), ("checks", "check")]:
             _worker("submit", queue, name, script, "--", mode, "--flag", 1)
         _worker("submit", "--own-process", "--env", "DEVICE_WORKER_TEST=set", queue, "alone", script, "exit")
         refused = _worker("submit", queue, "first", script, check=False)
@@ -48,7 +60,9 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
         records = {r["name"]: r for r in map(json.loads, waited.stdout.splitlines())}
         statuses = {name: record["rc"] for name, record in records.items()}
         # os._exit ends the job with its status, not the worker: the jobs after it ran in the same process
-        assert statuses == {"first": 0, "hard": 7, "second": 0, "fails": 1, "exits": 5, "alone": 5}
+        assert statuses == {"first": 0, "hard": 7, "second": 0, "fails": 1, "exits": 5, "holds": 0, "checks": 0,
+                            "alone": 5}
+        assert "held alive False" in (queue / "checks.log").read_text()  # nothing of a finished job stays alive
         logs = {name: (queue / f"{name}.log").read_text() for name in records}
         assert "run 1 " in logs["first"]  # each later job saw the earlier ones' state
         pids = {name: log.split(" pid ")[1].split()[0] for name, log in logs.items()}
