@@ -28,7 +28,7 @@ import argparse
 import contextlib
 import gc
 import json
-import multiprocessing  # noqa: F401  (its import aliases __mp_main__ to the worker's __main__, not a job's)
+import multiprocessing  # noqa: F401  (its import aliases __mp_main__ to the worker's __main__, not a job's module)
 import os
 import subprocess
 import sys
@@ -119,7 +119,7 @@ def run_job(folder: Path, job: dict) -> dict:
         sys.argv = [str(script), *job["args"]]
         sys.path.insert(0, str(script.parent))
         os.chdir(script.parent)
-        hard_exit, mp_main = os._exit, sys.modules.get("__mp_main__")
+        hard_exit = os._exit
         os._exit = _exit_the_job
         try:
             _run_as_main(script)
@@ -131,8 +131,6 @@ def run_job(folder: Path, job: dict) -> dict:
             rc = 1
         finally:
             os._exit = hard_exit
-            if mp_main is not None:  # a job that set it would keep its globals alive
-                sys.modules["__mp_main__"] = mp_main
             sys.argv, sys.path[:] = argv, path
             os.chdir(cwd)
     gc.collect()

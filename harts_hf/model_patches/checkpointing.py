@@ -298,18 +298,18 @@ def _choose_matmul_layers(settings: _SetGradientCheckpointing) -> None:
     layers = _decoder_layers(settings.model)
     enabled = _enabled_by_transformers(settings, len(layers))
     pool = [i for i in range(len(layers)) if enabled[i] and i not in settings.stored]
-    types = _layer_types(settings.model, len(layers))
+    types = [_layer_types(settings.model, len(layers))[i] for i in pool]
     if settings.matmul_budget is not None:  # the most layers whose products fit
         budget, tokens, dtype = settings.matmul_budget
         per_token = matmul_output_bytes_per_token(settings.model, dtype)
         settings.matmul_count = max(count for count in range(len(pool) + 1) if tokens * sum(
-            per_token[pool[j]] for j in _choose([types[i] for i in pool], count)) <= budget)
+            per_token[pool[j]] for j in _choose(types, count)) <= budget)
     if settings.matmul_count > len(pool):
         raise ValueError(f"tree_keep_matmul_layers={settings.matmul_count} exceeds the model's {len(pool)} "
                          f"checkpointed decoder layers (of {len(layers)}; {len(settings.stored)} stored by "
                          f"tree_stored_layers, {enabled.count(False)} left out by transformers' every_n_layers); pass "
                          f"at most {len(pool)}, or 0 (none)")
-    settings.matmul_layers = [pool[j] for j in _choose([types[i] for i in pool], settings.matmul_count)]
+    settings.matmul_layers = [pool[j] for j in _choose(types, settings.matmul_count)]
 
 
 def keep_matmul_outputs(model: torch.nn.Module, count: int) -> list[int]:

@@ -37,6 +37,13 @@ MATMUL_GIB_HELP = ("Instead of tree_keep_matmul_layers: GiB of GPU memory to spe
                    "when the checkpointed layers change). The chosen layers are logged. None: off.")
 
 
+def matmul_setting(config) -> str:
+    """The kept-products field in force, as ``name=value`` for messages (the count where set, else the GiB)."""
+    if config.tree_keep_matmul_layers:
+        return f"tree_keep_matmul_layers={config.tree_keep_matmul_layers}"
+    return f"tree_keep_matmul_gib={config.tree_keep_matmul_gib}"
+
+
 def check_layer_counts(config) -> None:
     """``config.tree_stored_layers`` and ``config.tree_keep_matmul_layers`` are counts >= 0, ``tree_keep_matmul_gib``
     None or GiB >= 0 (with ``tree_token_budget``, and not beside a count); each needs gradient checkpointing when
@@ -57,7 +64,7 @@ def check_layer_counts(config) -> None:
             raise ValueError(f"tree_keep_matmul_gib={gib} sizes the kept products for pieces of at most "
                              "tree_token_budget tokens, which is None; set tree_token_budget, or use "
                              "tree_keep_matmul_layers instead.")
-    setting = f"tree_keep_matmul_layers={count}" if count else f"tree_keep_matmul_gib={gib}"
+    setting = matmul_setting(config)
     if (count or gib) and not config.gradient_checkpointing:
         raise ValueError(f"{setting} keeps products of checkpointed layers, and gradient checkpointing is off (every "
                          "product is kept already); set gradient_checkpointing=True or turn the setting off.")
@@ -273,8 +280,7 @@ def apply_layer_counts(model, args, logger) -> None:
     gib = args.tree_keep_matmul_gib
     if not args.tree_keep_matmul_layers and gib is None:
         return
-    setting = f"tree_keep_matmul_gib={gib}" if gib is not None else \
-        f"tree_keep_matmul_layers={args.tree_keep_matmul_layers}"
+    setting = matmul_setting(args)
     if zero3_enabled():
         raise ValueError(f"{setting} keeps products through a selective-checkpointing policy, which cannot run under "
                          "DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed layers); turn it off, "
