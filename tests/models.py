@@ -80,6 +80,17 @@ def build(name: str, seed: int = 0, dtype=torch.float32, mild_decay: bool = True
                                             moe_intermediate_size=16, first_k_dense_replace=1, n_group=1,
                                             topk_group=1, partial_rotary_factor=0.5, pad_token_id=0)
         model = transformers.Glm4MoeForCausalLM(config)
+    elif name == "gpt2":  # learned absolute positions (wpe), layers at transformer.h, tied head, no dropout
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=512,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    elif name == "opt":  # learned positions with an offset of 2, fc1 / fc2 as bare linears in the layer; without
+        # biases: a key bias has gradient zero in exact arithmetic, and AdamW turns its rounding into full-size steps
+        # of random sign (test_every_family checks OPT's default config, biases included, on log-probs and gradients)
+        config = transformers.OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=48, num_hidden_layers=2,
+                                        num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=32,
+                                        dropout=0.0, pad_token_id=1, enable_bias=False)
+        model = transformers.OPTForCausalLM(config)
     elif name == "mixtral":
         config = transformers.MixtralConfig(**COMMON, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2)
         model = transformers.MixtralForCausalLM(config)

@@ -3,12 +3,15 @@ windows along each path, mixed sliding/full layers, attention and final-logit so
 scales, a trust_remote_code model, refusal of logits the tree cannot reproduce; exact against transformers' own model run one sequence at a
 time (fp32 CPU)."""
 
+import random
+
 import pytest
 import torch
+from datasets import Dataset
 
 from harts_hf.kernels import build_varlen_layout, tree_attention, tree_attention_reference
 from harts_hf.model_patches import apply_tree_patches
-from harts_hf.model_patches.core import attention_interface_family
+from harts_hf.model_patches.core import attention_interface_family, decoder_layers
 from harts_hf.trees import PrefixForest
 from tests.forests import chunk_edge_sequences
 from tests.models import COMMON as _COMMON
@@ -16,7 +19,7 @@ from tests.models import VOCAB, build
 from tests.test_tree_logprobs import compare
 
 GENERIC = ["mistral", "mistral_sliding", "phi3", "olmo2", "gemma2", "gemma3_text", "cohere2", "granite", "gpt_oss",
-           "glm4_moe", "mixtral", "deepseek_v3", "deepseek_v2"]
+           "glm4_moe", "mixtral", "deepseek_v3", "deepseek_v2", "gpt2", "opt"]
 
 
 @pytest.mark.parametrize("family", GENERIC)
@@ -133,7 +136,7 @@ def test_window_arguments_are_checked():
 
 
 @pytest.mark.parametrize("family", ["mistral_sliding", "phi3", "olmo2", "gemma2", "gemma3_text", "cohere2",
-                                    "granite", "gpt_oss", "glm4_moe", "mixtral", "deepseek_v3", "kimi_linear",
+                                    "granite", "gpt_oss", "glm4_moe", "mixtral", "deepseek_v3", "gpt2", "opt", "kimi_linear",
                                     "bailing_hybrid", "olmo_hybrid", "nemotron_h", "bamba", "granitemoehybrid",
                                     "falcon_h1"])
 def test_tree_grpo_trainer_matches_grpo_trainer(tmp_path, family):
@@ -146,16 +149,22 @@ def test_tree_grpo_trainer_matches_grpo_trainer(tmp_path, family):
     if family == "granitemoehybrid":  # TRL 1.16's own fused forward reads config.num_experts, which Granite spells
         model.config.router_aux_loss_coef = 0.0  # num_local_experts: GRPOTrainer itself fails with the aux loss on
     model.config.sliding_window = 8
-    for layer in model.model.layers:
+    for _, layer in decoder_layers(model):
         if getattr(getattr(layer, "self_attn", None), "sliding_window", None):
             layer.self_attn.sliding_window = 8
     path = tmp_path / "model"
     model.save_pretrained(path)
     char_tokenizer().save_pretrained(path)
-    base, tree = make_trainers(str(path), tmp_path / "out")
+    # GPT-2 numbers positions 0.. from the first column when given no position_ids (TRL gives none), so TRL scores a
+    # left-padded prompt at positions shifted by its padding; the tree numbers from the first real token, as
+    # generation does. The two agree on prompts of one length (no left padding): "12+34=" with two-digit numbers.
+    rng = random.Random(0)
+    dataset = Dataset.from_dict({"prompt": [f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=" for _ in range(8)]})
+    dataset = dataset if family == "gpt2" else None
+    base, tree = make_trainers(str(path), tmp_path / "out", dataset=dataset)
     assert_same_loss_and_grads(base, tree)
     base, tree = make_trainers(str(path), tmp_path / "steps", max_steps=2, per_device_train_batch_size=6,
-                               gradient_accumulation_steps=2)
+                               gradient_accumulation_steps=2, dataset=dataset)
     assert_same_training(base, tree)
 
 
@@ -213,3 +222,57 @@ def test_logits_the_tree_cannot_reproduce_are_refused(tmp_path):
     with pytest.raises(ValueError, match="model_type 'remote_llama': the model's forward turns the LM head's output "
                                          r"into logits in a way harts_hf does not reproduce .*use_tree=False"):
         apply_tree_patches(model)
+
+
+def _positions_ignored(module, original_forward, x, position_ids):
+    """A rotary embedding that numbers the packed row 0..n-1 whatever ``position_ids`` say."""
+    return original_forward(x, torch.arange(position_ids.shape[-1]).expand_as(position_ids))
+
+
+def test_model_whose_tree_forward_differs_is_refused_at_patch_time():
+    """A model found by its structure whose layers read positions another way (here: the rotary embedding ignores
+    ``position_ids``) passes the structural checks; the patch-time probe against one-sequence runs refuses it, and
+    the model is left as it was."""
+    from harts_hf.model_patches.core import PatchedForward
+
+    model = build("mistral")
+    with torch.no_grad():  # sharp attention, so that positions matter beyond the probe's tolerance
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(30)
+            layer.self_attn.k_proj.weight.mul_(30)
+    rotary = model.model.rotary_emb
+    rotary.forward = PatchedForward(rotary, rotary.forward, _positions_ignored)
+    before = model(input_ids=torch.arange(5).unsqueeze(0)).logits
+    with pytest.raises(ValueError, match=r"model_type 'mistral' \(found by its structure\) gives other log-probs on a "
+                                         r"prefix forest than one sequence at a time \(max difference .*use_tree=False"):
+        apply_tree_patches(model)
+    assert not isinstance(model.forward, PatchedForward) and not hasattr(model, "_harts_tree_patch")
+    torch.testing.assert_close(model(input_ids=torch.arange(5).unsqueeze(0)).logits, before, rtol=0, atol=0)
+
+
+def test_half_precision_model_found_by_structure_is_probed_for_running_only():
+    """In bf16 the probe's log-probs are not compared (rounding differs between the two paths); it runs the tree."""
+    handle = apply_tree_patches(build("mistral", dtype=torch.bfloat16))
+    assert handle.active
+    handle.revert()
+
+
+def test_attention_call_without_the_tree_during_a_tree_forward_raises():
+    """A mixer whose forward does not pass its keyword arguments on (transformers' StableLM and Nemotron attention)
+    would run its original attention over the packed forest as one sequence: it raises, naming the module."""
+    from harts_hf import tree_logprobs
+
+    model = build("llama")
+    apply_tree_patches(model)
+    attention = model.model.layers[1].self_attn
+    original = attention.forward
+
+    def forward_dropping_kwargs(hidden_states, position_embeddings, attention_mask, **kwargs):
+        return original(hidden_states, position_embeddings, attention_mask)
+
+    attention.forward = forward_dropping_kwargs
+    with pytest.raises(ValueError, match=r"modeling_llama\.LlamaAttention called transformers' attention function "
+                                         r"without the 'harts_tree' keyword argument during a tree forward"):
+        tree_logprobs(model, [[1, 2, 3], [1, 2, 4]])
+    assert model.model.layers[1](torch.randn(1, 3, 32), position_embeddings=model.model.rotary_emb(
+        torch.randn(1, 3, 32), torch.arange(3).unsqueeze(0)), attention_mask=None) is not None  # plain calls still run

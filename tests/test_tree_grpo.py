@@ -30,12 +30,13 @@ def saved_model(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_next"), "qwen3_next_moe", router_aux_loss_coef=0.01)
 
 
-def make_trainers(path, tmp_path, tree_args=(), peft_config=None, **overrides):
+def make_trainers(path, tmp_path, tree_args=(), peft_config=None, dataset=None, **overrides):
     """TRL's GRPOTrainer and TreeGRPOTrainer on two copies of the model; ``peft_config``: a function returning a
-    PEFT config, given to both (LoRA B initialised to the same random values in both, so adapters act)."""
+    PEFT config, given to both (LoRA B initialised to the same random values in both, so adapters act);
+    ``dataset``: the prompts (default ``prompt_dataset(8)``)."""
     tokenizer = char_tokenizer()
     args = dict(BASE_ARGS, output_dir=str(tmp_path), **overrides)
-    dataset = prompt_dataset(8)
+    dataset = prompt_dataset(8) if dataset is None else dataset
     models = [patch_generate(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer) for _ in range(2)]
     peft = {} if peft_config is None else {"peft_config": peft_config()}
     base = cpu_safe_trainer(GRPOTrainer(models[0], reward_funcs=length_reward, args=GRPOConfig(**args),

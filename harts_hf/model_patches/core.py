@@ -11,6 +11,8 @@ gated norm, SwiGLU MLPs) get forwards that run fused kernels on CUDA inputs and 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import inspect
 import re
@@ -33,7 +35,19 @@ __all__ = ["PatchHandle", "PatchedForward", "TreeFamily", "apply_tree_patches", 
 TREE_ATTENTION_NAME = "harts_tree"
 TREE_KWARG = "harts_tree"  # the keyword argument that carries TreeMetadata through the model
 _PATCH_MARK = "_harts_tree_patch"
-_DENSE_MASK_TOKENS = 8192  # "auto" attention off CUDA: dense mask up to this many packed tokens, then per-run SDPA
+_DENSE_MASK_TOKENS = 8192
+_IN_TREE_FORWARD = contextvars.ContextVar("harts_tree_forward", default=False)
+
+
+@contextlib.contextmanager
+def tree_forward_running():
+    """Marks a tree forward of the decoder: an attention call without tree metadata inside it raises."""
+    token = _IN_TREE_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_TREE_FORWARD.reset(token)
+  # "auto" attention off CUDA: dense mask up to this many packed tokens, then per-run SDPA
 
 
 @dataclass
@@ -60,8 +74,8 @@ def register_family(family: TreeFamily) -> None:
         _REGISTRY[model_type] = family
 
 
-TESTED_BY_STRUCTURE = ("cohere2", "deepseek_v2", "deepseek_v3", "gemma2", "gemma3_text", "glm4_moe", "gpt_oss",
-                       "granite", "mistral", "mixtral", "olmo2", "phi3")
+TESTED_BY_STRUCTURE = ("cohere2", "deepseek_v2", "deepseek_v3", "gemma2", "gemma3_text", "glm4_moe", "gpt2", "gpt_oss",
+                       "granite", "mistral", "mixtral", "olmo2", "opt", "phi3")
 """Model types without a family file that :func:`attention_interface_family` finds and the tests check against
 per-sequence runs and GRPOTrainer (tests/test_attention_families.py); any other model of that structure runs too."""
 
@@ -172,16 +186,21 @@ def _uses_attention_interface(module: torch.nn.Module) -> bool:
 
 
 def attention_interface_family(model) -> TreeFamily | None:
-    """A family for a model that needs nothing beyond softmax attention, found by its structure: the decoder has a
-    rotary embedding (positions come from ``position_ids``, which tree execution sets to depths) and every decoder
-    layer holds exactly one module whose ``forward`` goes through transformers' attention interface
-    (``ALL_ATTENTION_FUNCTIONS``); :func:`check_decoder_layers` then refuses anything else in a layer that is not
-    per-token. None if the model does not look like that."""
+    """A family for a model that needs nothing beyond softmax attention, found by its structure: the decoder takes
+    positions from ``position_ids`` (which tree execution sets to depths) through a rotary embedding or a learned
+    position table (GPT-2's ``wpe``, OPT's ``embed_positions``: an embedding beside the token embedding; ALiBi, which
+    reads the attention mask, has neither), and every decoder layer holds exactly one module whose ``forward`` goes
+    through transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``); :func:`check_decoder_layers` then
+    refuses anything else in a layer that is not per-token, and :func:`.entry.check_tree_forward` probes the result.
+    None if the model does not look like that."""
     try:
         layers = decoder_layers(model)
     except ValueError:
         return None
-    if not layers or not any("RotaryEmbedding" in type(m).__name__ for m in model.get_decoder().children()):
+    tokens = model.get_input_embeddings()
+    positions = [m for m in model.get_decoder().children() if "RotaryEmbedding" in type(m).__name__
+                 or (isinstance(m, torch.nn.Embedding) and m is not tokens)]
+    if not layers or not positions:
         return None
     names = set()
     for _, layer in layers:
@@ -254,12 +273,15 @@ def _patch_mixers(handle: PatchHandle) -> None:
     if not handle.attention_modules and not handle.linear_modules:
         raise ValueError(f"found no {family.attention_classes + tuple(family.linear_classes)} modules in "
                          f"{type(model).__name__}; is this a {model_type_of(model)} model?")
-    from .entry import check_logit_transform, serve_tree_requests
+    from .entry import check_logit_transform, check_tree_forward, serve_tree_requests
 
-    if not zero3_enabled() and not any(p.is_meta for p in model.parameters()):
+    checkable = not zero3_enabled() and not any(p.is_meta for p in model.parameters())
+    if checkable:
         check_logit_transform(model)  # unpatched calls: what the model computes now
     handle._set(model, "forward", PatchedForward(model, model.forward, serve_tree_requests))
     handle._set(model, _PATCH_MARK, handle)
+    if checkable and family.generic:
+        check_tree_forward(model)
     _register_zero3_external_parameters(model, handle)
 
 
@@ -282,17 +304,31 @@ def guard_cpu_kernels(handle: PatchHandle) -> PatchHandle:
 
 
 # direct children of a decoder layer that act on each token alone (tree execution runs them once per unique token)
-_PER_TOKEN_CLASS = re.compile(r"(Norm|RMSNorm|LayerNorm|MLP|Mlp|MoeBlock|MoE|Moe|Experts|Dropout|Identity)$")
+_PER_TOKEN_CLASS = re.compile(
+    r"(Norm|RMSNorm|LayerNorm|LayerNorm1P|MLP|Mlp|MoeBlock|MoEBlock|MoELayer|MoE|Moe|Experts|Dropout|Identity)$")
+
+
+def _per_token(module: torch.nn.Module) -> bool:
+    """A decoder layer's child that acts on each token alone: named as a norm, MLP, MoE block or dropout, a plain
+    ``nn.Linear`` (OPT's ``fc1``/``fc2``), or an activation function (transformers' or torch's,
+    ``MultiheadAttention`` excepted)."""
+    cls = type(module)
+    if _PER_TOKEN_CLASS.search(cls.__name__) or cls is torch.nn.Linear:
+        return True
+    activation = cls.__module__ in ("transformers.activations", "torch.nn.modules.activation")
+    return activation and not isinstance(module, torch.nn.MultiheadAttention)
 
 
 def decoder_layers(model) -> list[tuple[str, torch.nn.Module]]:
-    """``[(path, layer)]`` of the decoder's layers (``model.get_decoder().layers``), paths as in
-    ``model.named_modules()``."""
+    """``[(path, layer)]`` of the decoder's layers (``model.get_decoder().layers``, or ``.h`` in GPT-2-style
+    models), paths as in ``model.named_modules()``."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} has no decoder layers at get_decoder().layers; harts_hf finds "
-                         "the token mixers it must patch there")
+        layers = getattr(decoder, "h", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} has no decoder layers at get_decoder().layers (or .h); harts_hf "
+                         "finds the token mixers it must patch there")
     paths = {id(module): path for path, module in model.named_modules()}
     return [(paths[id(layer)], layer) for layer in layers]
 
@@ -304,7 +340,7 @@ def check_decoder_layers(model, family: TreeFamily) -> None:
     known = set(family.attention_classes) | set(family.linear_classes)
     for path, layer in decoder_layers(model):
         for name, child in layer.named_children():
-            if type(child).__name__ in known or _PER_TOKEN_CLASS.search(type(child).__name__):
+            if type(child).__name__ in known or _per_token(child):
                 continue
             if any(type(inner).__name__ in known for inner in child.modules()):
                 continue
@@ -434,13 +470,23 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
     tree (the ``attention_mask`` argument is ignored). Without: the module's original attention function.
     """
     tree: TreeMetadata | None = kwargs.get(TREE_KWARG)
+    if tree is None and _IN_TREE_FORWARD.get():
+        raise ValueError(
+            f"{type(module).__module__}.{type(module).__qualname__} called transformers' attention function without "
+            f"the {TREE_KWARG!r} keyword argument during a tree forward: its forward does not pass its keyword "
+            "arguments on to the attention function, so harts_hf cannot run it on a prefix forest. Train it without "
+            "trees (TreeGRPOConfig(use_tree=False)).")
     if tree is None:
         return _original_attention(module)(module, query, key, value, attention_mask, scaling=scaling,
                                            dropout=dropout, **kwargs)
     if dropout and module.training:
-        raise ValueError(f"tree execution does not support attention dropout (got {dropout}); set "
-                         "config.attention_dropout = 0.0 or call model.eval() for the tree forward.")
+        raise ValueError(f"{type(module).__name__}: tree execution does not support attention dropout (got "
+                         f"{dropout}); set disable_dropout=True in the trainer's config (TRL then zeroes every "
+                         "dropout), or the model config's attention dropout (attention_dropout; attn_pdrop in GPT-2 "
+                         "style configs) to 0.0, or call model.eval() for the tree forward.")
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if window is None:
+        _check_no_declared_window(module)
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if window is not None and tree.context is not None:
         raise ValueError(f"{type(module).__name__}: a sliding-window layer in a planner piece below a branch point "
@@ -472,6 +518,20 @@ def tree_attention_function(module, query, key, value, attention_mask, scaling=N
                          layout=layout, context_k=context_k, context_v=context_v, window=window, softcap=softcap,
                          sinks=sinks)
     return out.unsqueeze(0), None
+
+
+def _check_no_declared_window(module) -> None:
+    """The tree honours a sliding window only as the ``sliding_window`` argument of the attention call; a layer that
+    its config declares sliding (or chunked) but that passes no window would have the window in its attention mask
+    alone, which tree execution replaces: it raises rather than attend to the whole path."""
+    kinds, layer = getattr(module.config, "layer_types", None), getattr(module, "layer_idx", None)
+    if not isinstance(kinds, (list, tuple)) or not isinstance(layer, int) or not 0 <= layer < len(kinds):
+        return
+    if kinds[layer] in ("sliding_attention", "chunked_attention"):
+        raise ValueError(f"{type(module).__module__}.{type(module).__qualname__} (layer {layer}): the config declares "
+                         f"it {kinds[layer]!r} but it passes no sliding_window to the attention function, so its window "
+                         "lives in the attention mask, which harts_hf does not use on a prefix forest. Train it without "
+                         "trees (TreeGRPOConfig(use_tree=False)).")
 
 
 def layer_key(module) -> int:

@@ -15,7 +15,7 @@ from transformers.utils import ModelOutput
 
 from ..kernels import TreeMetadata
 from ..kernels.chunked_logprobs import chunked_logprobs, transform_logits
-from .core import TREE_KWARG, zero3_enabled
+from .core import TREE_KWARG, tree_forward_running, zero3_enabled
 
 __all__ = ["TREE_REQUEST_KWARG", "TreeForwardOutput", "TreeRequest", "serve_tree_requests"]
 
@@ -114,19 +114,60 @@ def check_logit_transform(model) -> None:
                          "train it without trees (TreeGRPOConfig(use_tree=False))")
 
 
+def check_tree_forward(model) -> None:
+    """Refuse a model found by its structure (:func:`.core.attention_interface_family`) whose tree forward does not
+    reproduce its own forward: four short sequences (two forks off one path, one nested, a second root) scored on
+    their prefix forest and one sequence at a time. It catches what the structure does not show: a layer that reads
+    the attention mask or its token positions some other way, a mixer that drops the tree's keyword argument, a
+    module named like a per-token one that mixes tokens. Log-probs must agree to 1e-3 where the weights are fp32 or
+    fp64 (outside autocast); in half precision the tree forward only has to run."""
+    from ..logprobs import tree_logprobs
+    from ..reference import per_sequence_logprobs
+
+    vocab = model.get_input_embeddings().weight.shape[0]
+    path = [(11 * i + 5) % vocab for i in range(14)]
+    sequences = [path, path[:4] + [(7 * i + 2) % vocab for i in range(9)], path[:9] + [(3 * i + 1) % vocab for i in range(4)],
+                 [(5 * i + 3) % vocab for i in range(6)]]
+    model_type = text_config(model).model_type
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            try:
+                tree = tree_logprobs(model, sequences).logprobs
+            except Exception as error:
+                raise ValueError(f"model_type {model_type!r} (found by its structure) fails on a prefix forest "
+                                 f"({type(error).__name__}: {error}); harts_hf cannot run it on trees. Train it without "
+                                 "trees (TreeGRPOConfig(use_tree=False)) or register a TreeFamily for it.") from error
+            weights = model.get_input_embeddings().weight
+            device = weights.device.type
+            if weights.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled(device):
+                return
+            reference = per_sequence_logprobs(model, sequences)[0]
+    finally:
+        model.train(training)
+    difference = max((a.float() - b.float()).abs().max().item() for a, b in zip(tree, reference))
+    if not difference <= 1e-3:
+        raise ValueError(f"model_type {model_type!r} (found by its structure) gives other log-probs on a prefix forest "
+                         f"than one sequence at a time (max difference {difference:.3g} on a 4-sequence probe): some "
+                         "layer reads the attention mask or token positions in a way harts_hf does not reproduce. Train "
+                         "it without trees (TreeGRPOConfig(use_tree=False)) or register a TreeFamily for it.")
+
+
 def run_tree_request(model, request: TreeRequest) -> TreeForwardOutput:
     """One decoder pass over the forest, then the LM head on the parents of ``request.targets``; a piece with a
     hand-off predicts its root from the handed-in hidden row and exports its branch tokens' rows."""
     packed = request.tree.packed
     kwargs = {"output_router_logits": True} if request.aux_loss else {}
-    outputs = model.get_decoder()(
-        input_ids=packed.input_ids.unsqueeze(0),
-        position_ids=packed.position_ids.unsqueeze(0),
-        attention_mask=_TREE_MASK_PLACEHOLDER.to(packed.device),
-        use_cache=False,
-        **{TREE_KWARG: request.tree},
-        **kwargs,
-    )
+    with tree_forward_running():
+        outputs = model.get_decoder()(
+            input_ids=packed.input_ids.unsqueeze(0),
+            position_ids=packed.position_ids.unsqueeze(0),
+            attention_mask=_TREE_MASK_PLACEHOLDER.to(packed.device),
+            use_cache=False,
+            **{TREE_KWARG: request.tree},
+            **kwargs,
+        )
     hidden_rows, parents = outputs.last_hidden_state[0], packed.parent[request.targets]
     tree = request.tree
     for export in tree.exports:
