@@ -279,8 +279,8 @@ def test_group_shuffle_keeps_groups_together():
 def test_unsupported_model_type_and_switch_off(tmp_path):
     import transformers
 
-    config = transformers.GPT2Config(vocab_size=70, n_embd=16, n_layer=1, n_head=2, n_positions=128)
-    model = transformers.GPT2LMHeadModel(config)
+    config = transformers.BloomConfig(vocab_size=70, hidden_size=16, n_layer=1, n_head=2)  # ALiBi: positions from the mask
+    model = transformers.BloomForCausalLM(config)
     args = dict(BASE_ARGS, output_dir=str(tmp_path))
     with pytest.raises(ValueError) as info:
         TreeGRPOTrainer(model, reward_funcs=length_reward, args=TreeGRPOConfig(**args), train_dataset=prompt_dataset(4),
@@ -389,3 +389,43 @@ def test_group_with_identical_completions(saved_model, tmp_path, monkeypatch):
     assert torch.isfinite(torch.tensor(loss))
     for parameter in trainers[1].model.parameters():
         assert parameter.grad is None or torch.isfinite(parameter.grad).all()
+
+
+def _gpt2(**dropouts):
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=128, **dropouts)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _tree_trainer(model, tmp_path, **fields):
+    return TreeGRPOTrainer(model, reward_funcs=length_reward, train_dataset=prompt_dataset(8),
+                           processing_class=char_tokenizer(),
+                           args=TreeGRPOConfig(**dict(BASE_ARGS, output_dir=str(tmp_path), **fields)))
+
+
+def test_attention_dropout_is_refused_when_the_trainer_is_built(tmp_path):
+    """GPT-2's defaults drop attention weights (attn_pdrop 0.1): refused at construction, naming the module and
+    TRL's switch, which clears it; a rate the attention holds as a number (Llama's attention_dropout, which TRL's
+    switch does not reach) names the loading argument."""
+    import transformers
+
+    with pytest.raises(ValueError, match=r"TreeGRPOTrainer: GPT2Attention\.attn_dropout drops attention weights with "
+                                         r"p=0\.1; .*disable_dropout=True in TreeGRPOConfig"):
+        _tree_trainer(_gpt2(), tmp_path, disable_dropout=False)
+    _tree_trainer(_gpt2(), tmp_path / "off", disable_dropout=True)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=1, attention_dropout=0.1))
+    with pytest.raises(ValueError, match=r"LlamaAttention\.attention_dropout is 0\.1; .*attention_dropout=0\.0"):
+        _tree_trainer(llama, tmp_path / "llama", disable_dropout=True)
+
+
+def test_other_dropout_is_said_when_the_trainer_is_built(tmp_path, caplog):
+    """Residual and embedding dropout run once per unique token (one mask per shared token): said, not silent."""
+    import harts_hf.trainers.grpo as grpo
+
+    with caplog.at_level("WARNING", logger=grpo.__name__):
+        _tree_trainer(_gpt2(attn_pdrop=0.0), tmp_path, disable_dropout=False)
+    assert "5 dropout modules are active (transformer.drop, transformer.h.0.attn.resid_dropout" in caplog.text
+    assert "draws one dropout mask for all of them" in caplog.text

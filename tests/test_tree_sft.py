@@ -598,3 +598,15 @@ def test_tool_calling_traces_match_sft_trainer_with_qwen3(tmp_path, per_turn):
         assert "add_numbers" in tokenizer.decode(ids[:200])  # the schema, rendered in the system turn
     assert_same_loss_and_grads(base, tree)
     assert tree._metrics["train"]["tree/R_tok"][-1] > 1.5
+
+
+def test_attention_dropout_is_refused_when_the_trainer_is_built(tmp_path):
+    """SFTConfig has no dropout switch: the refusal names TRL's function that zeroes dropout modules."""
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                                                 n_positions=128))
+    with pytest.raises(ValueError, match=r"TreeSFTTrainer: GPT2Attention\.attn_dropout drops attention weights .*"
+                                         r"disable_dropout_in_model\(model\)"):
+        TreeSFTTrainer(model, args=TreeSFTConfig(**BASE, output_dir=str(tmp_path)), train_dataset=text_dataset(),
+                       processing_class=char_tokenizer())

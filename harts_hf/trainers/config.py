@@ -266,6 +266,38 @@ def apply_varlen_kernel(choice: str | None) -> None:
     varlen.KERNEL = choice
 
 
+def check_dropout(model, name: str, logger, switch: str) -> None:
+    """Dropout under tree execution, checked when a tree trainer is built (after TRL's ``disable_dropout``). Attention
+    dropout cannot run on a prefix forest: a rate the attention modules hold (a float ``attention_dropout``, or an
+    ``attn_dropout`` / ``attention_dropout`` module) raises, naming the fix. Any other dropout runs once per unique
+    token, so a token shared by several trajectories draws one mask for all of them where per-trajectory training
+    draws one each (the same expected gradient, correlated noise): a warning names the modules. ``switch``: how
+    this trainer's user turns dropout off."""
+    import torch
+
+    from ..model_patches.core import _PATCH_MARK
+
+    handle = getattr(model, _PATCH_MARK, None)
+    for module in [] if handle is None else handle.attention_modules:
+        rate = getattr(module, "attention_dropout", None)
+        if isinstance(rate, float) and rate > 0:
+            raise ValueError(f"{name}: {type(module).__name__}.attention_dropout is {rate}; tree execution has no "
+                             "attention dropout. Load the model with attention_dropout=0.0 "
+                             "(from_pretrained(..., attention_dropout=0.0)), or train without trees (use_tree=False).")
+        for attribute in ("attn_dropout", "attention_dropout"):
+            child = getattr(module, attribute, None)
+            if isinstance(child, torch.nn.Dropout) and child.p > 0:
+                raise ValueError(f"{name}: {type(module).__name__}.{attribute} drops attention weights with p={child.p}; "
+                                 f"tree execution has no attention dropout. {switch}, or train without trees "
+                                 "(use_tree=False).")
+    active = [path for path, module in model.named_modules() if isinstance(module, torch.nn.Dropout) and module.p > 0]
+    if active:
+        logger.warning(f"{name}: {len(active)} dropout modules are active ({', '.join(active[:3])}"
+                       f"{', ...' if len(active) > 3 else ''}); on a prefix forest a token shared by several trajectories "
+                       "draws one dropout mask for all of them (per-trajectory training draws one each): the same "
+                       f"expected gradient, correlated noise. {switch}.")
+
+
 def apply_layer_counts(model, args, logger) -> None:
     """Put ``tree_stored_layers`` and ``tree_keep_matmul_layers`` / ``tree_keep_matmul_gib`` in force on ``model`` (a
     transformers model, as unwrapped for the trainer); kept products under DeepSpeed ZeRO-3 fail here, naming the

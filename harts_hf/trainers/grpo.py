@@ -27,7 +27,7 @@ from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
 from ..planner import CostModel, Plan, imbalance
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
-from .config import TreeGRPOConfig, apply_layer_counts, apply_varlen_kernel, budget_plan
+from .config import TreeGRPOConfig, apply_layer_counts, apply_varlen_kernel, budget_plan, check_dropout
 from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
 from .piece_padding import PiecePadding
 from .replica_balance import (
@@ -87,6 +87,8 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
             elif getattr(base, _PATCH_MARK, None) is None:
                 self._tree_handles.append(apply_tree_patches(base))
         if args.use_tree:
+            check_dropout(unwrap_model(self.model), "TreeGRPOTrainer", logger,
+                          "Set disable_dropout=True in TreeGRPOConfig (TRL then zeroes every dropout module)")
             apply_varlen_kernel(args.tree_varlen_kernel)
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(unwrap_model(self.model))

@@ -36,6 +36,7 @@ from .config import (
     apply_layer_counts,
     apply_varlen_kernel,
     budget_plan,
+    check_dropout,
     check_layer_counts,
     check_varlen_kernel,
 )
@@ -164,6 +165,8 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
         else:
             if getattr(base, _PATCH_MARK, None) is None:
                 self._tree_handles.append(apply_tree_patches(base))
+            check_dropout(base, "TreeSFTTrainer", logger, "Zero it before training: "
+                          "trl.trainer.utils.disable_dropout_in_model(model) zeroes every dropout module")
             apply_varlen_kernel(args.tree_varlen_kernel)
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(base)
