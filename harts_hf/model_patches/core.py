@@ -35,7 +35,7 @@ __all__ = ["PatchHandle", "PatchedForward", "TreeFamily", "apply_tree_patches", 
 TREE_ATTENTION_NAME = "harts_tree"
 TREE_KWARG = "harts_tree"  # the keyword argument that carries TreeMetadata through the model
 _PATCH_MARK = "_harts_tree_patch"
-_DENSE_MASK_TOKENS = 8192
+_DENSE_MASK_TOKENS = 8192  # "auto" attention off CUDA: dense mask up to this many packed tokens, then per-run SDPA
 _IN_TREE_FORWARD = contextvars.ContextVar("harts_tree_forward", default=False)
 
 
@@ -47,7 +47,6 @@ def tree_forward_running():
         yield
     finally:
         _IN_TREE_FORWARD.reset(token)
-  # "auto" attention off CUDA: dense mask up to this many packed tokens, then per-run SDPA
 
 
 @dataclass
