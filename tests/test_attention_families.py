@@ -158,9 +158,10 @@ def test_tree_grpo_trainer_matches_grpo_trainer(tmp_path, family):
     # GPT-2 numbers positions 0.. from the first column when given no position_ids (TRL gives none), so TRL scores a
     # left-padded prompt at positions shifted by its padding; the tree numbers from the first real token, as
     # generation does. The two agree on prompts of one length (no left padding): "12+34=" with two-digit numbers.
-    rng = random.Random(0)
-    dataset = Dataset.from_dict({"prompt": [f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=" for _ in range(8)]})
-    dataset = dataset if family == "gpt2" else None
+    dataset = None
+    if family == "gpt2":
+        rng = random.Random(0)
+        dataset = Dataset.from_dict({"prompt": [f"{rng.randint(10, 99)}+{rng.randint(10, 99)}=" for _ in range(8)]})
     base, tree = make_trainers(str(path), tmp_path / "out", dataset=dataset)
     assert_same_loss_and_grads(base, tree)
     base, tree = make_trainers(str(path), tmp_path / "steps", max_steps=2, per_device_train_batch_size=6,

@@ -19,6 +19,7 @@ from harts_hf.model_patches import apply_tree_patches, supported_model_types
 from harts_hf.reference import per_sequence_logprobs
 from tests.forests import chunk_edge_sequences
 from tests.models import _mild_decay
+from tests.test_tree_logprobs import assert_gradients_close
 
 VOCAB = 97
 MAX_PARAMETERS = 30_000_000
@@ -118,16 +119,9 @@ def test_runs_exactly_or_is_refused(model_type):
             torch.testing.assert_close(a, b, rtol=value_tol, atol=value_tol)
         weights = [torch.randn(b.shape, generator=torch.Generator().manual_seed(i), dtype=b.dtype)
                    for i, b in enumerate(reference)]
-        params = [p for p in model.parameters() if p.requires_grad]
-        tree_grads = torch.autograd.grad(sum((x * w).sum() for x, w in zip(tree, weights)), params, allow_unused=True)
-        reference_grads = torch.autograd.grad(sum((x * w).sum() for x, w in zip(reference, weights)), params,
-                                              allow_unused=True)
-        # relative to the gradient's own norm, or to a thousandth of the largest one where a gradient all but
-        # vanishes (a router whose top-k weights are renormalised): its relative error is rounding alone
-        floor = 1e-3 * max(b.norm() for b in reference_grads if b is not None)
-        for (name, _), a, b in zip(model.named_parameters(), tree_grads, reference_grads):
-            assert (a is None) == (b is None), name
-            if b is not None:
-                assert (a - b).norm() <= grad_tol * max(b.norm(), floor), name
+        # the floor at a thousandth of the largest gradient: a router whose top-k weights are renormalised has a
+        # gradient that all but vanishes, its relative error rounding alone
+        assert_gradients_close(model, sum((x * w).sum() for x, w in zip(tree, weights)),
+                               sum((x * w).sum() for x, w in zip(reference, weights)), grad_tol, floor_fraction=1e-3)
     finally:
         handle.revert()

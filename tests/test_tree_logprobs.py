@@ -20,6 +20,27 @@ from tests.models import FAMILIES, VOCAB, build
 MOE_FAMILIES = {"qwen3_next_moe", "qwen3_5_moe", "qwen3_moe"}
 
 
+def assert_gradients_close(model, tree_objective, reference_objective, grad_tol, floor_fraction=1e-5) -> float:
+    """Every parameter gradient of ``tree_objective`` within ``grad_tol`` of ``reference_objective``'s, relative to
+    the reference gradient's norm or, where that is under ``floor_fraction`` of the largest one, to that floor: a key
+    projection's bias has gradient zero in exact arithmetic (softmax ignores a constant added to one query's scores),
+    so its own norm is rounding. Returns the worst relative error."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    tree_grads = torch.autograd.grad(tree_objective, params, allow_unused=True)
+    ref_grads = torch.autograd.grad(reference_objective, params, allow_unused=True)
+    floor = floor_fraction * max(b.norm() for b in ref_grads if b is not None)
+    worst = 0.0
+    for name, a, b in zip(names, tree_grads, ref_grads):
+        assert (a is None) == (b is None), name
+        if b is None or b.norm() == 0:
+            continue
+        error = ((a - b).norm() / max(b.norm(), floor)).item()
+        worst = max(worst, error)
+        assert error <= grad_tol, f"{name}: relative gradient error {error:.2e} > {grad_tol:.0e}"
+    return worst
+
+
 def compare(model, sequences, *, grad_tol, value_tol=1e-5, float64_recurrence=False, entropy=True,
             temperature=1.0, aux=False):
     tree = tree_logprobs(model, sequences, compute_entropy=entropy, return_aux_loss=aux, temperature=temperature)
@@ -40,21 +61,8 @@ def compare(model, sequences, *, grad_tol, value_tol=1e-5, float64_recurrence=Fa
             total = total + 0.1 * sum((x * w).sum() for x, w in zip(entropies, weights))
         return total + (aux_loss if aux else 0)
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    tree_grads = torch.autograd.grad(objective(tree.logprobs, tree.entropies, tree.aux_loss), params, allow_unused=True)
-    ref_grads = torch.autograd.grad(objective(ref_logprobs, ref_entropies, ref_aux), params, allow_unused=True)
-    worst = 0.0
-    # a gradient under 1e-5 of the largest one is measured against that floor: a key projection's bias has gradient
-    # zero in exact arithmetic (softmax ignores a constant added to one query's scores), so its own norm is rounding
-    floor = 1e-5 * max(b.norm() for b in ref_grads if b is not None)
-    for name, a, b in zip(names, tree_grads, ref_grads):
-        assert (a is None) == (b is None), name
-        if b is None or b.norm() == 0:
-            continue
-        error = ((a - b).norm() / max(b.norm(), floor)).item()
-        worst = max(worst, error)
-        assert error <= grad_tol, f"{name}: relative gradient error {error:.2e} > {grad_tol:.0e}"
+    worst = assert_gradients_close(model, objective(tree.logprobs, tree.entropies, tree.aux_loss),
+                                   objective(ref_logprobs, ref_entropies, ref_aux), grad_tol)
     if aux:
         torch.testing.assert_close(tree.aux_loss, ref_aux, rtol=value_tol, atol=value_tol)
     return tree, worst
