@@ -441,6 +441,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainer", default="tree", choices=["tree", "trl"],
                         help="tree: TreeGRPOTrainer; trl: TRL's own GRPOTrainer on the same rollouts (padded rows, "
                              "every trajectory computed alone; use --grad-accum to fit memory) (default: %(default)s)")
+    parser.add_argument("--trl-conv", choices=["auto", "fla", "torch"], default="auto",
+                        help="with --trainer trl: the short convolution transformers' Qwen3-Next runs, fla's Triton "
+                             "kernel standing in for the causal-conv1d package a careful user installs (not on the "
+                             "device), or transformers' PyTorch fallback; auto: fla on CUDA where causal-conv1d is "
+                             "missing (default: %(default)s)")
     parser.add_argument("--liger", action="store_true",
                         help="with --trainer trl: TRL's use_liger_kernel=True (Liger's Triton RMSNorm / SwiGLU kernels "
                              "in the model's layers; TRL keeps its own chunked LM head), what a careful TRL user turns "
@@ -465,6 +470,36 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--liger is TRL's use_liger_kernel for --trainer trl; the tree trainer has fused kernels of its "
                      "own (leave --liger out, or pass --trainer trl)")
     return args
+
+
+def bind_trl_conv(choice: str, model) -> str:
+    """Give transformers' Qwen3-Next (the TRL side) fla's Triton short convolution in place of its PyTorch fallback
+    when the causal-conv1d package is missing (``choice`` "auto") or always ("fla"); checked against the fallback on
+    one random input first. Returns what runs: "causal_conv1d", "fla" or "torch"."""
+    import importlib.util
+
+    module = sys.modules[type(model).__module__]
+    if choice == "torch":
+        return "torch"
+    if choice == "auto" and importlib.util.find_spec("causal_conv1d") is not None:
+        return "causal_conv1d"
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    fallback = module.causal_conv1d_fn
+
+    def fla_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
+        # transformers' contract: [B, C, T] in and out, weight [C, W]; fla's kernel takes [B, T, C] and computes in
+        # fp32, rounding once to the input's dtype (as the fallback's conv in the weights' fp32 does)
+        return causal_conv1d(hidden_states.transpose(1, 2), weight, bias, activation=activation)[0].transpose(1, 2)
+
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 64, 300, device="cuda", generator=generator)
+    weight, bias = torch.randn(64, 4, device="cuda", generator=generator), torch.randn(64, device="cuda", generator=generator)
+    got, expected = fla_causal_conv1d_fn(x, weight, bias, "silu"), fallback(x, weight, bias, activation="silu")
+    if not torch.allclose(got, expected, rtol=1e-4, atol=1e-4):
+        raise RuntimeError(f"fla's causal_conv1d differs from transformers' fallback by {(got - expected).abs().max()}")
+    module.causal_conv1d_fn = fla_causal_conv1d_fn
+    return "fla"
 
 
 def main(argv=None):
@@ -524,6 +559,7 @@ def main(argv=None):
     from harts_hf.model_patches import cpu_safe
 
     cpu_safe(model)  # TRL's trainer too: CPU forwards where transformers bound fla's Triton kernels
+    args.trl_conv = bind_trl_conv(args.trl_conv, model) if args.trainer == "trl" and cuda else "torch"
     trainer = trainer_class(model, reward_funcs=hash_reward, args=config, processing_class=id_tokenizer(spec["vocab_size"]),
                             train_dataset=Dataset.from_dict({"prompt": rollouts.prompts()}), rollout_func=rollouts)
     records: list[dict] = []
