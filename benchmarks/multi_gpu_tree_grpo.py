@@ -220,7 +220,8 @@ def timed_trainer_class(tree: bool = True):
     """TreeGRPOTrainer (or, ``tree=False``, TRL's own GRPOTrainer: padded rows, no sharing) that times, per
     optimizer step on this rank, TRL's generation + scoring, the placement of groups on processes, and the forward
     (tree: from ``compute_loss`` to the tree statistics, before their gather; TRL: ``compute_loss``), and keeps
-    this rank's path / unique tokens (TRL: both the unpadded tokens) and local loss."""
+    this rank's path / unique tokens and attention pairs (TRL: both its unpadded tokens and their causal pairs, sum
+    L (L + 1) / 2 over rows) and local loss."""
     from trl import GRPOTrainer
 
     from harts_hf import TreeGRPOTrainer
@@ -233,8 +234,8 @@ def timed_trainer_class(tree: bool = True):
 
         @staticmethod
         def _fresh_record() -> dict:
-            return dict(generate_s=0.0, balance_s=0.0, forward_s=0.0, path_tokens=0, unique_tokens=0, local_loss=0.0,
-                        microbatches=0, plan_memory=[], piece_padding=0)
+            return dict(generate_s=0.0, balance_s=0.0, forward_s=0.0, path_tokens=0, unique_tokens=0, path_pairs=0.0,
+                        tree_pairs=0.0, local_loss=0.0, microbatches=0, plan_memory=[], piece_padding=0)
 
         def _timed(self, key, function, *args):
             _synchronize(self.accelerator.device)
@@ -255,8 +256,10 @@ def timed_trainer_class(tree: bool = True):
             self._forward_start = time.perf_counter()
             loss = super().compute_loss(model, inputs, *args, **kwargs)
             if not tree and self._forward_start is not None:  # TRL's padded forward: no tree statistics hook
-                tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
-                self._record_tree_stats(dict(path_tokens=tokens, unique_tokens=tokens))
+                lengths = (inputs["prompt_mask"].sum(1) + inputs["completion_mask"].sum(1)).double()
+                tokens, pairs = int(lengths.sum()), float((lengths * (lengths + 1) / 2).sum())
+                self._record_tree_stats(dict(path_tokens=tokens, unique_tokens=tokens, path_attention_pairs=pairs,
+                                             tree_attention_pairs=pairs))
             return loss
 
         def _record_tree_stats(self, stats):
@@ -265,6 +268,8 @@ def timed_trainer_class(tree: bool = True):
                 self.step_record["forward_s"] += time.perf_counter() - self._forward_start
                 self.step_record["path_tokens"] += int(stats["path_tokens"])
                 self.step_record["unique_tokens"] += int(stats["unique_tokens"])
+                self.step_record["path_pairs"] += float(stats["path_attention_pairs"])
+                self.step_record["tree_pairs"] += float(stats["tree_attention_pairs"])
                 self._forward_start = None
             if tree:
                 super()._record_tree_stats(stats)
@@ -317,13 +322,31 @@ def logged_steps(log_history: list[dict]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- summary
+def _model_work(rates: dict | None, unique: float, tree_pairs: float, path: float, path_pairs: float, seconds: float,
+                world: int) -> dict:
+    """Model FLOPs of the computed work (the tree's unique tokens and pairs; for TRL, which shares nothing, the
+    rows' own), the per-trajectory work's over it (the FLOP ratio), and MFU: those FLOPs over ``seconds`` on
+    ``world`` GPUs at :data:`model_flops.PEAK_BF16_FLOPS` each (benchmarks/model_flops.py). Empty without
+    ``rates`` (a rank record written before they were recorded)."""
+    if not rates:
+        return {}
+    from model_flops import PEAK_BF16_FLOPS
+
+    model = rates["per_token"] * unique + rates["per_pair"] * tree_pairs
+    path_flops = rates["per_token"] * path + rates["per_pair"] * path_pairs
+    return dict(model_flops=model, flop_ratio=path_flops / model,
+                mfu=model / (seconds * world * PEAK_BF16_FLOPS) if seconds > 0 else None)
+
+
 def summarize(ranks: list[dict], warmup: int) -> dict:
-    """Per step: each rank's times and tokens, max/mean imbalances, logged loss / grad_norm / tree metrics; over
-    the steps after ``warmup``: global and per-GPU tokens/s (tokens of all ranks over the slowest rank's time)."""
+    """Per step: each rank's times and tokens, max/mean imbalances, logged loss / grad_norm / tree metrics, and the
+    step's model FLOPs, FLOP ratio and MFU over the slowest rank's time; over the steps after ``warmup``: global
+    and per-GPU tokens/s (tokens of all ranks over the slowest rank's time) and the same FLOP figures."""
     world = len(ranks)
     by_step = [{r["step"]: r for r in rank["steps"]} for rank in ranks]
     steps = sorted(set.intersection(*(set(s) for s in by_step)))
     logged = {entry["step"]: entry for entry in ranks[0]["logged"]}
+    rates = ranks[0].get("flop_rates")
     rows = []
     for step in steps:
         entries = [s[step] for s in by_step]
@@ -336,12 +359,17 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
             forward_imbalance=max(forward_s) / max(sum(forward_s) / world, 1e-12),
             generate_s=[e["generate_s"] for e in entries], balance_s=[e["balance_s"] for e in entries],
             peak_gib=[e.get("peak_gib", float("nan")) for e in entries], path_tokens=[e["path_tokens"] for e in entries], unique_tokens=[e["unique_tokens"] for e in entries],
+            path_pairs=[e.get("path_pairs", 0.0) for e in entries], tree_pairs=[e.get("tree_pairs", 0.0) for e in entries],
             local_loss=[e["local_loss"] for e in entries], loss=log.get("loss"), grad_norm=log.get("grad_norm"),
             tree={k: v for k, v in log.items() if k.startswith("tree/")}))
+        rows[-1].update(_model_work(rates, *(sum(rows[-1][key]) for key in ("unique_tokens", "tree_pairs", "path_tokens",
+                                                                             "path_pairs")), max(step_s), world))
     measured = [row for row in rows if row["step"] > warmup] or rows
     seconds = sum(max(row["step_s"]) for row in measured)
     path = sum(sum(row["path_tokens"]) for row in measured)
     unique = sum(sum(row["unique_tokens"]) for row in measured)
+    work = _model_work(rates, unique, *(sum(sum(row[key]) for row in measured) for key in ("tree_pairs", "path_tokens",
+                                                                                          "path_pairs")), seconds, world)
     return dict(
         world_size=world, device=ranks[0]["device"], config=ranks[0]["config"], steps=rows,
         measured_steps=[row["step"] for row in measured],
@@ -350,7 +378,7 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
         path_tokens_per_s_per_gpu=path / seconds / world, unique_tokens_per_s_per_gpu=unique / seconds / world,
         step_imbalance=max(row["step_imbalance"] for row in measured),
         forward_imbalance=max(row["forward_imbalance"] for row in measured),
-        same_steps_on_every_rank=all(len(rank["steps"]) == len(ranks[0]["steps"]) for rank in ranks))
+        same_steps_on_every_rank=all(len(rank["steps"]) == len(ranks[0]["steps"]) for rank in ranks), **work)
 
 
 def compare(summary: dict, reference: dict) -> dict:
@@ -391,7 +419,8 @@ def print_table(summary: dict) -> None:
               f"{tree.get('tree/replica_imbalance', '-')} |")
     print(f"\nsteps {summary['measured_steps']}: {summary['mean_step_s']:.3f} s/step, "
           f"{summary['path_tokens_per_s_per_gpu']:.0f} path / {summary['unique_tokens_per_s_per_gpu']:.0f} unique "
-          f"tokens/s per GPU")
+          f"tokens/s per GPU" + (f", FLOP ratio {summary['flop_ratio']:.2f}, MFU {summary['mfu']:.3f}"
+                                 if summary.get("mfu") is not None else ""))
     if "compare" in summary:
         result = summary["compare"]
         for entry in result["steps"]:
@@ -537,6 +566,9 @@ def main(argv=None):
     checkpointing = cuda if args.gradient_checkpointing == "auto" else args.gradient_checkpointing == "on"
     if not checkpointing:
         model.gradient_checkpointing_disable()
+    from model_flops import flop_rates
+
+    rates = {key: value for key, value in flop_rates(model).items() if key in ("per_token", "per_pair")}
     rows = args.tasks_per_step * rollouts.rows_per_task
     if rows % (world * args.grad_accum):
         raise ValueError(f"{rows} rows per step must split evenly over processes x --grad-accum "
@@ -583,7 +615,8 @@ def main(argv=None):
 
         write_run_record(out)
     (out / f"rank{rank}.json").write_text(json.dumps(
-        dict(rank=rank, world_size=world, device=device, config=run_config, steps=records, logged=logged), indent=1))
+        dict(rank=rank, world_size=world, device=device, config=run_config, steps=records, logged=logged,
+             flop_rates=rates), indent=1))
     trainer.accelerator.wait_for_everyone()  # every rank's file is written; no collective follows
     # every rank destroys the process group before it exits: a gloo process left to the interpreter's teardown can
     # abort ("terminate called without an active exception", SIGABRT), which failed a CI run after training ended

@@ -114,14 +114,26 @@ def test_grpo_and_distinct_rollouts_make_prompt_groups():
 
 def both_trainers(tmp_path, args: list[str], grad_accum: int) -> dict:
     """TreeGRPOTrainer, then TRL's GRPOTrainer (``grad_accum`` padded micro-batches) on the same rollouts; asserts
-    the same loss and grad_norm in every step and returns the tree run's summary."""
+    the same loss and grad_norm in every step, the same per-trajectory work (tokens and causal attention pairs) in
+    both summaries, TRL's FLOP ratio 1 (it shares nothing) and the tree's the forest's; returns the tree run's
+    summary."""
     tree, trl = tmp_path / "tree", tmp_path / "trl"
     run([sys.executable, str(SCRIPT), *args, "--out", str(tree)])
     run([sys.executable, str(SCRIPT), *args, "--trainer", "trl", "--grad-accum", str(grad_accum), "--out", str(trl),
          "--compare", str(tree / "summary.json")])
-    for entry in json.loads((trl / "summary.json").read_text())["compare"]["steps"]:
+    theirs = json.loads((trl / "summary.json").read_text())
+    for entry in theirs["compare"]["steps"]:
         assert entry["loss_rel_diff"] < 1e-4 and entry["grad_norm_rel_diff"] < 1e-4, entry
-    return json.loads((tree / "summary.json").read_text())
+    ours = json.loads((tree / "summary.json").read_text())
+    rates = json.loads((tree / "rank0.json").read_text())["flop_rates"]
+    for mine, other in zip(ours["steps"], theirs["steps"]):
+        assert mine["path_pairs"] == other["path_pairs"] == other["tree_pairs"] and mine["path_tokens"] == other["path_tokens"]
+        assert other["flop_ratio"] == 1.0 and all(is_finite_nonnegative(row["mfu"]) for row in (mine, other))
+        work = [rates["per_token"] * sum(mine[tokens]) + rates["per_pair"] * sum(mine[pairs])
+                for tokens, pairs in (("path_tokens", "path_pairs"), ("unique_tokens", "tree_pairs"))]
+        assert math.isclose(mine["flop_ratio"], work[0] / work[1], rel_tol=1e-12) and mine["flop_ratio"] >= 1.0
+    assert is_finite_nonnegative(ours["mfu"]) and ours["flop_ratio"] >= 1.0
+    return ours
 
 
 def test_trl_trainer_on_distinct_rows_matches_the_tree_trainer(tmp_path):
@@ -140,6 +152,7 @@ def test_trl_trainer_on_tau_trees_matches_the_tree_trainer(tmp_path):
                                          "--tasks-per-step", "1"], grad_accum=5)
     assert reference["config"]["rows_per_task"] == 95  # one task, all its sequences
     assert all(sum(r["path_tokens"]) > 5 * sum(r["unique_tokens"]) for r in reference["steps"])  # R_tok > 5
+    assert all(r["flop_ratio"] > 5 for r in reference["steps"])
 
 
 def test_liger_is_the_trl_baselines_option(capsys):

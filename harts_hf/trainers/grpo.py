@@ -292,6 +292,7 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
         entropies = accelerator.reduce(loss_fn.entropies, "sum")[own, :width]
         stats = self._plan_stats(the_plan)
         share = {key: stats[key] / accelerator.num_processes for key in ("path_tokens", "unique_tokens",
+                                                                         "path_attention_pairs", "tree_attention_pairs",
                                                                          "gdn_rounds", "gdn_replay_tokens",
                                                                          "pieces", "handoffs")}
         with torch.no_grad():  # the rows' totals, logged once over the processes
