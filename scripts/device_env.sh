@@ -28,14 +28,22 @@ for pair in site:site.tar.xz tf524:tf.tar.xz liger:liger.tar.xz; do
     mkdir -p "$dir" && tar -C "$dir" -xJf "$archive" && touch "$dir/.ok"
   fi
 done
-# FlashAttention-4's stack (scripts/device_extras.sh): fa4libs.tar.xz (61 MiB) travels alone in a call of its own,
-# fa4rest.tar.xz beside the bundle; both unpack into .device/fa4x, which stays on a warm machine
+# FlashAttention-4's stack (scripts/device_extras.sh): fa4libs.tar.xz (61 MiB) in two halves, .aa and .ab (with the
+# checkout, 61 MiB no longer fits one call's 64 MiB): .aa alone in a first call, .ab beside fa4rest.tar.xz in the next
+# (a carried file stays on a warm machine, so .aa is still there), then the bundle; everything unpacks into
+# .device/fa4x, which stays on a warm machine
+if [ ! -f .device/fa4x/.fa4libs ] && compgen -G ".device/fa4libs.tar.xz.a?" > /dev/null; then
+  if [ ! -f .device/fa4libs.tar.xz.ab ]; then
+    echo "have .device/fa4libs.tar.xz.aa; carry .device/fa4libs.tar.xz.ab and .device/fa4rest.tar.xz next"; exit 0
+  fi
+  mkdir -p .device/fa4x && cat .device/fa4libs.tar.xz.a? | tar -C .device/fa4x -xJf - && touch .device/fa4x/.fa4libs
+fi
 for part in fa4libs fa4rest; do
   if [ ! -f ".device/fa4x/.$part" ] && [ -f ".device/$part.tar.xz" ]; then
     mkdir -p .device/fa4x && tar -C .device/fa4x -xJf ".device/$part.tar.xz" && touch ".device/fa4x/.$part"
   fi
 done
-if [ -f .device/fa4libs.tar.xz ] && [ ! -f .device/site.tar.xz ] && [ ! -f .device/site/.ok ]; then
+if [ -f .device/fa4x/.fa4libs ] && [ ! -f .device/site.tar.xz ] && [ ! -f .device/site/.ok ]; then
   echo "unpacked FlashAttention-4's libraries; carry .device/site.tar.xz next"; exit 0
 fi
 [ -f .device/site/.ok ] || { echo "no .device/site: carry .device/site.tar.xz (a fresh machine)"; exit 3; }

@@ -2,8 +2,10 @@
 # The packages the H200 test machine lacks beyond the shared bundle (../shared/device/make-bundle.sh), as archives
 # under .device/ for the device tool's `carry` (64 MiB per call):
 #
-#   .device/fa4libs.tar.xz  nvidia-cutlass-dsl-libs-cu13 (~61 MiB: carry it alone in a first call and extract it into
-#                           .device/fa4x, which stays on a warm machine between calls)
+#   .device/fa4libs.tar.xz  nvidia-cutlass-dsl-libs-cu13 (~61 MiB), also cut into .device/fa4libs.tar.xz.aa / .ab
+#                           (32 MiB each: with the checkout, 61 MiB does not fit one call): .aa alone in a first call,
+#                           .ab beside fa4rest.tar.xz in the next; scripts/device_env.sh joins and extracts them into
+#                           .device/fa4x, which stays on a warm machine between calls
 #   .device/fa4rest.tar.xz  flash-attn-4 4.0.0b36 and the rest of FlashAttention-4's stack, flash-qla 0.1.3 (~8 MiB)
 #   .device/tf.tar.xz       transformers 5.24.0 alone (~5 MiB; the machine has 5.17, which lacks bailing_hybrid, and
 #                           the huggingface-hub 1.33 / tokenizers 0.23.2 / safetensors 0.8 it needs: huggingface-hub
@@ -53,4 +55,6 @@ done
 pack() { tar -C "$tmp/$1.site" -cf - . | xz -9 -T0 > "$out/$2.part" && mv "$out/$2.part" "$out/$2"; }
 for part in "${parts[@]}"; do pack "$part" "${archive[$part]}" & done
 wait
+rm -f "$out"/fa4libs.tar.xz.a?
+split -b 32M "$out/fa4libs.tar.xz" "$out/fa4libs.tar.xz."   # the halves the device tool carries
 ls -la "$out"
