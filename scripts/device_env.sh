@@ -57,6 +57,12 @@ export PYTHONPATH="$PWD:$PWD/.device/site" TF524="$PWD/.device/tf524" PYTHONUNBU
 # its first tree run and the next process on it 227 s before its first packed call; how much of that is
 # FlashAttention-4's compilation is not measured (the first call with this on will say). Set it to 0 in a command to
 # compile afresh, should a cached kernel fail to load.
+# Triton keeps compiled kernels on disk but, unless asked, not its autotuning choices: every new process benchmarks
+# every configuration of every autotuned kernel (fla's) again, on binaries it already has. With this on, the choices
+# are kept in Triton's cache (keyed by the kernel's source, its configurations and the tuning key) and a later process,
+# or a machine given the saved caches (`save_caches`), reuses them. How much of a new process's 144-228 s this saves is
+# not measured yet (the first call with it on will say); 0 benchmarks afresh.
+export TRITON_CACHE_AUTOTUNING=${TRITON_CACHE_AUTOTUNING:-1}
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=${FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED:-1}
 export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-$HOME/.cache/fa4_cute_dsl}
 [ -f .device/liger/.ok ] && PYTHONPATH="$PYTHONPATH:$PWD/.device/liger"  # liger-kernel (TRL's use_liger_kernel)
