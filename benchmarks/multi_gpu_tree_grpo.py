@@ -324,18 +324,15 @@ def logged_steps(log_history: list[dict]) -> list[dict]:
 # ---------------------------------------------------------------------------------------------- summary
 def _model_work(rates: dict | None, unique: float, tree_pairs: float, path: float, path_pairs: float, seconds: float,
                 world: int) -> dict:
-    """Model FLOPs of the computed work (the tree's unique tokens and pairs; for TRL, which shares nothing, the
-    rows' own), the per-trajectory work's over it (the FLOP ratio), and MFU: those FLOPs over ``seconds`` on
-    ``world`` GPUs at :data:`model_flops.PEAK_BF16_FLOPS` each (benchmarks/model_flops.py). Empty without
-    ``rates`` (a rank record written before they were recorded)."""
+    """:func:`model_flops.throughput`'s model FLOPs, FLOP ratio and MFU of the computed work (the tree's unique
+    tokens and pairs; for TRL, which shares nothing, the rows' own) over ``seconds`` on ``world`` GPUs. Empty
+    without ``rates`` (a rank record written before they were recorded)."""
     if not rates:
         return {}
-    from model_flops import PEAK_BF16_FLOPS
+    from model_flops import throughput
 
-    model = rates["per_token"] * unique + rates["per_pair"] * tree_pairs
-    path_flops = rates["per_token"] * path + rates["per_pair"] * path_pairs
-    return dict(model_flops=model, flop_ratio=path_flops / model,
-                mfu=model / (seconds * world * PEAK_BF16_FLOPS) if seconds > 0 else None)
+    work = throughput(rates, seconds * world, unique, tree_pairs, path, path_pairs)  # GPU-seconds: MFU per GPU
+    return {key: work[key] for key in ("model_flops", "flop_ratio", "mfu")}
 
 
 def summarize(ranks: list[dict], warmup: int) -> dict:
@@ -568,7 +565,7 @@ def main(argv=None):
         model.gradient_checkpointing_disable()
     from model_flops import flop_rates
 
-    rates = {key: value for key, value in flop_rates(model).items() if key in ("per_token", "per_pair")}
+    rates = flop_rates(model)  # model FLOPs of a token and a pair (and their recompute), kept in the rank record
     rows = args.tasks_per_step * rollouts.rows_per_task
     if rows % (world * args.grad_accum):
         raise ValueError(f"{rows} rows per step must split evenly over processes x --grad-accum "
