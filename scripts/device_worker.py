@@ -10,7 +10,9 @@ while a job runs: the trainer benchmark ends that way to skip teardown, and took
 Nothing of a finished job stays alive: its module's globals are cleared when it ends (libraries keep the ``__main__``
 module of their first import: ``multiprocessing`` as ``sys.modules['__mp_main__']``, dill, which datasets imports, as
 ``dill._dill._main_module``; were it a job's, that job's globals, a trainer and its model among them, would stay for
-the worker's life: 37 GiB of weights, gradients and AdamW states for the 2.3B preset).
+the worker's life: 37 GiB of weights, gradients and AdamW states for the 2.3B preset). A job that raises, or leaves more
+than ``LEFT_BEHIND_GIB`` of GPU memory allocated, makes the worker start afresh before the next job (``os.execv``: the
+same pid, a new process; kernels compiled so far load from disk).
 
     python3 scripts/device_worker.py start DIR                      # a detached worker serving DIR, if none is alive
     python3 scripts/device_worker.py submit DIR NAME SCRIPT [ARGS...]   # queue a job (a leading '--' is dropped);
@@ -38,6 +40,7 @@ import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+LEFT_BEHIND_GIB = 1.0  # GPU memory a finished job may leave allocated before the worker starts afresh
 
 
 def _alive(pid: int) -> bool:
@@ -121,6 +124,7 @@ def run_job(folder: Path, job: dict) -> dict:
         os.chdir(script.parent)
         hard_exit = os._exit
         os._exit = _exit_the_job
+        raised = False
         try:
             _run_as_main(script)
             rc = 0
@@ -128,7 +132,8 @@ def run_job(folder: Path, job: dict) -> dict:
             rc = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
         except BaseException:  # a job's failure (out of memory included) is its own, not the worker's
             traceback.print_exc()
-            rc = 1
+            traceback.clear_frames(sys.exc_info()[2])  # the failed job's locals (a trainer, its model) let go
+            rc, raised = 1, True
         finally:
             os._exit = hard_exit
             sys.argv, sys.path[:] = argv, path
@@ -139,6 +144,12 @@ def run_job(folder: Path, job: dict) -> dict:
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next job starts with the memory this one held given back
         record["cuda_allocated_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)  # left behind by the job
+    # A job that raised, or left GPU memory behind, may have left anything alive (2026-12-05: a trainer that ran out of
+    # memory in its second step kept its 37 GiB of weights, gradients and AdamW states in the worker, and the three
+    # jobs after it ran out of memory at once): the worker then starts afresh before the next job (same pid, a new
+    # process image; the kernels compiled so far are on disk and load again)
+    if raised or record.get("cuda_allocated_gib", 0) > LEFT_BEHIND_GIB:
+        record["worker_restarted"] = True
     return record
 
 
@@ -160,6 +171,10 @@ def serve(folder: Path, idle: float) -> None:
         running.unlink()
         print(json.dumps(record), flush=True)
         last = time.monotonic()
+        if record.get("worker_restarted"):
+            sys.stderr.flush()
+            os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), "serve", str(folder), "--idle",
+                                      str(idle)])
     (folder / "worker.pid").unlink(missing_ok=True)
 
 

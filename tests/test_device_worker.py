@@ -68,6 +68,9 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
         pids = {name: log.split(" pid ")[1].split()[0] for name, log in logs.items()}
         assert len({pids[name] for name in ("first", "hard", "second", "fails", "exits")}) == 1  # one process, all
         assert "leaving hard" in logs["hard"] and "run 2 " in logs["hard"] and "run 3 " in logs["second"]
+        # a job that raised may have left anything alive: the worker starts afresh (same pid, a new process image)
+        assert "run 4 " in logs["fails"] and "run 1 " in logs["exits"] and "run 2 " in logs["holds"]
+        assert records["fails"].get("worker_restarted") and not records["exits"].get("worker_restarted")
         assert pids["alone"] != pids["first"] and "run 1 " in logs["alone"]  # a process of its own
         assert "env set" in logs["alone"] and "env unset" in logs["first"]
         assert "args ok --flag 1" in logs["first"] and f"cwd {tmp_path}" in logs["first"]
