@@ -8,6 +8,7 @@
 # (a fresh machine needs them again). PYTHONPATH then holds the checkout, the bundle and liger-kernel where carried;
 # `PYTHONPATH=$TF524:$PYTHONPATH` puts transformers 5.24 first (bailing_hybrid). Results go under $W; `finish` packs
 # $W into $OUT/results.tgz (the tool returns at most 8 files) with the size of Triton's cache beside them.
+# The open measurements: scripts/device_jobs.sh (its header says how to call it).
 # FlashAttention-4 (`--kernels fused_fa4`): a fresh machine's first call carries .device/fa4libs.tar.xz alone (this
 # script unpacks it and ends the command), the next carries the bundle and .device/fa4rest.tar.xz; both then stay in
 # .device/fa4x and are on PYTHONPATH. A machine released when idle (30 s)

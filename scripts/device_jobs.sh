@@ -1,0 +1,56 @@
+# The measurements still open (issues 22, 23, 25, 26), queued on the device's job worker; sourced after
+# scripts/device_env.sh by every call of a session, the first of which queues them (once per machine):
+#
+#   T0=$(date +%s); bash -c "T0=$T0; source scripts/device_env.sh && source scripts/device_jobs.sh" 2>&1 | tail -40
+#
+# (carry .device/site.tar.xz and .device/tf.tar.xz in the first call; later calls carry nothing while the machine stays
+# warm). Each call waits for the queue until 25 s before its 600 s, then packs $OUT/results.tgz (finish). The list
+# depends on the card: an H200 (141 GB) runs the headline settings; an H100 (80 GB) smaller planner pieces, since the
+# 2.3B preset's fp32 weights, gradients and AdamW states take 37 GiB (2026-12-05, H100: the `swe` scale-0.05 trainer at
+# --tree-token-budget 65536 peaked at 57.8 GiB in its first step, before AdamW's states existed, and ran out of memory in
+# its second) and the `distinct` forest alone peaks at 92.5 GiB. Jobs from transformers 5.24 (bailing_hybrid) run in
+# child processes (job_tf524); the rest share the worker's compiled kernels.
+J=$JOBS/w
+mkdir -p "$JOBS"
+mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+probe=benchmarks/plan_memory_probe.py
+trainer=benchmarks/multi_gpu_tree_grpo.py
+same=(--no-history --kernels fused --keep-attention on)
+if [ ! -f "$JOBS/.queued" ] && [ "${mem:-0}" -gt 100000 ]; then
+  touch "$JOBS/.queued"
+  job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
+    --trainer tree --out $J/tree_swe005
+  job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 --rows-per-task 8 \
+    --steps 3 --warmup 1 --trainer tree --out $J/tree_distinct
+  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --repeats 1 --profile tree --out $J/nemotron_tau_profile
+  job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
+    --repeats 2 --out $J/nemotron_swe_tree
+  job nemotron_swe_packed $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
+    --repeats 1 --no-tree --packed-groups 131072 --packed-warmup first --out $J/nemotron_swe_packed
+  job_tf524 ling3_swe_tree $probe --model ling3_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
+    --repeats 2 --out $J/ling3_swe_tree
+  job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --repeats 2 --packed-groups 0 --packed-warmup first --out $J/kimi_tau
+  job_tf524 ling3_swe_packed $probe --model ling3_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
+    --repeats 1 --no-tree --packed-groups 65536 --packed-warmup first --out $J/ling3_swe_packed
+elif [ ! -f "$JOBS/.queued" ]; then
+  touch "$JOBS/.queued"
+  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --repeats 1 --profile tree --out $J/nemotron_tau_profile
+  job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
+    --repeats 2 --out $J/nemotron_swe_tree
+  job nemotron_swe_packed $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
+    --repeats 1 --no-tree --packed-groups 65536 --packed-warmup first --out $J/nemotron_swe_packed
+  job tree_swe005_b32768 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
+    --trainer tree --tree-token-budget 32768 --out $J/tree_swe005_b32768
+  job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 49152 "${same[@]}" \
+    --repeats 2 --packed-groups 49152 --packed-warmup first --out $J/kimi_tau
+  job_tf524 ling3_swe_tree $probe --model ling3_shaped --workload swe --scale 1.0 --budget 32768 "${same[@]}" \
+    --repeats 2 --out $J/ling3_swe_tree
+fi
+nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
+jobs_start
+jobs_wait
+finish
+tail -n 3 "$JOBS"/*.log 2>/dev/null | cut -c1-200
