@@ -16,38 +16,29 @@ mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -
 probe=benchmarks/plan_memory_probe.py
 trainer=benchmarks/multi_gpu_tree_grpo.py
 same=(--no-history --kernels fused --keep-attention on)
-if [ ! -f "$JOBS/.queued" ] && [ "${mem:-0}" -gt 100000 ]; then
+if [ "${mem:-0}" -gt 100000 ]; then  # an H200: the headline settings
+  nemotron=131072 ling3=65536 kimi=0 swe005=() distinct=1
+else  # an H100
+  nemotron=65536 ling3=32768 kimi=49152 swe005=(--tree-token-budget 32768) distinct=0
+fi
+if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
+  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --repeats 1 --profile tree --out $J/nemotron_tau_profile
   job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
-    --trainer tree --out $J/tree_swe005
-  job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 --rows-per-task 8 \
-    --steps 3 --warmup 1 --trainer tree --out $J/tree_distinct
-  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --repeats 1 --profile tree --out $J/nemotron_tau_profile
-  job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
+    --trainer tree "${swe005[@]}" --out $J/tree_swe005
+  [ "$distinct" = 1 ] && job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
+    --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --out $J/tree_distinct
+  job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron "${same[@]}" \
     --repeats 2 --out $J/nemotron_swe_tree
-  job nemotron_swe_packed $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
-    --repeats 1 --no-tree --packed-groups 131072 --packed-warmup first --out $J/nemotron_swe_packed
-  job_tf524 ling3_swe_tree $probe --model ling3_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
+  job nemotron_swe_packed $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron \
+    "${same[@]}" --repeats 1 --no-tree --packed-groups $nemotron --packed-warmup first --out $J/nemotron_swe_packed
+  job_tf524 ling3_swe_tree $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 "${same[@]}" \
     --repeats 2 --out $J/ling3_swe_tree
-  job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --repeats 2 --packed-groups 0 --packed-warmup first --out $J/kimi_tau
-  job_tf524 ling3_swe_packed $probe --model ling3_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
-    --repeats 1 --no-tree --packed-groups 65536 --packed-warmup first --out $J/ling3_swe_packed
-elif [ ! -f "$JOBS/.queued" ]; then
-  touch "$JOBS/.queued"
-  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --repeats 1 --profile tree --out $J/nemotron_tau_profile
-  job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
-    --repeats 2 --out $J/nemotron_swe_tree
-  job nemotron_swe_packed $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
-    --repeats 1 --no-tree --packed-groups 65536 --packed-warmup first --out $J/nemotron_swe_packed
-  job tree_swe005_b32768 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
-    --trainer tree --tree-token-budget 32768 --out $J/tree_swe005_b32768
-  job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 49152 "${same[@]}" \
-    --repeats 2 --packed-groups 49152 --packed-warmup first --out $J/kimi_tau
-  job_tf524 ling3_swe_tree $probe --model ling3_shaped --workload swe --scale 1.0 --budget 32768 "${same[@]}" \
-    --repeats 2 --out $J/ling3_swe_tree
+  job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi "${same[@]}" \
+    --repeats 2 --packed-groups $kimi --packed-warmup first --out $J/kimi_tau
+  job_tf524 ling3_swe_packed $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 "${same[@]}" \
+    --repeats 1 --no-tree --packed-groups $ling3 --packed-warmup first --out $J/ling3_swe_packed
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
 jobs_start
