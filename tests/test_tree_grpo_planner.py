@@ -140,3 +140,24 @@ def test_fitted_cost_model_cuts_the_pieces(saved_model, tmp_path, monkeypatch): 
                            processing_class=char_tokenizer())
     tree.compute_loss(tree.model, prepared(tree)).backward()
     assert used and all(model == fitted for model in used)
+
+
+def test_out_of_memory_in_a_step_names_the_settings_that_bound_it(saved_model, tmp_path, monkeypatch):  # noqa: F811
+    """A CUDA out-of-memory error in a step reaches the user as itself, with a note naming the token budget in force
+    and what to change (on 2026-12-05 an 80 GB card fit step 1 at 65,536-token pieces and failed in step 2, once
+    AdamW's states existed)."""
+    from trl import GRPOTrainer
+
+    _, tree = make_trainers(saved_model, tmp_path, **NO_AUX)
+
+    def out_of_memory(self, model, inputs, num_items_in_batch=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB.")
+
+    monkeypatch.setattr(GRPOTrainer, "training_step", out_of_memory)
+    for budget, expected in [(None, "set tree_token_budget"), (65536, "lower tree_token_budget below 65536")]:
+        tree.args.tree_token_budget = budget
+        tree.args.tree_keep_matmul_layers = 3
+        with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate") as caught:
+            tree.training_step(tree.model, {}, None)
+        note = "\n".join(caught.value.__notes__)
+        assert expected in note and "lower tree_keep_matmul_layers (now 3)" in note and "AdamW" in note

@@ -44,6 +44,9 @@ def test_planner_path_contract():
     assert list(inspect.signature(GRPOTrainer.compute_loss).parameters) == [
         "self", "model", "inputs", "return_outputs", "num_items_in_batch"]
     assert list(inspect.signature(GRPOTrainer._compute_loss).parameters) == ["self", "model", "inputs"]
+    # TreeGRPOTrainer.training_step wraps TRL's (a note on out-of-memory errors), passing these three on
+    assert list(inspect.signature(GRPOTrainer.training_step).parameters) == [
+        "self", "model", "inputs", "num_items_in_batch"]
     assert GRPOTrainer.loss_is_scaled_for_ga is True  # Trainer.training_step does not rescale our returned loss
     loss_source = inspect.getsource(GRPOTrainer._compute_loss)
     for text in (

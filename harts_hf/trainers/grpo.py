@@ -46,6 +46,21 @@ __all__ = ["TreeGRPOTrainer"]
 logger = logging.get_logger(__name__)
 
 
+def out_of_memory_note(args) -> str:
+    """What to change when a tree step runs out of GPU memory (added to the error); ``args``: the TreeGRPOConfig."""
+    budget = args.tree_token_budget
+    now = ("each microbatch's whole forest in one piece (tree_token_budget=None)" if budget is None else
+           f"planner pieces of at most tree_token_budget={budget} unique tokens")
+    fixes = ["set tree_token_budget (32768, say)" if budget is None else f"lower tree_token_budget below {budget}"]
+    for field in ("tree_stored_layers", "tree_keep_matmul_layers", "tree_keep_matmul_gib"):
+        if getattr(args, field, None):
+            fixes.append(f"lower {field} (now {getattr(args, field)})")
+    return (f"harts_hf: a TreeGRPOTrainer step ran out of GPU memory with {now}; a piece's activations grow with its "
+            f"tokens. To fit: {'; '.join(fixes)}; or shard the optimizer (DeepSpeed ZeRO). AdamW's two fp32 moments "
+            "(8 bytes per trained parameter) arrive at the first optimizer step, so a second step can fail where the "
+            "first fit.")
+
+
 class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
     """Drop-in for :class:`trl.GRPOTrainer` (same arguments); pass a :class:`TreeGRPOConfig` as ``args``.
 
@@ -190,6 +205,14 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
             result = execute_plan(model, the_plan, compute_entropy=compute_entropy, **self._execute_options())
         entropies = layout.to_rows(result.entropies) if compute_entropy else None
         return layout.to_rows(result.logprobs), entropies, None
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's step; a CUDA out-of-memory error leaves it with a note on the settings that bound a step's memory."""
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        except torch.OutOfMemoryError as error:
+            error.add_note(out_of_memory_note(self.args))
+            raise
 
     # ------------------------------------------------------------------ loss over planner pieces
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
