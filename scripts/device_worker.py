@@ -144,10 +144,8 @@ def run_job(folder: Path, job: dict) -> dict:
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next job starts with the memory this one held given back
         record["cuda_allocated_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)  # left behind by the job
-    # A job that raised, or left GPU memory behind, may have left anything alive (2026-12-05: a trainer that ran out of
-    # memory in its second step kept its 37 GiB of weights, gradients and AdamW states in the worker, and the three
-    # jobs after it ran out of memory at once): the worker then starts afresh before the next job (same pid, a new
-    # process image; the kernels compiled so far are on disk and load again)
+    # a job that raised or left GPU memory behind may hold anything (2026-12-05: a trainer's 37 GiB after its
+    # out-of-memory error, and the three jobs after it failed at once): serve() starts the worker afresh
     if raised or record.get("cuda_allocated_gib", 0) > LEFT_BEHIND_GIB:
         record["worker_restarted"] = True
     return record
