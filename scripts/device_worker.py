@@ -12,7 +12,8 @@ module of their first import: ``multiprocessing`` as ``sys.modules['__mp_main__'
 ``dill._dill._main_module``; were it a job's, that job's globals, a trainer and its model among them, would stay for
 the worker's life: 37 GiB of weights, gradients and AdamW states for the 2.3B preset). A job that raises, or leaves more
 than ``LEFT_BEHIND_GIB`` of GPU memory allocated, makes the worker start afresh before the next job (``os.execv``: the
-same pid, a new process; kernels compiled so far load from disk).
+same pid, a new process; kernels compiled so far load from disk), and so does a job of its own process (``submit
+--own-process``) after jobs that ran in the worker: the child gets the GPU memory the worker would otherwise hold.
 
     python3 scripts/device_worker.py start DIR                      # a detached worker serving DIR, if none is alive
     python3 scripts/device_worker.py submit DIR NAME SCRIPT [ARGS...]   # queue a job (a leading '--' is dropped);
@@ -144,6 +145,9 @@ def run_job(folder: Path, job: dict) -> dict:
     if torch is not None and torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next job starts with the memory this one held given back
         record["cuda_allocated_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)  # left behind by the job
+        record["cuda_reserved_gib"] = round(torch.cuda.memory_reserved() / 2**30, 3)  # kept by torch's allocator
+        free, total = torch.cuda.mem_get_info()
+        record["device_used_gib"] = round((total - free) / 2**30, 3)  # by every process on the card, this one's too
     # a job that raised or left GPU memory behind may hold anything (2026-12-05: a trainer's 37 GiB after its
     # out-of-memory error, and the three jobs after it failed at once): serve() starts the worker afresh
     if raised or record.get("cuda_allocated_gib", 0) > LEFT_BEHIND_GIB:
@@ -151,9 +155,17 @@ def run_job(folder: Path, job: dict) -> dict:
     return record
 
 
+def _afresh(folder: Path, idle: float) -> None:
+    """Replace this process with a new worker serving ``folder`` (``os.execv``: the same pid, nothing of this one)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), "serve", str(folder), "--idle", str(idle)])
+
+
 def serve(folder: Path, idle: float) -> None:
     (folder / "worker.pid").write_text(str(os.getpid()))
     last = time.monotonic()
+    ran_here = False  # whether a job has run in this process (and may hold GPU memory a child process would lack)
     while not (folder / "stop").exists():
         queued = _queued(folder)
         if not queued:
@@ -164,15 +176,21 @@ def serve(folder: Path, idle: float) -> None:
         running = folder / "running" / queued[0].name
         queued[0].rename(running)
         job = json.loads(running.read_text())
+        if job.get("own_process") and ran_here:
+            # a child process gets only the GPU memory this one does not hold; after a job here that is more than the
+            # allocator's cache (2026-12-05, H100: the worker still held 8.45 GiB after its jobs had left 0.06 GiB
+            # allocated, and the three child jobs after them ran out of memory): back to the queue, and afresh
+            running.rename(folder / "queue" / running.name)
+            print(f"worker starts afresh before {job['name']}, a job of its own process", flush=True)
+            _afresh(folder, idle)
         record = run_job(folder, job)
+        ran_here = ran_here or not job.get("own_process")
         (folder / f"{job['name']}.rc").write_text(json.dumps(record) + "\n")
         running.unlink()
         print(json.dumps(record), flush=True)
         last = time.monotonic()
         if record.get("worker_restarted"):
-            sys.stderr.flush()
-            os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), "serve", str(folder), "--idle",
-                                      str(idle)])
+            _afresh(folder, idle)
     (folder / "worker.pid").unlink(missing_ok=True)
 
 

@@ -53,6 +53,7 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
                            ("exits", "exit"), ("holds", "hold"), ("checks", "check")]:
             _worker("submit", queue, name, script, "--", mode, "--flag", 1)
         _worker("submit", "--own-process", "--env", "DEVICE_WORKER_TEST=set", queue, "alone", script, "exit")
+        _worker("submit", queue, "after", script, "ok")
         refused = _worker("submit", queue, "first", script, check=False)
         assert refused.returncode != 0 and "already submitted" in refused.stderr
         waited = _worker("wait", queue, "--seconds", 240)
@@ -61,7 +62,7 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
         statuses = {name: record["rc"] for name, record in records.items()}
         # os._exit ends the job with its status, not the worker: the jobs after it ran in the same process
         assert statuses == {"first": 0, "hard": 7, "second": 0, "fails": 1, "exits": 5, "holds": 0, "checks": 0,
-                            "alone": 5}
+                            "alone": 5, "after": 0}
         assert "held alive False" in (queue / "checks.log").read_text()  # nothing of a finished job stays alive
         logs = {name: (queue / f"{name}.log").read_text() for name in records}
         assert "run 1 " in logs["first"]  # each later job saw the earlier ones' state
@@ -73,6 +74,9 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
         assert records["fails"].get("worker_restarted") and not records["exits"].get("worker_restarted")
         assert pids["alone"] != pids["first"] and "run 1 " in logs["alone"]  # a process of its own
         assert "env set" in logs["alone"] and "env unset" in logs["first"]
+        # before a job of its own process, a worker that ran jobs itself starts afresh (the GPU memory it holds goes)
+        assert "run 1 " in logs["after"] and pids["after"] == pids["first"]
+        assert "starts afresh before alone" in (queue / "worker.log").read_text()
         assert "args ok --flag 1" in logs["first"] and f"cwd {tmp_path}" in logs["first"]
         assert all("written to file descriptor 2" in log for log in logs.values())
         assert "RuntimeError: the job failed" in logs["fails"]
