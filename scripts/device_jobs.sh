@@ -17,14 +17,15 @@ probe=benchmarks/plan_memory_probe.py
 trainer=benchmarks/multi_gpu_tree_grpo.py
 same=(--no-history --kernels fused --keep-attention on)
 if [ "${mem:-0}" -gt 100000 ]; then  # an H200: the headline settings
-  nemotron=131072 ling3=65536 kimi=0 swe005=() distinct=1
-else  # an H100
-  nemotron=65536 ling3=32768 kimi=49152 swe005=(--tree-token-budget 32768) distinct=0
+  nemotron=131072 ling3=65536 kimi=0 swe005=() distinct=1 ling3_packed=1
+else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked at 63.2 GiB, 2026-12-05; the longest
+  # has 72,913)
+  nemotron=65536 ling3=32768 kimi=49152 swe005=(--tree-token-budget 32768) distinct=0 ling3_packed=0
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
   job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --repeats 1 --profile tree --out $J/nemotron_tau_profile
+    --repeats 1 --profile tree packed --out $J/nemotron_tau_profile
   job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
     --trainer tree "${swe005[@]}" --out $J/tree_swe005
   [ "$distinct" = 1 ] && job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
@@ -37,7 +38,7 @@ if [ ! -f "$JOBS/.queued" ]; then
     --repeats 2 --out $J/ling3_swe_tree
   job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi "${same[@]}" \
     --repeats 2 --packed-groups $kimi --packed-warmup first --out $J/kimi_tau
-  job_tf524 ling3_swe_packed $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 "${same[@]}" \
+  [ "$ling3_packed" = 1 ] && job_tf524 ling3_swe_packed $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 "${same[@]}" \
     --repeats 1 --no-tree --packed-groups $ling3 --packed-warmup first --out $J/ling3_swe_packed
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
