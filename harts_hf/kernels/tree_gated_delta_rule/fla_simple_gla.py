@@ -1,8 +1,12 @@
 """The ``"fla"`` backend without the delta rule (gated linear attention: Mamba-2's scan, CUDA only), on the plan's
 own chunk grid (fla's ``chunk_size``: Mamba-2's 128 where the mixer says so).
 
-Keys and queries are repeated to the value heads (fla's state kernels take one key head per value head) and ``beta``
-scales the values (``S = exp(g) S + k (beta v)^T``). The plan must be built with ``final_states_only=True``, as for
+``beta`` scales the values (``S = exp(g) S + k (beta v)^T``). Keys and queries keep their head groups (Mamba-2's
+``n_groups``) where fla's stages take them (the output, ``dq / dk / dg`` and ``dv`` stages read head ``h // (HV // H)``
+and sum ``dq / dk`` over each group themselves); only fla's state kernels take one key head per value head, so only
+their inputs (keys in the state pass, queries in the state-gradient pass) are repeated, at the executed size. On an
+H100, repeating and gathering both at the 64 value heads of the Nemotron-H-shaped preset took about 0.29 of its 3.72 s
+of full-size ``tau`` (2026-12-05). The plan must be built with ``final_states_only=True``, as for
 :mod:`.fla_backend` and :mod:`.fla_kda`.
 
 With :data:`BATCH_ROUNDS` (the default), :class:`_TreeSimpleGlaBatched` is one autograd node for all rounds: only the
@@ -36,12 +40,11 @@ def tree_simple_gla_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float,
     """Same contract as :func:`~.ops.tree_gated_delta_rule` with ``delta=False`` and ``g [U + R, HV]`` (rows: packed,
     then the plan's context rows; ``initial_state``: the state under :data:`CONTEXT_STATE`)."""
     fla_backend._check(q, plan)
-    HV = v.shape[1]
-    q, k = (x.repeat_interleave(HV // k.shape[1], dim=1) for x in (q, k))
     v = v * beta.unsqueeze(-1).to(v.dtype)
     if BATCH_ROUNDS:
         result = _TreeSimpleGlaBatched.apply(q, k, v, g, initial_state, plan, scale)
         return fla_backend.node_result(result, plan, output_requested_states)
+    q, k = (_per_value_head(x, v.shape[1] // k.shape[1], dim=1) for x in (q, k))  # fla's public function wants them
     chunk_simple_gla = import_fla_op("fla.ops.simple_gla", "chunk_simple_gla", "gated linear attention (Mamba-2)")
 
     def call(round_, inputs, initial):
@@ -67,6 +70,11 @@ def _stages() -> dict:
                           "set fla_simple_gla.BATCH_ROUNDS = False") from error
     return dict(cdiv=triton.cdiv, fwd_h=chunk_fwd_kernel_h, bwd_dh=chunk_bwd_kernel_dh, fwd_o=chunk_fwd_o,
                 bwd_dqkwg=chunk_bwd_dqkwg, bwd_dv=chunk_bwd_dv, cumsum=chunk_local_cumsum, rcp_ln2=RCP_LN2)
+
+
+def _per_value_head(x: torch.Tensor, groups: int, dim: int = 2) -> torch.Tensor:
+    """Query or key heads repeated to one per value head (``groups`` value heads per key head, consecutive)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=dim)
 
 
 _NO_GATES = dict(g_gamma=None, gk=None, gv=None)
@@ -110,8 +118,8 @@ def _state_gradient_pass(st, batch, chunk_size: int, q, g, do, d_bank, scale: fl
 
 
 class _TreeSimpleGlaBatched(torch.autograd.Function):
-    """All rounds of the plan as one autograd node; fp32 states stay inside it. Rows of ``q, k [rows, HV, K]``,
-    ``v [rows, HV, V]`` (beta applied), ``g [rows, HV]``: the ``U`` packed tokens, then the plan's context rows.
+    """All rounds of the plan as one autograd node; fp32 states stay inside it. Rows of ``q, k [rows, H, K]`` (H
+    divides HV), ``v [rows, HV, V]`` (beta applied), ``g [rows, HV]``: the ``U`` packed tokens, then the plan's context rows.
     Returns ``o [U, HV, V]`` and the plan's requested states stacked ``[R, HV, K, V]`` (zeros where a request is
     None). The backward recomputes the chunk states in fp32 (as fla's own backward does), the hand-offs included."""
 
@@ -124,7 +132,8 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
         qe, ke, ve = (x[batch.token_index].unsqueeze(0) for x in (q, k, v))
         g_cumsum = st["cumsum"](g[batch.token_index].float().unsqueeze(0), scale=st["rcp_ln2"], **grid)
         bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
-        h = _state_pass(st, batch, plan.chunk_size, ke, ve, g_cumsum, bank, k.dtype)
+        h = _state_pass(st, batch, plan.chunk_size, _per_value_head(ke, HV // k.shape[1]), ve, g_cumsum, bank,
+                        k.dtype)
         o = st["fwd_o"](q=qe, k=ke, v=ve, g=g_cumsum, g_gamma=None, h=h, scale=scale, **grid)
         ctx.save_for_backward(q, k, v, g_cumsum, *(() if initial_state is None else (initial_state,)))
         ctx.plan, ctx.scale, ctx.g_dtype = plan, scale, g.dtype
@@ -141,11 +150,13 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
         K = k.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
         qe, ke, ve = (x[batch.token_index].unsqueeze(0) for x in (q, k, v))
+        groups = HV // k.shape[1]
         bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)
-        h = _state_pass(st, batch, plan.chunk_size, ke, ve, g_cumsum, bank, torch.float32)
+        h = _state_pass(st, batch, plan.chunk_size, _per_value_head(ke, groups), ve, g_cumsum, bank, torch.float32)
         do = batch.executed_grad(d_out)
         d_bank = batch.bank_grad(bank, d_requested)
-        dh = _state_gradient_pass(st, batch, plan.chunk_size, qe, g_cumsum, do, d_bank, scale, V)
+        dh = _state_gradient_pass(st, batch, plan.chunk_size, _per_value_head(qe, groups), g_cumsum, do, d_bank, scale,
+                                  V)
         dq, dk, _, dg = st["bwd_dqkwg"](q=qe, k=ke, v=ve, g=g_cumsum, g_gamma=None, h=h, do=do, dh=dh, scale=scale,
                                         **grid)
         dv = st["bwd_dv"](q=qe, k=ke, g=g_cumsum, g_gamma=None, do=do, dh=dh, scale=scale, **grid)
