@@ -723,6 +723,12 @@ def token_ops_step(results: dict, rows: int = 97_199) -> None:
                         1 + cuda(128) * 0.1]),
         "swiglu": (token_ops.swiglu, lambda g, u: torch.nn.functional.silu(g) * u,
                    [cuda(rows, 6144, dtype=torch.bfloat16), cuda(rows, 6144, dtype=torch.bfloat16)]),
+        # Nemotron-H's MLP activation at its preset's width; the reference squares in bf16 (no autocast here)
+        "relu_squared": (token_ops.relu_squared, lambda x: torch.relu(x).square(),
+                         [cuda(rows, 8192, dtype=torch.bfloat16)]),
+        # Nemotron-H's decoder norm: the weight applied in fp32, the result in the input's dtype
+        "decoder_norm_fp32_weight": (lambda x, w: token_ops.rms_norm(x, w, 1e-6, offset=False, fp32_weight=True),
+                                     lambda x, w: rms(x, w, offset=False), [cuda(rows, 2048), 1 + cuda(2048) * 0.1]),
         "lm_head": (lambda h, w: torch.cat(_head_logprobs(chunked_logprobs, w, h)), head_truth,
                     [cuda(head_rows, 2048), cuda(151_936, 2048) * 2048 ** -0.5]),
     }
@@ -732,7 +738,7 @@ def token_ops_step(results: dict, rows: int = 97_199) -> None:
         row = token.setdefault(name, {})
         outputs = {}
         # fused: fla's kernels (fla's RMSNorm); harts_norm: the norms on harts_hf's own RMSNorm kernel (the default)
-        fused = ["fused"] + (["harts_norm"] if name in ("decoder_norm", "qk_norm") else [])
+        fused = ["fused"] + (["harts_norm"] if name in ("decoder_norm", "qk_norm", "decoder_norm_fp32_weight") else [])
         for kernels in ["reference", *fused, "fp64"]:
             use_kernels({"fused": "fused_fla_norm", "harts_norm": "fused_norm"}.get(kernels, "reference"))
             args = [x.detach().double().requires_grad_() for x in leaves] if kernels == "fp64" else leaves

@@ -478,9 +478,10 @@ def check_model_backends(family: str, label: str) -> float:
 
 
 def check_token_ops() -> float:
-    """The fused per-token kernels (fla's RMSNorm, gated RMSNorm and SwiGLU; harts_hf's log-prob / entropy kernels)
-    inside a tiny patched Qwen3-Next and a Llama against the references: log-probs, entropies and every parameter
-    gradient, the Gated DeltaNet node on the torch backend in both runs."""
+    """The fused per-token kernels (fla's RMSNorm, gated RMSNorm and SwiGLU; harts_hf's RMSNorm, squared ReLU and
+    log-prob / entropy kernels) inside a tiny patched Qwen3-Next, Llama and Nemotron-H against the references:
+    log-probs, entropies and every parameter gradient, the Gated DeltaNet / Mamba-2 node on the torch backend in both
+    runs."""
     import torch
 
     from harts_hf import tree_logprobs
@@ -490,7 +491,7 @@ def check_token_ops() -> float:
     from tests.models import VOCAB, build
 
     worst_all = 0.0
-    for family in ("qwen3_next", "llama"):
+    for family in ("qwen3_next", "llama", "nemotron_h"):
         model = build(family)
         sequences = chunk_edge_sequences(vocab=VOCAB)
         names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
@@ -519,7 +520,7 @@ def check_token_ops() -> float:
                   flush=True)
             assert values < 1e-5 and entropies < 1e-5 and grads[worst] < 1e-4, (family, label, values, worst)
             worst_all = max(worst_all, values, entropies)
-    worst_all = max(worst_all, check_norm_kernel())
+    worst_all = max(worst_all, check_norm_kernel(), check_relu_squared_kernel())
     # whether each label is its row's argmax, over two vocabulary blocks: planted argmaxes, ties before the label
     # (not the first maximum: False, as torch.argmax) and after it (True)
     generator = torch.Generator().manual_seed(0)
@@ -548,25 +549,62 @@ def check_norm_kernel() -> float:
 
     worst = 0.0
     generator = torch.Generator().manual_seed(0)
-    for offset in (True, False):
+    for offset, fp32_weight in ((True, True), (False, False), (False, True)):
         for D, N in ((64, 1), (48, 37), (256, 300), (2048, 5)):
             x = torch.randn(N, D, generator=generator, dtype=torch.float64)
             w = 0.5 * torch.randn(D, generator=generator, dtype=torch.float64)
             g = torch.randn(N, D, generator=generator, dtype=torch.float64)
-            expected = rms_norm_reference(x.requires_grad_(), w.requires_grad_(), 1e-6, offset=offset)
+            expected = rms_norm_reference(x.requires_grad_(), w.requires_grad_(), 1e-6, offset=offset,
+                                          fp32_weight=fp32_weight)
             want = (expected.detach(), *torch.autograd.grad(expected, (x, w), g))
             x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
             default, token_ops.NORM_KERNEL = token_ops.NORM_KERNEL, "harts"
             try:
-                y = token_ops.rms_norm(x32, w32, 1e-6, offset=offset, backend="fla")
+                y = token_ops.rms_norm(x32, w32, 1e-6, offset=offset, fp32_weight=fp32_weight, backend="fla")
             finally:
                 token_ops.NORM_KERNEL = default
             got = (y.detach(), *torch.autograd.grad(y, (x32, w32), g.float()))
             errors = [rel(a.double(), b) for a, b in zip(got, want)]
-            assert y.dtype == torch.float32 and max(errors) < 1e-5, (offset, D, N, errors)
+            assert y.dtype == torch.float32 and max(errors) < 1e-5, (offset, fp32_weight, D, N, errors)
             worst = max(worst, *errors)
-    print(f"harts_hf's Triton RMSNorm vs fp64 reference (offset and plain weights, widths 48-2048, 1-300 rows): "
-          f"worst output / gradient error {worst:.1e}")
+    print(f"harts_hf's Triton RMSNorm vs fp64 reference (offset, plain and fp32-applied weights, widths 48-2048, "
+          f"1-300 rows): worst output / gradient error {worst:.1e}")
+    return worst
+
+
+def check_relu_squared_kernel() -> float:
+    """harts_hf's Triton squared ReLU against the fp64 reference: output and input gradient in fp32 (sizes below,
+    at and past one program's block, zeros and negatives included), and in bf16 within one bf16 step of the
+    reference computed in fp32 (Triton's interpreter rounds fp32 to bf16 toward zero, the GPU to nearest; on the GPU
+    ``benchmarks/gpu_kernels.py --ops token`` compares the rounded values)."""
+    import torch
+
+    from harts_hf.kernels.token_ops import ops as token_ops
+    from harts_hf.kernels.token_ops import relu_squared_reference
+
+    worst = 0.0
+    generator = torch.Generator().manual_seed(0)
+    for shape in ((1,), (3, 5), (2, 4096), (3, 4097)):
+        x = torch.randn(shape, generator=generator, dtype=torch.float64)
+        x.view(-1)[: x.numel() // 4] = 0.0
+        g = torch.randn(shape, generator=generator, dtype=torch.float64)
+        expected = relu_squared_reference(x.requires_grad_())
+        want = (expected.detach(), torch.autograd.grad(expected, x, g)[0])
+        x32 = x.detach().float().requires_grad_()
+        y = token_ops.relu_squared(x32, backend="fla")
+        got = (y.detach(), torch.autograd.grad(y, x32, g.float())[0])
+        errors = [rel(a.double(), b) for a, b in zip(got, want)]
+        assert y.dtype == torch.float32 and max(errors) < 1e-6, (shape, errors)
+        worst = max(worst, *errors)
+        xb, gb = x.detach().bfloat16().requires_grad_(), g.bfloat16()
+        yb = token_ops.relu_squared(xb, backend="fla")
+        (dxb,) = torch.autograd.grad(yb, xb, gb)
+        for got_b, want_f in ((yb, relu_squared_reference(xb.detach().float())),
+                              (dxb, 2 * torch.relu(xb.detach().float()) * gb.float())):
+            assert got_b.dtype == torch.bfloat16 and bool(
+                ((got_b.float() - want_f).abs() <= want_f.abs() * 2 ** -7).all()), shape
+    print(f"harts_hf's Triton squared ReLU vs fp64 reference (1-12,291 elements): worst output / gradient error "
+          f"{worst:.1e}; bf16 within one bf16 step of the fp32 reference")
     return worst
 
 

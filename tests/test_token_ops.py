@@ -15,25 +15,29 @@ from harts_hf.model_patches import apply_tree_patches
 from harts_hf.model_patches.token_modules import token_module_forwards
 from tests.models import build
 
+OFFSET, PLAIN, FP32_WEIGHT = (True, True), (False, False), (False, True)  # (offset, fp32_weight) of the norms
 EXPECTED = {
-    "qwen3_next": {"Qwen3NextRMSNorm": (13, True), "Qwen3NextMLP": (4, None), "Qwen3NextRMSNormGated": (2, None)},
-    "qwen3_5": {"Qwen3_5RMSNorm": (13, True), "Qwen3_5MLP": (4, None), "Qwen3_5RMSNormGated": (2, None)},
-    "llama": {"LlamaRMSNorm": (5, False), "LlamaMLP": (2, None)},
-    "qwen3": {"Qwen3RMSNorm": (9, False), "Qwen3MLP": (2, None)},
+    "qwen3_next": {"Qwen3NextRMSNorm": (13, OFFSET), "Qwen3NextMLP": (4, None), "Qwen3NextRMSNormGated": (2, None)},
+    "qwen3_5": {"Qwen3_5RMSNorm": (13, OFFSET), "Qwen3_5MLP": (4, None), "Qwen3_5RMSNormGated": (2, None)},
+    "llama": {"LlamaRMSNorm": (5, PLAIN), "LlamaMLP": (2, None)},
+    "qwen3": {"Qwen3RMSNorm": (9, PLAIN), "Qwen3MLP": (2, None)},
+    # the squared-ReLU MLPs; the Mamba mixer's grouped gated norm (normalised per group) keeps its code
+    "nemotron_h": {"NemotronHRMSNorm": (6, FP32_WEIGHT), "NemotronHMLP": (2, None)},
 }
 
 
 @pytest.mark.parametrize("family", sorted(EXPECTED))
 def test_recognised_modules(family):
-    """Every RMSNorm (offset weight for Qwen3-Next / Qwen3.5, plain for Llama / Qwen3), gated norm and SwiGLU MLP
-    is found, each with the variant its own forward computes."""
+    """Every RMSNorm (offset weight for Qwen3-Next / Qwen3.5, plain for Llama / Qwen3, the weight applied in fp32
+    for Nemotron-H), gated norm, SwiGLU MLP and squared-ReLU MLP is found, each with the variant its own forward
+    computes."""
     model = build(family)
     found = list(token_module_forwards(model))
     assert Counter(type(m).__name__ for m, _ in found) == {name: n for name, (n, _) in EXPECTED[family].items()}
     for module, attributes in found:
-        offset = EXPECTED[family][type(module).__name__][1]
-        if offset is not None:
-            assert attributes["forward"].handler.args == (offset,)
+        variant = EXPECTED[family][type(module).__name__][1]
+        if variant is not None:
+            assert attributes["forward"].handler.args == variant
 
 
 class CenteredRMSNorm(torch.nn.Module):  # named like an RMSNorm, computes a LayerNorm
@@ -65,8 +69,29 @@ class ScaledMLP(GeluMLP):  # SiLU, but the forward computes something else
         return 2 * super().forward(x)
 
 
+class ReluMLP(torch.nn.Module):  # the squared-ReLU layout with a plain ReLU
+    def __init__(self, dim, act_fn=None):
+        super().__init__()
+        self.up_proj, self.down_proj = torch.nn.Linear(dim, 8), torch.nn.Linear(8, dim)
+        self.act_fn = act_fn or torch.nn.ReLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)))
+
+
+class GatedReluSquaredMLP(ReluMLP):  # relu(x) ** 2, but gated: not the squared-ReLU MLP
+    def __init__(self, dim):
+        from transformers.activations import ReLUSquaredActivation
+
+        super().__init__(dim, ReLUSquaredActivation())
+        self.gate_proj = torch.nn.Linear(dim, 8)
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+
 def test_modules_computing_something_else_keep_their_code():
-    model = torch.nn.Sequential(CenteredRMSNorm(16), GeluMLP(16), ScaledMLP(16))
+    model = torch.nn.Sequential(CenteredRMSNorm(16), GeluMLP(16), ScaledMLP(16), ReluMLP(16), GatedReluSquaredMLP(16))
     assert list(token_module_forwards(model)) == []
 
 
@@ -82,18 +107,40 @@ def test_cpu_calls_run_the_original_forward_and_revert_restores_it():
     assert "forward" not in vars(norm) and "forward" not in vars(mlp)
 
 
-@pytest.mark.parametrize("family,norm_path,offset", [("qwen3_next", "input_layernorm", True),
-                                                      ("llama", "input_layernorm", False)])
+@pytest.mark.parametrize("family,norm_path,variant", [("qwen3_next", "input_layernorm", OFFSET),
+                                                       ("llama", "input_layernorm", PLAIN),
+                                                       ("nemotron_h", "norm", FP32_WEIGHT)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norm_references_are_transformers_formulas(family, norm_path, offset, dtype):
+def test_norm_references_are_transformers_formulas(family, norm_path, variant, dtype):
     """The references the probe matches reproduce transformers' modules bit for bit, dtype included."""
     norm = getattr(build(family).model.layers[0], norm_path)
     with torch.no_grad():
         norm.weight.normal_()
         x = torch.randn(7, 32).to(dtype)
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-        got, expected = rms_norm_reference(x, norm.weight, eps, offset=offset), norm(x)
+        got = rms_norm_reference(x, norm.weight, eps, offset=variant[0], fp32_weight=variant[1])
+        expected = norm(x)
     assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu_squared_reference_and_mlp_are_transformers(dtype):
+    """The squared ReLU's reference is transformers' activation bit for bit, and the patched Nemotron-H MLP on the
+    CPU runs transformers' forward (the kernels run under Triton's interpreter in scripts/check_fla_nodes_on_cpu.py)."""
+    from harts_hf.kernels.token_ops import relu_squared, relu_squared_reference
+
+    model = build("nemotron_h")
+    mlp = next(m for m in model.modules() if type(m).__name__ == "NemotronHMLP")
+    x = torch.randn(5, 32).to(dtype)
+    assert torch.equal(relu_squared_reference(x), mlp.act_fn(x))
+    assert torch.equal(relu_squared(x), mlp.act_fn(x))  # CPU: the reference
+    x = torch.randn(1, 5, 32)
+    expected = mlp(x)
+    handle = apply_tree_patches(model)
+    try:
+        assert "forward" in vars(mlp) and torch.equal(mlp(x), expected)
+    finally:
+        handle.revert()
 
 
 def test_gated_norm_reference_is_transformers_formula():

@@ -1,9 +1,10 @@
 """Per-token modules of a patched model on fused CUDA kernels (:mod:`harts_hf.kernels.token_ops`).
 
-RMSNorms, gated RMSNorms and SwiGLU MLPs are recognised by what they compute, not by their class alone: at patch
-time each candidate (class name ending in ``RMSNorm`` / ``RMSNormGated``; a module with ``gate_proj``,
-``up_proj``, ``down_proj`` and an ``act_fn`` that computes SiLU) runs its own forward once on a small random input, and it is
-fused only if a reference formula reproduces that output and its dtype. Anything else keeps transformers' code,
+RMSNorms, gated RMSNorms, SwiGLU MLPs and squared-ReLU MLPs are recognised by what they compute, not by their class
+alone: at patch time each candidate (class name ending in ``RMSNorm`` / ``RMSNormGated``; a module with ``gate_proj``,
+``up_proj``, ``down_proj`` and an ``act_fn`` that computes SiLU; one with ``up_proj``, ``down_proj``, no ``gate_proj``
+and an ``act_fn`` that computes ``relu(x) ** 2``, Nemotron-H's) runs its own forward once on a small random input, and
+it is fused only if a reference formula reproduces that output and its dtype. Anything else keeps transformers' code,
 which is exact on trees too (it acts on each token alone). CPU inputs, and CUDA inputs with
 ``token_ops.BACKEND = "torch"``, always run the original forward. Under DeepSpeed ZeRO-3 the weights are
 partitioned at patch time, so nothing is fused there.
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import token_ops
-from ..kernels.token_ops import gated_rms_norm_reference, rms_norm_reference
+from ..kernels.token_ops import gated_rms_norm_reference, relu_squared_reference, rms_norm_reference
 from .core import PatchedForward, autocast_copies
 
 __all__ = ["token_module_forwards"]
@@ -44,12 +45,14 @@ def _handler_for(module: torch.nn.Module):
     class_name = type(module).__name__
     try:
         if class_name.endswith("RMSNorm"):
-            offset = _norm_variant(module)
-            return None if offset is None else functools.partial(_norm_call, offset)
+            variant = _norm_variant(module)
+            return None if variant is None else functools.partial(_norm_call, *variant)
         if class_name.endswith("RMSNormGated"):
             return _gated_norm_call if _is_gated_norm(module) else None
         if _is_swiglu_mlp(module):
             return _mlp_call
+        if _is_relu_squared_mlp(module):
+            return _relu_squared_mlp_call
     except Exception as error:  # noqa: BLE001 - a module the probe cannot run (sharded, meta) stays as it is
         logger.debug("harts_hf: %s not fused (%s)", class_name, error)
     return None
@@ -79,8 +82,14 @@ def _matches(got: torch.Tensor, expected: torch.Tensor) -> bool:
         got.float(), expected.float(), rtol=1e-5, atol=1e-6)
 
 
-def _norm_variant(module) -> bool | None:
-    """``True`` (offset weight), ``False`` (plain weight) or ``None`` (not a fusable RMSNorm)."""
+_NORM_VARIANTS = ((True, True), (False, False), (False, True))
+"""``(offset, fp32_weight)`` of :func:`~harts_hf.kernels.token_ops.rms_norm_reference`: Qwen3-Next's ``1 + w``,
+Llama's ``w * x_hat.to(x.dtype)``, Nemotron-H's ``(w * x_hat).to(x.dtype)`` in fp32."""
+
+
+def _norm_variant(module) -> tuple[bool, bool] | None:
+    """``(offset, fp32_weight)`` of the formula the module's forward computes, or ``None`` (not a fusable
+    RMSNorm). Probed in fp32 and bf16, where the variants round differently."""
     weight = _norm_weight(module)
     if weight is None:
         return None
@@ -89,9 +98,10 @@ def _norm_variant(module) -> bool | None:
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         for x in (_probe_input(weight), _probe_input(weight).to(torch.bfloat16)):
             got = module.forward(x)
-            variants.add(next((o for o in (True, False)
-                               if _matches(got, rms_norm_reference(x, weight, eps, offset=o))), None))
-    return variants.pop() if len(variants) == 1 else None
+            variants.add(frozenset(v for v in _NORM_VARIANTS if _matches(
+                got, rms_norm_reference(x, weight, eps, offset=v[0], fp32_weight=v[1]))))
+    common = frozenset.intersection(*variants)  # the variants that reproduce both probes
+    return next((v for v in _NORM_VARIANTS if v in common), None)
 
 
 def _is_gated_norm(module) -> bool:
@@ -118,14 +128,30 @@ def _is_swiglu_mlp(module) -> bool:
         return _matches(act_fn(x), F.silu(x)) and _matches(module.forward(x), down(F.silu(gate(x)) * up(x)))
 
 
+def _is_relu_squared_mlp(module) -> bool:
+    up, down = (getattr(module, name, None) for name in ("up_proj", "down_proj"))
+    act_fn = getattr(module, "act_fn", None)
+    if hasattr(module, "gate_proj") or not all(isinstance(part, torch.nn.Module) for part in (up, down)) or \
+            not callable(act_fn):
+        return False
+    weight = getattr(up, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0 or weight.is_meta:
+        return False
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+        x = _probe_input(weight).to(weight.dtype)
+        return _matches(act_fn(x), relu_squared_reference(x)) and _matches(
+            module.forward(x), down(relu_squared_reference(up(x))))
+
+
 def _one_tensor(args, kwargs) -> bool:
     return len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
 
 
-def _norm_call(offset: bool, module, original, *args, **kwargs):
+def _norm_call(offset: bool, fp32_weight: bool, module, original, *args, **kwargs):
     if not _one_tensor(args, kwargs) or token_ops.token_ops_backend(args[0]) == "torch":
         return original(*args, **kwargs)
-    return token_ops.rms_norm(args[0], module.weight, _eps(module), offset=offset, backend="fla")
+    return token_ops.rms_norm(args[0], module.weight, _eps(module), offset=offset, fp32_weight=fp32_weight,
+                              backend="fla")
 
 
 def _gated_norm_call(module, original, *args, **kwargs):
@@ -140,3 +166,9 @@ def _mlp_call(module, original, *args, **kwargs):
     x = args[0]
     x_gate, x_up = autocast_copies(x, 2, through=(module.gate_proj, module.up_proj))  # SHARED_CASTS: one cast
     return module.down_proj(token_ops.swiglu(module.gate_proj(x_gate), module.up_proj(x_up), backend="fla"))
+
+
+def _relu_squared_mlp_call(module, original, *args, **kwargs):
+    if not _one_tensor(args, kwargs) or token_ops.token_ops_backend(args[0]) == "torch":
+        return original(*args, **kwargs)
+    return module.down_proj(token_ops.relu_squared(module.up_proj(args[0]), backend="fla"))

@@ -1,5 +1,5 @@
-"""Triton RMSNorm of :mod:`.ops` (``NORM_KERNEL = "harts"``; imported only when a CUDA run, or Triton's interpreter,
-takes it).
+"""Triton RMSNorm and squared ReLU of :mod:`.ops` (RMSNorm: ``NORM_KERNEL = "harts"``; imported only when a CUDA run,
+or Triton's interpreter, takes them).
 
 Why a kernel of our own where fla has one: fla's RMSNorm backward makes its rows per program a compile-time
 constant, and for widths <= 512 its forward and backward autotune per ``ceil(rows / 2048)``, so every new forest
@@ -54,3 +54,18 @@ def rms_norm_bwd_kernel(x, w, rstd, dy, dx, dw_partial, T, D, programs, OFFSET: 
         tl.store(dx + offsets, ((gw - x_hat * mean[:, None]) * r[:, None]).to(dx.dtype.element_ty), mask=inside)
         dw += tl.sum(g * x_hat, 0)
     tl.store(dw_partial + program * D + columns, dw, mask=columns < D)
+
+
+@triton.jit(do_not_specialize=["N"])
+def relu_squared_fwd_kernel(x, y, N, B: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    r = tl.maximum(tl.load(x + offsets, mask=offsets < N, other=0.0).to(tl.float32), 0.0)
+    tl.store(y + offsets, (r * r).to(y.dtype.element_ty), mask=offsets < N)
+
+
+@triton.jit(do_not_specialize=["N"])
+def relu_squared_bwd_kernel(x, dy, dx, N, B: tl.constexpr):
+    offsets = tl.program_id(0).to(tl.int64) * B + tl.arange(0, B)
+    r = tl.maximum(tl.load(x + offsets, mask=offsets < N, other=0.0).to(tl.float32), 0.0)
+    g = tl.load(dy + offsets, mask=offsets < N, other=0.0).to(tl.float32)
+    tl.store(dx + offsets, (2.0 * r * g).to(dx.dtype.element_ty), mask=offsets < N)

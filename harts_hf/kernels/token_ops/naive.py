@@ -1,4 +1,4 @@
-"""References: RMSNorm in its two transformers spellings, the gated RMSNorm, and SwiGLU."""
+"""References: RMSNorm in its three transformers spellings, the gated RMSNorm, SwiGLU and the squared ReLU."""
 
 from __future__ import annotations
 
@@ -6,13 +6,18 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool) -> torch.Tensor:
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *, offset: bool,
+                       fp32_weight: bool | None = None) -> torch.Tensor:
     """RMSNorm over the last dim, computed in fp32. ``offset=True``: ``x_hat * (1 + weight)`` returned in ``x``'s
     dtype (Qwen3-Next, Qwen3.5, Gemma); ``offset=False``: ``weight * x_hat.to(x.dtype)`` (Llama, Qwen2/3: the
-    result in the promoted dtype of ``weight`` and ``x``)."""
+    result in the promoted dtype of ``weight`` and ``x``), or with ``fp32_weight=True`` ``weight * x_hat`` in fp32
+    returned in ``x``'s dtype (Nemotron-H, T5). ``fp32_weight`` defaults to ``offset`` (the offset form multiplies
+    in fp32)."""
     x_hat = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     if offset:
         return (x_hat * (1.0 + weight.float())).to(x.dtype)
+    if fp32_weight:
+        return (weight.float() * x_hat).to(x.dtype)
     return weight * x_hat.to(x.dtype)
 
 
@@ -26,3 +31,9 @@ def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in the inputs' dtype."""
     return F.silu(gate) * up
+
+
+def relu_squared_reference(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x) ** 2`` as transformers' ``ReLUSquaredActivation`` computes it (``torch.square`` of ``relu``; under
+    CUDA autocast ``square`` runs in fp32)."""
+    return torch.square(F.relu(x))
