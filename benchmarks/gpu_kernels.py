@@ -723,6 +723,11 @@ def token_ops_step(results: dict, rows: int = 97_199) -> None:
                         1 + cuda(128) * 0.1]),
         "swiglu": (token_ops.swiglu, lambda g, u: torch.nn.functional.silu(g) * u,
                    [cuda(rows, 6144, dtype=torch.bfloat16), cuda(rows, 6144, dtype=torch.bfloat16)]),
+        # Kimi Delta Attention's gated norm (Kimi Linear, Ling 3): all in fp32, a sigmoid gate
+        "kda_gated_norm": (lambda x, z, w: token_ops.gated_rms_norm(x, z, w, 1e-6, activation="sigmoid", fp32=True),
+                           lambda x, z, w: rms(x, w, offset=False) * torch.sigmoid(z),
+                           [cuda(rows * 32, 128, dtype=torch.bfloat16), cuda(rows * 32, 128, dtype=torch.bfloat16),
+                            1 + cuda(128) * 0.1]),
         # Nemotron-H's MLP activation at its preset's width; the reference squares in bf16 (no autocast here)
         "relu_squared": (token_ops.relu_squared, lambda x: torch.relu(x).square(),
                          [cuda(rows, 8192, dtype=torch.bfloat16)]),

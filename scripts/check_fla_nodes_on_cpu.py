@@ -479,9 +479,10 @@ def check_model_backends(family: str, label: str) -> float:
 
 def check_token_ops() -> float:
     """The fused per-token kernels (fla's RMSNorm, gated RMSNorm and SwiGLU; harts_hf's RMSNorm, squared ReLU and
-    log-prob / entropy kernels) inside a tiny patched Qwen3-Next, Llama and Nemotron-H against the references:
-    log-probs, entropies and every parameter gradient, the Gated DeltaNet / Mamba-2 node on the torch backend in both
-    runs."""
+    log-prob / entropy kernels) inside a tiny patched Qwen3-Next, Llama, Nemotron-H and Kimi Linear against the
+    references:
+    log-probs, entropies and every parameter gradient, the Gated DeltaNet / Mamba-2 / KDA node on the torch backend
+    in both runs (Kimi Linear: its all-fp32 sigmoid-gated norm, on fla's gated-norm kernel)."""
     import torch
 
     from harts_hf import tree_logprobs
@@ -491,7 +492,7 @@ def check_token_ops() -> float:
     from tests.models import VOCAB, build
 
     worst_all = 0.0
-    for family in ("qwen3_next", "llama", "nemotron_h"):
+    for family in ("qwen3_next", "llama", "nemotron_h", "kimi_linear"):
         model = build(family)
         sequences = chunk_edge_sequences(vocab=VOCAB)
         names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])

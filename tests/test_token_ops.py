@@ -16,13 +16,20 @@ from harts_hf.model_patches.token_modules import token_module_forwards
 from tests.models import build
 
 OFFSET, PLAIN, FP32_WEIGHT = (True, True), (False, False), (False, True)  # (offset, fp32_weight) of the norms
+QWEN_GATED = ("silu", False)  # (activation, fp32) of the gated norms
 EXPECTED = {
-    "qwen3_next": {"Qwen3NextRMSNorm": (13, OFFSET), "Qwen3NextMLP": (4, None), "Qwen3NextRMSNormGated": (2, None)},
-    "qwen3_5": {"Qwen3_5RMSNorm": (13, OFFSET), "Qwen3_5MLP": (4, None), "Qwen3_5RMSNormGated": (2, None)},
+    "qwen3_next": {"Qwen3NextRMSNorm": (13, OFFSET), "Qwen3NextMLP": (4, None),
+                   "Qwen3NextRMSNormGated": (2, QWEN_GATED)},
+    "qwen3_5": {"Qwen3_5RMSNorm": (13, OFFSET), "Qwen3_5MLP": (4, None), "Qwen3_5RMSNormGated": (2, QWEN_GATED)},
     "llama": {"LlamaRMSNorm": (5, PLAIN), "LlamaMLP": (2, None)},
     "qwen3": {"Qwen3RMSNorm": (9, PLAIN), "Qwen3MLP": (2, None)},
     # the squared-ReLU MLPs; the Mamba mixer's grouped gated norm (normalised per group) keeps its code
     "nemotron_h": {"NemotronHRMSNorm": (6, FP32_WEIGHT), "NemotronHMLP": (2, None)},
+    # Kimi Delta Attention's gated norm: all in fp32, a sigmoid gate
+    "kimi_linear": {"KimiLinearRMSNorm": (11, PLAIN), "KimiLinearMLP": (4, None),
+                    "KimiLinearRMSNormGated": (2, ("sigmoid", True))},
+    "bailing_hybrid": {"BailingHybridRMSNorm": (13, PLAIN), "BailingHybridMLP": (4, None),
+                       "BailingHybridRMSNormGated": (2, ("sigmoid", True))},
 }
 
 
@@ -143,13 +150,19 @@ def test_relu_squared_reference_and_mlp_are_transformers(dtype):
         handle.revert()
 
 
-def test_gated_norm_reference_is_transformers_formula():
-    gdn = build("qwen3_next").model.layers[0].linear_attn
+@pytest.mark.parametrize("family,variant", [("qwen3_next", QWEN_GATED), ("kimi_linear", ("sigmoid", True)),
+                                            ("bailing_hybrid", ("sigmoid", True))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_norm_reference_is_transformers_formula(family, variant, dtype):
+    """Each gated-norm reference the probe matches reproduces its family's module bit for bit, dtype included."""
+    norm = next(m for m in build(family).modules() if type(m).__name__.endswith("RMSNormGated"))
     with torch.no_grad():
-        gdn.norm.weight.normal_()
-        x, gate = torch.randn(7, 8), torch.randn(7, 8)
-        assert torch.equal(gated_rms_norm_reference(x, gate, gdn.norm.weight, gdn.norm.variance_epsilon),
-                           gdn.norm(x, gate))
+        norm.weight.normal_()
+        x, gate = torch.randn(7, norm.weight.shape[0]).to(dtype), torch.randn(7, norm.weight.shape[0]).to(dtype)
+        got = gated_rms_norm_reference(x, gate, norm.weight, norm.variance_epsilon, activation=variant[0],
+                                       fp32=variant[1])
+        expected = norm(x, gate)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
 def test_norm_kernel_setting_is_checked():

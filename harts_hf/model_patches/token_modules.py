@@ -48,7 +48,8 @@ def _handler_for(module: torch.nn.Module):
             variant = _norm_variant(module)
             return None if variant is None else functools.partial(_norm_call, *variant)
         if class_name.endswith("RMSNormGated"):
-            return _gated_norm_call if _is_gated_norm(module) else None
+            variant = _gated_norm_variant(module)
+            return None if variant is None else functools.partial(_gated_norm_call, *variant)
         if _is_swiglu_mlp(module):
             return _mlp_call
         if _is_relu_squared_mlp(module):
@@ -104,14 +105,27 @@ def _norm_variant(module) -> tuple[bool, bool] | None:
     return next((v for v in _NORM_VARIANTS if v in common), None)
 
 
-def _is_gated_norm(module) -> bool:
+_GATED_NORM_VARIANTS = (("silu", False), ("silu", True), ("sigmoid", True))
+"""``(activation, fp32)`` of :func:`~harts_hf.kernels.token_ops.gated_rms_norm_reference`: Qwen3-Next's gated norm,
+and the all-fp32 form of Kimi Linear / Ling 3 (sigmoid gate) or SiLU."""
+
+
+def _gated_norm_variant(module) -> tuple[str, bool] | None:
+    """``(activation, fp32)`` of the formula the gated norm's forward computes (probed in fp32 and bf16), or
+    ``None`` (a formula harts_hf has no kernel for, such as Mamba-2's grouped norm of the gated input)."""
     weight = _norm_weight(module)
     if weight is None:
-        return False
+        return None
     eps = _eps(module)
+    variants = set()
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-        x, gate = _probe_input(weight), _probe_input(weight, seed=1)
-        return _matches(module.forward(x, gate), gated_rms_norm_reference(x, gate, weight, eps))
+        for dtype in (torch.float32, torch.bfloat16):
+            x, gate = _probe_input(weight).to(dtype), _probe_input(weight, seed=1).to(dtype)
+            got = module.forward(x, gate)
+            variants.add(frozenset(v for v in _GATED_NORM_VARIANTS if _matches(
+                got, gated_rms_norm_reference(x, gate, weight, eps, activation=v[0], fp32=v[1]))))
+    common = frozenset.intersection(*variants)
+    return next((v for v in _GATED_NORM_VARIANTS if v in common), None)
 
 
 def _is_swiglu_mlp(module) -> bool:
@@ -154,10 +168,11 @@ def _norm_call(offset: bool, fp32_weight: bool, module, original, *args, **kwarg
                               backend="fla")
 
 
-def _gated_norm_call(module, original, *args, **kwargs):
+def _gated_norm_call(activation: str, fp32: bool, module, original, *args, **kwargs):
     if len(args) != 2 or kwargs or token_ops.token_ops_backend(args[0]) == "torch":
         return original(*args, **kwargs)
-    return token_ops.gated_rms_norm(args[0], args[1], module.weight, _eps(module), backend="fla")
+    return token_ops.gated_rms_norm(args[0], args[1], module.weight, _eps(module), activation=activation, fp32=fp32,
+                                    backend="fla")
 
 
 def _mlp_call(module, original, *args, **kwargs):

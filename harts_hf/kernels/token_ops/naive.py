@@ -21,11 +21,19 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, *, off
     return weight * x_hat.to(x.dtype)
 
 
-def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+GATE_ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+
+def gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                             activation: str = "silu", fp32: bool = False) -> torch.Tensor:
     """``(weight * x_hat.to(x.dtype)) * silu(gate)`` in fp32, returned in ``x``'s dtype (the gated norm after
-    Gated DeltaNet in Qwen3-Next / Qwen3.5)."""
+    Gated DeltaNet in Qwen3-Next / Qwen3.5); ``fp32=True``: ``(weight * x_hat) * activation(gate)`` all in fp32 and
+    rounded once (the gated norm after Kimi Delta Attention in Kimi Linear and Ling 3, ``activation="sigmoid"``)."""
     x_hat = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-    return ((weight * x_hat.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+    act = GATE_ACTIVATIONS[activation]
+    if fp32:
+        return (weight.float() * x_hat * act(gate.float())).to(x.dtype)
+    return ((weight * x_hat.to(x.dtype)) * act(gate.float())).to(x.dtype)
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -196,15 +196,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
     return _fla()[1](gate, up)
 
 
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *,
-                   backend: str | None = None) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *, activation: str = "silu",
+                   fp32: bool = False, backend: str | None = None) -> torch.Tensor:
     """The gated RMSNorm of :func:`~.naive.gated_rms_norm_reference` (``x``, ``gate`` ``[..., D]``), on fla's
     fused kernel when ``backend`` resolves to ``"fla"``."""
     if token_ops_backend(x, backend) == "torch":
-        return gated_rms_norm_reference(x, gate, weight, eps)
+        return gated_rms_norm_reference(x, gate, weight, eps, activation=activation, fp32=fp32)
     fla_rms_norm_gated = _fla()[2]
     rows, gates = x.reshape(-1, x.shape[-1]), gate.reshape(-1, x.shape[-1])
-    norm = functools.partial(fla_rms_norm_gated, weight=weight, bias=None, activation="swish", eps=eps)
+    norm = functools.partial(fla_rms_norm_gated, weight=weight, bias=None,
+                             activation={"silu": "swish", "sigmoid": "sigmoid"}[activation], eps=eps)
     y = in_row_blocks(norm, rows, gates)  # the gated kernels autotune per ceil(rows / 65536): one block shape
     return y.reshape(x.shape).to(x.dtype)
 
