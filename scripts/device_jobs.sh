@@ -24,6 +24,8 @@ else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked 
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
+  # the fused per-token kernels (squared ReLU, Nemotron-H's norm, KDA's gated norm: new 2026-12-05) against fp64
+  job token_ops benchmarks/gpu_kernels.py --ops token --skip-parity --workloads --out $J/token_ops
   job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
     --repeats 1 --profile tree packed --out $J/nemotron_tau_profile
   job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
