@@ -40,7 +40,8 @@ if [ ! -f "$JOBS/.queued" ]; then
     --repeats 2 --out $J/ling3_swe_tree
   job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi "${same[@]}" \
     --repeats 2 --packed-groups $kimi --packed-warmup first --out $J/kimi_tau
-  [ "$ling3_packed" = 1 ] && job_tf524 ling3_swe_packed $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 "${same[@]}" \
+  [ "$ling3_packed" = 1 ] && job_tf524 ling3_swe_packed $probe --model ling3_shaped --workload swe --scale 1.0 \
+    --budget $ling3 "${same[@]}" \
     --repeats 1 --no-tree --packed-groups $ling3 --packed-warmup first --out $J/ling3_swe_packed
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
