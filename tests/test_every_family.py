@@ -101,18 +101,22 @@ def reference_in_float64(model, sequences):
 def test_runs_exactly_or_is_refused(model_type):
     warnings.simplefilter("ignore")
     model = build_tiny(model_type)
+    try:  # refusal first, so a refused type runs no reference: bigbird_pegasus's fp64 one alone took a process to
+        # 8.5 GB resident, and one of CI's pytest workers to 14 GiB of this machine's 24 (2026-12-05)
+        apply_tree_patches(model).revert()
+    except ValueError as error:  # refused at patch time: the message names the model type or the module
+        assert model.config.model_type not in supported_model_types(), str(error)
+        assert f"model_type {model.config.model_type!r}" in str(error) or "harts_hf cannot run" in str(error), str(error)
+        return
+    except Exception:  # noqa: BLE001 - a tiny model that does not run at all: the reference below skips it, and
+        pass  # a model that runs gets patched again there, where the same error fails the test
     sequences = chunk_edge_sequences(vocab=VOCAB)
     try:
         reference, value_tol, grad_tol = reference_in_float64(model, sequences)
     except Exception as error:
         pytest.skip(f"{model_type}: the tiny model does not run one sequence at a time ({type(error).__name__}: "
                     f"{str(error)[:160]})")
-    try:
-        handle = apply_tree_patches(model)
-    except ValueError as error:  # refused at patch time: the message names the model type or the module
-        assert model.config.model_type not in supported_model_types(), str(error)
-        assert f"model_type {model.config.model_type!r}" in str(error) or "harts_hf cannot run" in str(error), str(error)
-        return
+    handle = apply_tree_patches(model)
     try:
         tree = tree_logprobs(model, sequences).logprobs
         for a, b in zip(tree, reference):
