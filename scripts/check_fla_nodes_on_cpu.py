@@ -521,7 +521,7 @@ def check_token_ops() -> float:
                   flush=True)
             assert values < 1e-5 and entropies < 1e-5 and grads[worst] < 1e-4, (family, label, values, worst)
             worst_all = max(worst_all, values, entropies)
-    worst_all = max(worst_all, check_norm_kernel(), check_relu_squared_kernel())
+    worst_all = max(worst_all, check_norm_kernel(), check_relu_squared_kernel(), check_group_gated_norm_kernel())
     # whether each label is its row's argmax, over two vocabulary blocks: planted argmaxes, ties before the label
     # (not the first maximum: False, as torch.argmax) and after it (True)
     generator = torch.Generator().manual_seed(0)
@@ -570,6 +570,34 @@ def check_norm_kernel() -> float:
             worst = max(worst, *errors)
     print(f"harts_hf's Triton RMSNorm vs fp64 reference (offset, plain and fp32-applied weights, widths 48-2048, "
           f"1-300 rows): worst output / gradient error {worst:.1e}")
+    return worst
+
+
+def check_group_gated_norm_kernel() -> float:
+    """harts_hf's Triton kernels of Mamba-2's grouped gated norm against the fp64 reference: output and the gradients
+    of the input, the gate and the weight, for row counts that do and do not fill a program's rows, 2-8 groups of
+    8-64 channels (fp32)."""
+    import torch
+
+    from harts_hf.kernels.token_ops import group_gated_rms_norm_reference
+    from harts_hf.kernels.token_ops import ops as token_ops
+
+    worst = 0.0
+    generator = torch.Generator().manual_seed(0)
+    for N, G, S in ((1, 2, 16), (37, 2, 16), (5, 8, 64), (300, 4, 8)):
+        x, z, dy = (torch.randn(N, G * S, generator=generator, dtype=torch.float64) for _ in range(3))
+        w = 1 + 0.3 * torch.randn(G * S, generator=generator, dtype=torch.float64)
+        leaves = [t.requires_grad_() for t in (x, z, w)]
+        expected = group_gated_rms_norm_reference(*leaves[:2], leaves[2], 1e-5, S)
+        want = (expected.detach(), *torch.autograd.grad(expected, leaves, dy))
+        leaves32 = [t.detach().float().requires_grad_() for t in leaves]
+        y = token_ops.group_gated_rms_norm(*leaves32[:2], leaves32[2], 1e-5, S, backend="fla")
+        got = (y.detach(), *torch.autograd.grad(y, leaves32, dy.float()))
+        errors = [rel(a.double(), b) for a, b in zip(got, want)]
+        assert y.dtype == torch.float32 and max(errors) < 1e-5, (N, G, S, errors)
+        worst = max(worst, *errors)
+    print(f"harts_hf's Triton grouped gated norm (Mamba-2) vs fp64 reference (1-300 rows, 2-8 groups of 8-64): worst "
+          f"output / gradient error {worst:.1e}")
     return worst
 
 

@@ -23,8 +23,9 @@ EXPECTED = {
     "qwen3_5": {"Qwen3_5RMSNorm": (13, OFFSET), "Qwen3_5MLP": (4, None), "Qwen3_5RMSNormGated": (2, QWEN_GATED)},
     "llama": {"LlamaRMSNorm": (5, PLAIN), "LlamaMLP": (2, None)},
     "qwen3": {"Qwen3RMSNorm": (9, PLAIN), "Qwen3MLP": (2, None)},
-    # the squared-ReLU MLPs; the Mamba mixer's grouped gated norm (normalised per group) keeps its code
-    "nemotron_h": {"NemotronHRMSNorm": (6, FP32_WEIGHT), "NemotronHMLP": (2, None)},
+    # the squared-ReLU MLPs and the Mamba mixer's grouped gated norm (the gated input normalised per group)
+    "nemotron_h": {"NemotronHRMSNorm": (6, FP32_WEIGHT), "NemotronHMLP": (2, None), "NemotronHRMSNormGated": (2, None)},
+    "bamba": {"BambaRMSNorm": (7, PLAIN), "BambaMLP": (3, None), "BambaRMSNormGated": (2, None)},
     # Kimi Delta Attention's gated norm: all in fp32, a sigmoid gate
     "kimi_linear": {"KimiLinearRMSNorm": (11, PLAIN), "KimiLinearMLP": (4, None),
                     "KimiLinearRMSNormGated": (2, ("sigmoid", True))},
@@ -128,6 +129,29 @@ def test_norm_references_are_transformers_formulas(family, norm_path, variant, d
         got = rms_norm_reference(x, norm.weight, eps, offset=variant[0], fp32_weight=variant[1])
         expected = norm(x)
     assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "bamba", "granitemoehybrid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_gated_norm_reference_is_transformers_formula(family, dtype):
+    """Mamba-2's grouped gated norm: the reference reproduces each family's module bit for bit, dtype included, and
+    the patched module's CPU calls run transformers' forward (Falcon-H1's, which rounds elsewhere, is not fused)."""
+    from harts_hf.kernels.token_ops import group_gated_rms_norm, group_gated_rms_norm_reference
+
+    model = build(family)
+    norm = next(m for m in model.modules() if type(m).__name__.endswith("RMSNormGated"))
+    with torch.no_grad():
+        norm.weight.normal_()
+        x, gate = (torch.randn(1, 7, norm.weight.shape[0]).to(dtype) for _ in range(2))
+        expected = norm(x, gate)
+        for got in (group_gated_rms_norm_reference(x, gate, norm.weight, norm.variance_epsilon, norm.group_size),
+                    group_gated_rms_norm(x, gate, norm.weight, norm.variance_epsilon, norm.group_size)):
+            assert got.dtype == expected.dtype and torch.equal(got, expected)
+        handle = apply_tree_patches(model)
+        try:
+            assert "forward" in vars(norm) and torch.equal(norm(x, gate), expected)
+        finally:
+            handle.revert()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,7 +1,7 @@
 """Per-token modules of a patched model on fused CUDA kernels (:mod:`harts_hf.kernels.token_ops`).
 
-RMSNorms, gated RMSNorms, SwiGLU MLPs and squared-ReLU MLPs are recognised by what they compute, not by their class
-alone: at patch time each candidate (class name ending in ``RMSNorm`` / ``RMSNormGated``; a module with ``gate_proj``,
+RMSNorms, gated RMSNorms (Mamba-2's grouped one too), SwiGLU MLPs and squared-ReLU MLPs are recognised by what they
+compute, not by their class alone: at patch time each candidate (class name ending in ``RMSNorm`` / ``RMSNormGated``; a module with ``gate_proj``,
 ``up_proj``, ``down_proj`` and an ``act_fn`` that computes SiLU; one with ``up_proj``, ``down_proj``, no ``gate_proj``
 and an ``act_fn`` that computes ``relu(x) ** 2``, Nemotron-H's) runs its own forward once on a small random input, and
 it is fused only if a reference formula reproduces that output and its dtype. Anything else keeps transformers' code,
@@ -19,7 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import token_ops
-from ..kernels.token_ops import gated_rms_norm_reference, relu_squared_reference, rms_norm_reference
+from ..kernels.token_ops import (
+    gated_rms_norm_reference,
+    group_gated_rms_norm_reference,
+    relu_squared_reference,
+    rms_norm_reference,
+)
 from .core import PatchedForward, autocast_copies
 
 __all__ = ["token_module_forwards"]
@@ -49,7 +54,9 @@ def _handler_for(module: torch.nn.Module):
             return None if variant is None else functools.partial(_norm_call, *variant)
         if class_name.endswith("RMSNormGated"):
             variant = _gated_norm_variant(module)
-            return None if variant is None else functools.partial(_gated_norm_call, *variant)
+            if variant is not None:
+                return functools.partial(_gated_norm_call, *variant)
+            return _group_gated_norm_call if _is_group_gated_norm(module) else None
         if _is_swiglu_mlp(module):
             return _mlp_call
         if _is_relu_squared_mlp(module):
@@ -112,7 +119,7 @@ and the all-fp32 form of Kimi Linear / Ling 3 (sigmoid gate) or SiLU."""
 
 def _gated_norm_variant(module) -> tuple[str, bool] | None:
     """``(activation, fp32)`` of the formula the gated norm's forward computes (probed in fp32 and bf16), or
-    ``None`` (a formula harts_hf has no kernel for, such as Mamba-2's grouped norm of the gated input)."""
+    ``None`` (another formula, such as Mamba-2's grouped norm of the gated input: :func:`_is_group_gated_norm`)."""
     weight = _norm_weight(module)
     if weight is None:
         return None
@@ -126,6 +133,18 @@ def _gated_norm_variant(module) -> tuple[str, bool] | None:
                 got, gated_rms_norm_reference(x, gate, weight, eps, activation=v[0], fp32=v[1]))))
     common = frozenset.intersection(*variants)
     return next((v for v in _GATED_NORM_VARIANTS if v in common), None)
+
+
+def _is_group_gated_norm(module) -> bool:
+    """Mamba-2's gated norm: the gated input normalised per group of ``module.group_size`` channels."""
+    weight, group_size = _norm_weight(module), getattr(module, "group_size", None)
+    if weight is None or not isinstance(group_size, int) or group_size <= 0 or weight.shape[0] % group_size:
+        return False
+    eps = _eps(module)
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+        return all(_matches(module.forward(x, gate), group_gated_rms_norm_reference(x, gate, weight, eps, group_size))
+                   for x, gate in ((_probe_input(weight).to(dtype), _probe_input(weight, seed=1).to(dtype))
+                                   for dtype in (torch.float32, torch.bfloat16)))
 
 
 def _is_swiglu_mlp(module) -> bool:
@@ -181,6 +200,14 @@ def _mlp_call(module, original, *args, **kwargs):
     x = args[0]
     x_gate, x_up = autocast_copies(x, 2, through=(module.gate_proj, module.up_proj))  # SHARED_CASTS: one cast
     return module.down_proj(token_ops.swiglu(module.gate_proj(x_gate), module.up_proj(x_up), backend="fla"))
+
+
+def _group_gated_norm_call(module, original, *args, **kwargs):
+    if len(args) != 2 or kwargs or not isinstance(args[1], torch.Tensor) or \
+            token_ops.token_ops_backend(args[0]) == "torch":
+        return original(*args, **kwargs)
+    return token_ops.group_gated_rms_norm(args[0], args[1], module.weight, _eps(module), module.group_size,
+                                          backend="fla")
 
 
 def _relu_squared_mlp_call(module, original, *args, **kwargs):

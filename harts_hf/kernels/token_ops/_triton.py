@@ -69,3 +69,45 @@ def relu_squared_bwd_kernel(x, dy, dx, N, B: tl.constexpr):
     r = tl.maximum(tl.load(x + offsets, mask=offsets < N, other=0.0).to(tl.float32), 0.0)
     g = tl.load(dy + offsets, mask=offsets < N, other=0.0).to(tl.float32)
     tl.store(dx + offsets, (2.0 * r * g).to(dx.dtype.element_ty), mask=offsets < N)
+
+
+@triton.jit(do_not_specialize=["T"])
+def group_gated_norm_fwd_kernel(x, z, w, y, rstd, T, eps, G: tl.constexpr, S: tl.constexpr, BT: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    columns = tl.arange(0, G * S)
+    offsets = rows[:, None] * (G * S) + columns[None, :]
+    inside = rows[:, None] < T
+    zr = tl.load(z + offsets, mask=inside, other=0.0).to(tl.float32)
+    u = tl.reshape(tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32) * zr * tl.sigmoid(zr), (BT, G, S))
+    r = 1.0 / tl.sqrt(tl.sum(u * u, 2) / S + eps)
+    h = tl.reshape(u * r[:, :, None], (BT, G * S)).to(x.dtype.element_ty).to(tl.float32)
+    wr = tl.load(w + columns).to(tl.float32)
+    tl.store(rstd + rows[:, None] * G + tl.arange(0, G)[None, :], r, mask=rows[:, None] < T)
+    tl.store(y + offsets, (h * wr[None, :]).to(y.dtype.element_ty), mask=inside)
+
+
+@triton.jit(do_not_specialize=["T", "programs"])
+def group_gated_norm_bwd_kernel(x, z, w, rstd, dy, dx, dz, dw_partial, T, programs, G: tl.constexpr, S: tl.constexpr,
+                                BT: tl.constexpr):
+    program = tl.program_id(0)
+    columns = tl.arange(0, G * S)
+    wr = tl.load(w + columns).to(tl.float32)
+    dw = tl.zeros((G * S,), tl.float32)
+    for start in range(program * BT, T, programs * BT):
+        rows = start + tl.arange(0, BT).to(tl.int64)
+        offsets = rows[:, None] * (G * S) + columns[None, :]
+        inside = rows[:, None] < T
+        xr = tl.load(x + offsets, mask=inside, other=0.0).to(tl.float32)
+        zr = tl.load(z + offsets, mask=inside, other=0.0).to(tl.float32)
+        g = tl.load(dy + offsets, mask=inside, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(zr)
+        gate = zr * sig
+        r = tl.load(rstd + rows[:, None] * G + tl.arange(0, G)[None, :], mask=rows[:, None] < T, other=0.0)
+        u = tl.reshape(xr * gate, (BT, G, S))
+        h = u * r[:, :, None]
+        dh = tl.reshape(g * wr[None, :], (BT, G, S))
+        du = tl.reshape((dh - h * (tl.sum(dh * h, 2) / S)[:, :, None]) * r[:, :, None], (BT, G * S))
+        tl.store(dx + offsets, (du * gate).to(dx.dtype.element_ty), mask=inside)
+        tl.store(dz + offsets, (du * xr * sig * (1.0 + zr * (1.0 - sig))).to(dz.dtype.element_ty), mask=inside)
+        dw += tl.sum(g * tl.reshape(h, (BT, G * S)).to(x.dtype.element_ty).to(tl.float32), 0)
+    tl.store(dw_partial + program * (G * S) + columns, dw)

@@ -45,3 +45,13 @@ def relu_squared_reference(x: torch.Tensor) -> torch.Tensor:
     """``relu(x) ** 2`` as transformers' ``ReLUSquaredActivation`` computes it (``torch.square`` of ``relu``; under
     CUDA autocast ``square`` runs in fp32)."""
     return torch.square(F.relu(x))
+
+
+def group_gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                                   group_size: int) -> torch.Tensor:
+    """Mamba-2's gated norm (Nemotron-H, Bamba, Falcon-H1, Granite 4 hybrid): ``u = x * silu(gate)`` in fp32,
+    normalised over each group of ``group_size`` channels, ``weight * x_hat.to(x.dtype)`` (the promoted dtype)."""
+    u = x.float() * F.silu(gate.float())
+    groups = u.view(*u.shape[:-1], u.shape[-1] // group_size, group_size)
+    x_hat = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).view(u.shape)
+    return weight * x_hat.to(x.dtype)

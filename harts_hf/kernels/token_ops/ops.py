@@ -15,9 +15,16 @@ import functools
 import torch
 
 from .._backend import FLA_ROW_BUCKET, fla_available, in_row_blocks
-from .naive import gated_rms_norm_reference, relu_squared_reference, rms_norm_reference, swiglu_reference
+from .naive import (
+    gated_rms_norm_reference,
+    group_gated_rms_norm_reference,
+    relu_squared_reference,
+    rms_norm_reference,
+    swiglu_reference,
+)
 
-__all__ = ["BACKEND", "NORM_KERNEL", "gated_rms_norm", "relu_squared", "rms_norm", "swiglu", "token_ops_backend"]
+__all__ = ["BACKEND", "NORM_KERNEL", "gated_rms_norm", "group_gated_rms_norm", "relu_squared", "rms_norm", "swiglu",
+           "token_ops_backend"]
 
 BACKEND = "auto"
 """``"auto"``: fla's kernels for CUDA tensors where fla imports, the references otherwise; ``"torch"``: always the
@@ -209,3 +216,55 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     y = in_row_blocks(norm, rows, gates)  # the gated kernels autotune per ceil(rows / 65536): one block shape
     return y.reshape(x.shape).to(x.dtype)
 
+
+
+def group_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, *,
+                         backend: str | None = None) -> torch.Tensor:
+    """Mamba-2's gated norm of :func:`~.naive.group_gated_rms_norm_reference` (``x``, ``gate`` ``[..., D]``, groups of
+    ``group_size`` channels), on harts_hf's Triton kernels (:mod:`._triton`) when ``backend`` resolves to ``"fla"``
+    and ``D`` and ``group_size`` are powers of two (else the reference): the gate, the per-group norm and the weight
+    in one pass each way, fp32 math, ``x_hat`` rounded to ``x``'s dtype as transformers rounds it. fla's fused gated
+    norm normalises whole rows after the gate, not groups of the gated input."""
+    D = x.shape[-1]
+    power = D & (D - 1) == 0 and group_size & (group_size - 1) == 0 and D % group_size == 0
+    if token_ops_backend(x, backend) == "torch" or not power:
+        return group_gated_rms_norm_reference(x, gate, weight, eps, group_size)
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    y = _TritonGroupGatedNorm.apply(x.reshape(-1, D), gate.reshape(-1, D).to(x.dtype), weight, eps, group_size,
+                                    out_dtype)
+    return y.reshape(x.shape)
+
+
+class _TritonGroupGatedNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, gates, weight, eps, group_size, out_dtype):
+        from . import _triton
+
+        rows, gates = rows.contiguous(), gates.contiguous()
+        N, D = rows.shape
+        G = D // group_size
+        BT, warps = max(1, 4096 // D), 8 if D >= 2048 else 4
+        y = torch.empty(N, D, dtype=out_dtype, device=rows.device)
+        rstd = torch.empty(N, G, dtype=torch.float32, device=rows.device)
+        if N:
+            _triton.group_gated_norm_fwd_kernel[(-(-N // BT),)](rows, gates, weight, y, rstd, N, eps, G=G,
+                                                               S=group_size, BT=BT, num_warps=warps)
+        ctx.save_for_backward(rows, gates, weight, rstd)
+        ctx.shape = (G, group_size, BT, warps)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from . import _triton
+
+        rows, gates, weight, rstd = ctx.saved_tensors
+        G, S, BT, warps = ctx.shape
+        N, D = rows.shape
+        dy = dy.contiguous()
+        dx, dz = torch.empty_like(rows), torch.empty_like(gates)
+        programs = max(1, min(_backward_programs(rows.device), -(-N // BT)))
+        partial = torch.zeros(programs, D, dtype=torch.float32, device=rows.device)
+        if N:
+            _triton.group_gated_norm_bwd_kernel[(programs,)](rows, gates, weight, rstd, dy, dx, dz, partial, N,
+                                                             programs, G=G, S=S, BT=BT, num_warps=warps)
+        return dx, dz, partial.sum(0).to(weight.dtype), None, None, None
