@@ -230,7 +230,7 @@ def group_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tens
     if token_ops_backend(x, backend) == "torch" or not power:
         return group_gated_rms_norm_reference(x, gate, weight, eps, group_size)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
-    y = _TritonGroupGatedNorm.apply(x.reshape(-1, D), gate.reshape(-1, D).to(x.dtype), weight, eps, group_size,
+    y = _TritonGroupGatedNorm.apply(x.reshape(-1, D), gate.reshape(-1, D), weight, eps, group_size,
                                     out_dtype)
     return y.reshape(x.shape)
 
