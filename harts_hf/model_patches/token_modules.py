@@ -95,21 +95,28 @@ _NORM_VARIANTS = ((True, True), (False, False), (False, True))
 Llama's ``w * x_hat.to(x.dtype)``, Nemotron-H's ``(w * x_hat).to(x.dtype)`` in fp32."""
 
 
+def _reproduced(candidates: tuple, forward, reference, weight: torch.Tensor, inputs: int):
+    """The first of ``candidates`` for which ``reference(*probes, candidate)`` reproduces ``forward(*probes)`` (values
+    and dtype) on ``inputs`` random probe tensors in fp32 and again in bf16, where the variants round differently;
+    ``None`` if none does."""
+    left = list(candidates)
+    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
+        for dtype in (torch.float32, torch.bfloat16):
+            probes = [_probe_input(weight, seed=i).to(dtype) for i in range(inputs)]
+            got = forward(*probes)
+            left = [c for c in left if _matches(got, reference(*probes, c))]
+    return left[0] if left else None
+
+
 def _norm_variant(module) -> tuple[bool, bool] | None:
     """``(offset, fp32_weight)`` of the formula the module's forward computes, or ``None`` (not a fusable
-    RMSNorm). Probed in fp32 and bf16, where the variants round differently."""
+    RMSNorm)."""
     weight = _norm_weight(module)
     if weight is None:
         return None
     eps = _eps(module)
-    variants = set()
-    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-        for x in (_probe_input(weight), _probe_input(weight).to(torch.bfloat16)):
-            got = module.forward(x)
-            variants.add(frozenset(v for v in _NORM_VARIANTS if _matches(
-                got, rms_norm_reference(x, weight, eps, offset=v[0], fp32_weight=v[1]))))
-    common = frozenset.intersection(*variants)  # the variants that reproduce both probes
-    return next((v for v in _NORM_VARIANTS if v in common), None)
+    return _reproduced(_NORM_VARIANTS, module.forward, lambda x, v: rms_norm_reference(
+        x, weight, eps, offset=v[0], fp32_weight=v[1]), weight, inputs=1)
 
 
 _GATED_NORM_VARIANTS = (("silu", False), ("silu", True), ("sigmoid", True))
@@ -118,21 +125,14 @@ and the all-fp32 form of Kimi Linear / Ling 3 (sigmoid gate) or SiLU."""
 
 
 def _gated_norm_variant(module) -> tuple[str, bool] | None:
-    """``(activation, fp32)`` of the formula the gated norm's forward computes (probed in fp32 and bf16), or
-    ``None`` (another formula, such as Mamba-2's grouped norm of the gated input: :func:`_is_group_gated_norm`)."""
+    """``(activation, fp32)`` of the formula the gated norm's forward computes, or ``None`` (another formula, such as
+    Mamba-2's grouped norm of the gated input: :func:`_is_group_gated_norm`)."""
     weight = _norm_weight(module)
     if weight is None:
         return None
     eps = _eps(module)
-    variants = set()
-    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-        for dtype in (torch.float32, torch.bfloat16):
-            x, gate = _probe_input(weight).to(dtype), _probe_input(weight, seed=1).to(dtype)
-            got = module.forward(x, gate)
-            variants.add(frozenset(v for v in _GATED_NORM_VARIANTS if _matches(
-                got, gated_rms_norm_reference(x, gate, weight, eps, activation=v[0], fp32=v[1]))))
-    common = frozenset.intersection(*variants)
-    return next((v for v in _GATED_NORM_VARIANTS if v in common), None)
+    return _reproduced(_GATED_NORM_VARIANTS, module.forward, lambda x, gate, v: gated_rms_norm_reference(
+        x, gate, weight, eps, activation=v[0], fp32=v[1]), weight, inputs=2)
 
 
 def _is_group_gated_norm(module) -> bool:
@@ -141,10 +141,8 @@ def _is_group_gated_norm(module) -> bool:
     if weight is None or not isinstance(group_size, int) or group_size <= 0 or weight.shape[0] % group_size:
         return False
     eps = _eps(module)
-    with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-        return all(_matches(module.forward(x, gate), group_gated_rms_norm_reference(x, gate, weight, eps, group_size))
-                   for x, gate in ((_probe_input(weight).to(dtype), _probe_input(weight, seed=1).to(dtype))
-                                   for dtype in (torch.float32, torch.bfloat16)))
+    return _reproduced((group_size,), module.forward, lambda x, gate, size: group_gated_rms_norm_reference(
+        x, gate, weight, eps, size), weight, inputs=2) is not None
 
 
 def _is_swiglu_mlp(module) -> bool:
