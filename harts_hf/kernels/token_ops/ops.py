@@ -242,15 +242,13 @@ class _TritonGroupGatedNorm(torch.autograd.Function):
 
         rows, gates = rows.contiguous(), gates.contiguous()
         N, D = rows.shape
-        G = D // group_size
-        BT, warps = max(1, 4096 // D), 8 if D >= 2048 else 4
+        BT, warps = _group_norm_blocks(D)
         y = torch.empty(N, D, dtype=out_dtype, device=rows.device)
-        rstd = torch.empty(N, G, dtype=torch.float32, device=rows.device)
+        rstd = torch.empty(N, D // group_size, dtype=torch.float32, device=rows.device)
         if N:
-            _triton.group_gated_norm_fwd_kernel[(-(-N // BT),)](rows, gates, weight, y, rstd, N, eps, G=G,
-                                                               S=group_size, BT=BT, num_warps=warps)
+            _triton.group_gated_norm_fwd_kernel[(-(-N // BT),)](rows, gates, weight, y, rstd, N, eps,
+                                                               G=D // group_size, S=group_size, BT=BT, num_warps=warps)
         ctx.save_for_backward(rows, gates, weight, rstd)
-        ctx.shape = (G, group_size, BT, warps)
         return y
 
     @staticmethod
@@ -258,13 +256,18 @@ class _TritonGroupGatedNorm(torch.autograd.Function):
         from . import _triton
 
         rows, gates, weight, rstd = ctx.saved_tensors
-        G, S, BT, warps = ctx.shape
-        N, D = rows.shape
+        (N, D), G = rows.shape, rstd.shape[1]
+        BT, warps = _group_norm_blocks(D)
         dy = dy.contiguous()
         dx, dz = torch.empty_like(rows), torch.empty_like(gates)
         programs = max(1, min(_backward_programs(rows.device), -(-N // BT)))
         partial = torch.zeros(programs, D, dtype=torch.float32, device=rows.device)
         if N:
             _triton.group_gated_norm_bwd_kernel[(programs,)](rows, gates, weight, rstd, dy, dx, dz, partial, N,
-                                                             programs, G=G, S=S, BT=BT, num_warps=warps)
+                                                             programs, G=G, S=D // G, BT=BT, num_warps=warps)
         return dx, dz, partial.sum(0).to(weight.dtype), None, None, None
+
+
+def _group_norm_blocks(D: int) -> tuple[int, int]:
+    """(rows per program, warps) of the grouped gated norm's kernels for rows of ``D`` (a power of two) channels."""
+    return max(1, 4096 // D), 8 if D >= 2048 else 4
