@@ -234,8 +234,8 @@ def timed_trainer_class(tree: bool = True):
 
         @staticmethod
         def _fresh_record() -> dict:
-            return dict(generate_s=0.0, balance_s=0.0, forward_s=0.0, path_tokens=0, unique_tokens=0, path_pairs=0.0,
-                        tree_pairs=0.0, local_loss=0.0, microbatches=0, plan_memory=[], piece_padding=0)
+            return dict(generate_s=0.0, balance_s=0.0, forward_s=0.0, train_s=0.0, path_tokens=0, unique_tokens=0,
+                        path_pairs=0.0, tree_pairs=0.0, local_loss=0.0, microbatches=0, plan_memory=[], piece_padding=0)
 
         def _timed(self, key, function, *args):
             _synchronize(self.accelerator.device)
@@ -275,7 +275,8 @@ def timed_trainer_class(tree: bool = True):
                 super()._record_tree_stats(stats)
 
         def training_step(self, model, inputs, num_items_in_batch=None):
-            loss = super().training_step(model, inputs, num_items_in_batch)
+            # the whole micro-step: TRL's generation and scoring when its buffer is empty, the loss, every backward
+            loss = self._timed("train_s", super().training_step, model, inputs, num_items_in_batch)
             self.step_record["local_loss"] += loss.item()
             self.step_record["microbatches"] += 1
             # planner pieces (CUDA): allocated / peak GiB after each piece's phases, for the last microbatch
@@ -352,6 +353,11 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
         log = logged.get(step, {})
         rows.append(dict(
             step=step, step_s=step_s, forward_s=forward_s,
+            # fwd+bwd of every micro-step (forward_s stops where the loss is known: before the last piece's backward,
+            # or before Trainer's backward without pieces) and what the step spends outside its micro-steps
+            # (optimizer, gradient clipping, logging)
+            loss_s=[e.get("train_s", 0.0) - e["generate_s"] - e["balance_s"] for e in entries],
+            outside_s=[e["step_s"] - e.get("train_s", 0.0) for e in entries],
             step_imbalance=max(step_s) / (sum(step_s) / world),
             forward_imbalance=max(forward_s) / max(sum(forward_s) / world, 1e-12),
             generate_s=[e["generate_s"] for e in entries], balance_s=[e["balance_s"] for e in entries],
@@ -414,6 +420,11 @@ def print_table(summary: dict) -> None:
               f"{row['forward_imbalance']:.3f} | {sum(row['path_tokens'])} | {sum(row['unique_tokens'])} | "
               f"{row['loss']:.6g} | {row['grad_norm']:.6g} | {tree.get('tree/replica_imbalance_before', '-')} | "
               f"{tree.get('tree/replica_imbalance', '-')} |")
+    measured = [row for row in summary["steps"] if row["step"] in summary["measured_steps"]]
+    if measured and "loss_s" in measured[0]:
+        mean = lambda key: sum(max(row[key]) for row in measured) / len(measured)  # noqa: E731
+        print(f"\nper measured step (slowest rank): generation {mean('generate_s'):.3f} s, fwd+bwd "
+              f"{mean('loss_s'):.3f} s, outside the micro-steps (optimizer, clipping, logging) {mean('outside_s'):.3f} s")
     print(f"\nsteps {summary['measured_steps']}: {summary['mean_step_s']:.3f} s/step, "
           f"{summary['path_tokens_per_s_per_gpu']:.0f} path / {summary['unique_tokens_per_s_per_gpu']:.0f} unique "
           f"tokens/s per GPU" + (f", FLOP ratio {summary['flop_ratio']:.2f}, MFU {summary['mfu']:.3f}"

@@ -48,7 +48,8 @@ def test_two_processes_on_swe_trees_match_one_process(tmp_path):
         assert is_finite_nonnegative(summary[key]), (key, summary[key])
     for row, single in zip(summary["steps"], reference["steps"]):
         assert len(row["step_s"]) == 2 and len(row["forward_s"]) == 2
-        assert all(map(is_finite_nonnegative, row["step_s"] + row["forward_s"])), row
+        assert all(map(is_finite_nonnegative, row["step_s"] + row["forward_s"] + row["loss_s"] + row["outside_s"])), row
+        assert all(loss >= forward for loss, forward in zip(row["loss_s"], row["forward_s"])), row  # + the backward
         assert sum(row["path_tokens"]) == sum(single["path_tokens"])  # the same global batch
         assert row["tree"]["tree/replica_imbalance_before"] >= row["tree"]["tree/replica_imbalance"] >= 1
     compared = summary["compare"]["steps"]
