@@ -43,6 +43,9 @@ if [ ! -f "$JOBS/.queued" ]; then
     --trainer tree "${swe005[@]}" --out $J/tree_swe005
   [ "$distinct" = 1 ] && job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --out $J/tree_distinct
+  # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
+  [ "$distinct" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
+    --loop-sample -1 --out $J/swe_loop
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
 jobs_start
