@@ -186,6 +186,44 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     return max(worst, *errors)
 
 
+def check_unshared_layout() -> float:
+    """The three round-batched fla nodes (Gated DeltaNet, KDA, Mamba-2's gated linear attention) on a forest of
+    unshared sequences, whose executed layout is the identity (the packed per-trajectory path's: the gathers into
+    and out of it are views), vs the fp32 torch backend: outputs and every input gradient."""
+    import torch
+
+    from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
+    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import round_batch
+    from harts_hf.trees import PrefixForest
+
+    rng = random.Random(5)
+    sequences = [[10 + i] + [rng.randrange(5) for _ in range(n - 1)] for i, n in enumerate((1, 63, 64, 65, 130))]
+    packed = PrefixForest.from_sequences(sequences).pack()
+    H, HV, K, V = 1, 2, 16, 16
+    worst = 0.0
+    for label, per_channel, delta in (("Gated DeltaNet", False, True), ("KDA", True, True),
+                                      ("gated linear attention", False, False)):
+        torch.manual_seed(4)
+        gate = -torch.rand(packed.num_tokens, HV, K) * 0.3 if per_channel else -torch.rand(packed.num_tokens, HV) * 0.3
+        leaves = [t.requires_grad_() for t in (torch.randn(packed.num_tokens, H, K), torch.randn(packed.num_tokens, H, K),
+                                               torch.randn(packed.num_tokens, HV, V), gate,
+                                               torch.rand(packed.num_tokens, HV))]
+        options = dict(use_qk_l2norm_in_kernel=delta) if label == "Gated DeltaNet" else \
+            dict(use_qk_l2norm_in_kernel=delta, delta=delta)
+        outs = {}
+        for backend in ("torch", "fla"):
+            the_plan = build_gated_delta_plan(packed, final_states_only=backend == "fla")
+            if backend == "fla":
+                assert round_batch(the_plan).identity, f"{label}: unshared sequences should give the identity layout"
+            out = tree_gated_delta_rule(*leaves, the_plan, backend=backend, **options)
+            outs[backend] = (out.detach(), torch.autograd.grad(out.square().sum(), leaves))
+        errors = [rel(outs["fla"][0], outs["torch"][0])] + [rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])]
+        print(f"{label}, unshared sequences (identity layout, {packed.num_tokens} tokens), fla vs torch: "
+              f"out {errors[0]:.1e} grads {max(errors[1:]):.1e}", flush=True)
+        worst = max(worst, *errors)
+    return worst
+
+
 def main() -> None:
     copy = _prepare_interpreter()
     import fla
@@ -294,6 +332,7 @@ def main() -> None:
     worst = max(worst, check_round_node("KDA", per_channel=True, delta=True))
     worst = max(worst, check_round_node("gated linear attention (Mamba-2)", per_channel=False, delta=False,
                                         chunk_size=32))
+    worst = max(worst, check_unshared_layout())
     worst = max(worst, check_model_backends("bailing_hybrid", "Ling 3"))
     worst = max(worst, check_model_backends("nemotron_h", "Nemotron-H"))
     worst = max(worst, check_model())

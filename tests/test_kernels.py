@@ -577,6 +577,45 @@ def test_round_batch_lays_the_rounds_back_to_back(seed):
         row.update({key: saved for (_, _, key), saved in zip(round_.saved_states, batch.save_ids[r].tolist())})
     assert 0 not in row.values() and len(set(row.values())) == len(row) == batch.num_states - 1
     assert batch.context_id is None
+    assert not batch.identity
+
+
+@pytest.mark.parametrize("handed_in", [False, True])
+def test_round_batch_of_unshared_sequences_is_the_identity(handed_in):
+    """A forest of unshared sequences (what the packed per-trajectory path runs) executes every token once at its own
+    row: the layout's gathers become views, with the same values as the general gathers; a piece whose roots start
+    at a chunk boundary from a handed-in state has no replay either. One shared prefix and the layout is no longer
+    the identity."""
+    from dataclasses import replace
+
+    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import round_batch
+
+    rng = random.Random(3)
+    sequences = [[10 + i] + [rng.randrange(5) for _ in range(n - 1)] for i, n in enumerate((1, 63, 64, 65, 200))]
+    packed = PrefixForest.from_sequences(sequences).pack()
+    if handed_in:  # every root at depth 128 below one branch token: chunk-aligned, nothing replayed
+        common = [9] * 127
+        whole = PrefixForest.from_sequences([common + [7] + s for s in sequences]).pack()
+        starts = whole.cu_seqlens[:-1].tolist()
+        packed = whole.select([i for i, first in enumerate(starts) if int(whole.position_ids[first]) >= 128])
+    plan = build_gated_delta_plan(packed, final_states_only=True)
+    batch = round_batch(plan)
+    assert batch.identity and torch.equal(batch.token_index, torch.arange(packed.num_tokens))
+    general = replace(batch, identity=False)
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(packed.num_tokens + 3, 2, 4, generator=generator)[::1]  # 3 context rows past U
+    strided = torch.randn(packed.num_tokens, 4, 2, generator=generator).transpose(1, 2)  # not contiguous
+    for rows in (x, strided):
+        assert torch.equal(batch.executed(rows), general.executed(rows))
+        assert batch.executed(rows).is_contiguous()
+    o = torch.randn(packed.num_tokens, 2, 4, generator=generator)
+    assert torch.equal(batch.own_outputs(o), general.own_outputs(o))
+    assert torch.equal(batch.executed_grad(strided), general.executed_grad(strided))
+    for dtype in (None, torch.bfloat16, torch.float64):
+        assert torch.equal(batch.sum_by_token(o, packed.num_tokens + 3, dtype),
+                           general.sum_by_token(o, packed.num_tokens + 3, dtype))
+    shared = PrefixForest.from_sequences([sequences[-1] + [1], sequences[-1] + [2]]).pack()
+    assert not round_batch(build_gated_delta_plan(shared, final_states_only=True)).identity
 
 
 def test_state_pass_choice(monkeypatch):

@@ -135,6 +135,9 @@ class RoundBatch:
     replay_token: torch.Tensor
     replay_rows: torch.Tensor
     replay_slot: torch.Tensor
+    identity: bool = False
+    """Every token executed once, at its own row (a forest of unshared sequences, as the packed per-trajectory path
+    runs): the gathers into and out of the executed layout are then views."""
 
     def to(self, device) -> RoundBatch:
         move = lambda items: [t.to(device) for t in items]  # noqa: E731
@@ -144,11 +147,23 @@ class RoundBatch:
                           self.num_states, move(self.initial_ids), move(self.save_ids), move(self.save_slots),
                           self.requested_ids.to(device), self.context_id, *move(
                               [self.own_position, self.position_token, self.replay_position, self.replay_token,
-                               self.replay_rows, self.replay_slot]))
+                               self.replay_rows, self.replay_slot]), self.identity)
+
+    def executed(self, x: torch.Tensor) -> torch.Tensor:
+        """``[1, E, ...]``: the rows of ``x [rows, ...]`` at every executed position."""
+        if self.identity:
+            return x[:self.own_position.shape[0]].contiguous().unsqueeze(0)
+        return x[self.token_index].unsqueeze(0)
+
+    def own_outputs(self, o: torch.Tensor) -> torch.Tensor:
+        """``[U, ...]``: each token's output from ``o [E, ...]`` (its own executed position)."""
+        return o if self.identity else o.index_select(0, self.own_position)
 
     def executed_grad(self, d_out: torch.Tensor) -> torch.Tensor:
         """``[1, E, ...]``: the output gradient ``d_out [U, ...]`` at every executed position, zero at the replayed
         ones (they output nothing)."""
+        if self.identity:
+            return d_out.contiguous().unsqueeze(0)
         do = d_out.index_select(0, self.position_token)
         if self.replay_position.numel():
             do.index_fill_(0, self.replay_position, 0)
@@ -169,6 +184,11 @@ class RoundBatch:
         ``dtype`` (default ``grad``'s): the result's; a low-precision result is summed in fp32 at the replayed rows
         only and rounded once there, so no fp32 copy of the whole gradient is made."""
         work = grad.dtype if dtype is None else torch.promote_types(grad.dtype, dtype)
+        if self.identity:  # no replayed position: the gradient is already in row order
+            total = grad[:self.own_position.shape[0]].to(dtype or grad.dtype)
+            if rows > total.shape[0]:
+                total = torch.cat([total, total.new_zeros(rows - total.shape[0], *total.shape[1:])])
+            return total
         total = grad.index_select(0, self.own_position).to(work)
         if rows > total.shape[0]:
             total = torch.cat([total, total.new_zeros(rows - total.shape[0], *total.shape[1:])])
@@ -236,7 +256,10 @@ def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
                        [rows(r.initial_state) for r in cpu], [rows([key for _, _, key in r.saved_states]) for r in cpu],
                        [torch.tensor([slot for slot, _, _ in r.saved_states], dtype=torch.long) for r in cpu],
                        rows(plan.requested_states), row_of.get(CONTEXT_STATE), own_position, position_token,
-                       replay_position, replay_token, replay_rows, replay_slot)
+                       replay_position, replay_token, replay_rows, replay_slot,
+                       identity=token_index.numel() == plan.num_tokens
+                       and torch.equal(token_index, torch.arange(plan.num_tokens))
+                       and torch.equal(own_position, token_index))
     cache[str(device)] = batch = batch.to(device)
     return batch
 
@@ -355,9 +378,9 @@ def _batched_forward(q, k, v, g, beta, initial_state, *, plan, scale, l2norm, st
     if l2norm:
         q, q_rstd = _l2norm(l2norm_fwd, q)
         k, k_rstd = _l2norm(l2norm_fwd, k)
-    index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
-    qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
-    g_cumsum = stages["cumsum"](g[index].float().unsqueeze(0), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
+    grid = dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
+    qe, ke, ve, be = (batch.executed(x) for x in (q, k, v, beta))
+    g_cumsum = stages["cumsum"](batch.executed(g).float(), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
                                 **grid)
     w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
     bank = _state_bank(batch, initial_state, HV, K, V, q.device)
@@ -370,7 +393,7 @@ def _batched_forward(q, k, v, g, beta, initial_state, *, plan, scale, l2norm, st
     else:
         h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials, bank)
     o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size, **grid)
-    out = o[0].index_select(0, batch.own_position).to(v.dtype)
+    out = batch.own_outputs(o[0]).to(v.dtype)
     requested = bank[batch.requested_ids]
     return (out, requested, q if l2norm else None, k if l2norm else None, q_rstd, k_rstd, g_cumsum, A, *initials)
 
@@ -381,8 +404,8 @@ def _batched_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_reque
     stages, l2norm_bwd = _import_fla_stages(), _import_fla()[4]
     batch = round_batch(plan, q.device)
     rows, HV, V = v.shape
-    index, grid = batch.token_index, dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
-    qe, ke, ve, be = (x[index].unsqueeze(0) for x in (q, k, v, beta))
+    grid = dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
+    qe, ke, ve, be = (batch.executed(x) for x in (q, k, v, beta))
     w, u = stages["recompute_w_u"](k=ke, v=ve, beta=be, A=A, g=g_cumsum, **grid)
     if state_pass != "rounds":
         units = serial_units(plan, q.device, lanes=state_pass == "lanes")

@@ -112,8 +112,8 @@ class _TreeKdaBatched(torch.autograd.Function):
             q, q_rstd = fla_backend._l2norm(l2norm_fwd, q)
             k, k_rstd = fla_backend._l2norm(l2norm_fwd, k)
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
-        qe, ke, ve, be = (x[batch.token_index].unsqueeze(0) for x in (q, k, v, beta))
-        g_cumsum = st["cumsum"](g[batch.token_index].float().unsqueeze(0), scale=st["rcp_ln2"], **grid)
+        qe, ke, ve, be = (batch.executed(x) for x in (q, k, v, beta))
+        g_cumsum = st["cumsum"](batch.executed(g).float(), scale=st["rcp_ln2"], **grid)
         w, u, _, kg, Aqk, Akk = st["fwd_intra_kda"](q=qe, k=ke, v=ve, gk=g_cumsum, beta=be, scale=scale, **grid)
         bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
         h, v_new = fla_backend._state_pass(st, batch, plan, kg, w, u, g_cumsum, [], bank, gate="gk")
@@ -122,7 +122,7 @@ class _TreeKdaBatched(torch.autograd.Function):
                               *(() if initial_state is None else (initial_state,)))
         ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
         ctx.g_dtype, ctx.initial_dtype = g.dtype, None if initial_state is None else initial_state.dtype
-        return o[0].index_select(0, batch.own_position).to(v.dtype), bank[batch.requested_ids]
+        return batch.own_outputs(o[0]).to(v.dtype), bank[batch.requested_ids]
 
     @staticmethod
     def backward(ctx, d_out, d_requested):
@@ -133,7 +133,7 @@ class _TreeKdaBatched(torch.autograd.Function):
         rows, HV, V = v.shape
         H, K = k.shape[1], k.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
-        qe, ke, ve, be = (x[batch.token_index].unsqueeze(0) for x in (q, k, v, beta))
+        qe, ke, ve, be = (batch.executed(x) for x in (q, k, v, beta))
         w, u, qg, kg = st["recompute_w_u_kda"](q=qe, k=ke, v=ve, beta=be, A=Akk, gk=g_cumsum,
                                                cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
         bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)

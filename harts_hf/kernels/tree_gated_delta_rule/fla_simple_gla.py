@@ -129,8 +129,8 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
         batch = fla_backend.round_batch(plan, q.device)
         HV, K, V = v.shape[1], k.shape[2], v.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
-        qe, ke, ve = (x[batch.token_index].unsqueeze(0) for x in (q, k, v))
-        g_cumsum = st["cumsum"](g[batch.token_index].float().unsqueeze(0), scale=st["rcp_ln2"], **grid)
+        qe, ke, ve = (batch.executed(x) for x in (q, k, v))
+        g_cumsum = st["cumsum"](batch.executed(g).float(), scale=st["rcp_ln2"], **grid)
         bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
         h = _state_pass(st, batch, plan.chunk_size, _per_value_head(ke, HV // k.shape[1]), ve, g_cumsum, bank,
                         k.dtype)
@@ -138,7 +138,7 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, g_cumsum, *(() if initial_state is None else (initial_state,)))
         ctx.plan, ctx.scale, ctx.g_dtype = plan, scale, g.dtype
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
-        return o[0].index_select(0, batch.own_position).to(v.dtype), bank[batch.requested_ids]
+        return batch.own_outputs(o[0]).to(v.dtype), bank[batch.requested_ids]
 
     @staticmethod
     def backward(ctx, d_out, d_requested):
@@ -149,7 +149,7 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
         rows, HV, V = v.shape
         K = k.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
-        qe, ke, ve = (x[batch.token_index].unsqueeze(0) for x in (q, k, v))
+        qe, ke, ve = (batch.executed(x) for x in (q, k, v))
         groups = HV // k.shape[1]
         bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)
         h = _state_pass(st, batch, plan.chunk_size, _per_value_head(ke, groups), ve, g_cumsum, bank, torch.float32)
