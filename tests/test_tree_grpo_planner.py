@@ -32,8 +32,8 @@ def metrics_of(trainer) -> dict:
     return {key: values[-1] for key, values in trainer._metrics["train"].items() if values}
 
 
-def assert_planned_matches(path, tmp_path, executions, tol=1e-5, **options):
-    base, tree = make_trainers(path, tmp_path, **NO_AUX, **options)
+def assert_planned_matches(path, tmp_path, executions, tol=1e-5, tree_args=(), **options):
+    base, tree = make_trainers(path, tmp_path, tree_args=tree_args, **NO_AUX, **options)
     tree.args.tree_token_budget = BUDGET["tree_token_budget"]
     inputs_base, inputs_tree = prepared(base), prepared(tree)
     torch.testing.assert_close(inputs_tree["advantages"], inputs_base["advantages"])
@@ -77,6 +77,33 @@ def test_planned_options_match_grpo_trainer(saved_model, tmp_path, executions, o
     assert_planned_matches(saved_model, tmp_path, executions, **options)
     if options.get("num_iterations") == 2:
         assert any(not call["training"] and call["nograd_forwards"] > 2 for call in executions)  # old log-probs
+
+
+@pytest.mark.parametrize("options", [dict(loss_type="dapo"), dict(importance_sampling_level="sequence")],
+                         ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()))
+def test_kept_source_graphs_match_grpo_trainer(saved_model, tmp_path, executions, options):  # noqa: F811
+    """tree_keep_source_graphs: a hand-off source's forward with gradient runs once (no forward without gradient
+    for its hand-off) and its graph waits for its children; the loss, gradients and metrics are GRPOTrainer's."""
+    assert_planned_matches(saved_model, tmp_path, executions, tree_args=dict(tree_keep_source_graphs=True), **options)
+    training = [call for call in executions if call["training"]]
+    assert training[-1]["nograd_forwards"] == 0 and training[-1]["grad_forwards"] == training[-1]["pieces"]
+
+
+def test_kept_source_graphs_need_one_process(saved_model, tmp_path, monkeypatch):  # noqa: F811
+    """Under DDP or DeepSpeed each piece's backward must follow its forward: the setting is refused, naming it."""
+    _, tree = make_trainers(saved_model, tmp_path, tree_args=dict(tree_keep_source_graphs=True), **NO_AUX)
+    tree.args.tree_token_budget = BUDGET["tree_token_budget"]
+    inputs = prepared(tree)
+    monkeypatch.setattr(type(tree.accelerator), "num_processes", property(lambda self: 2))
+    with pytest.raises(ValueError, match="tree_keep_source_graphs=True runs on one process.*2 processes.*"
+                                         "set tree_keep_source_graphs=False"):
+        tree._check_planner_supported()
+    monkeypatch.setattr(type(tree.accelerator), "num_processes", property(lambda self: 1))
+    tree.is_deepspeed_enabled = True
+    with pytest.raises(ValueError, match="this run has DeepSpeed"):
+        tree._check_planner_supported()
+    tree.is_deepspeed_enabled = False
+    tree.compute_loss(tree.model, inputs).backward()  # one process: runs
 
 
 def test_microbatch_that_fits_takes_one_tree_forward(saved_model, tmp_path, executions):  # noqa: F811

@@ -288,8 +288,9 @@ def last_metrics(trainer) -> dict:
 
 @pytest.mark.parametrize("family", ["qwen3_next_moe", "llama"])
 @pytest.mark.parametrize("options, tree_only, num_items", [
-    ({}, {}, None), (dict(loss_type="dft"), {}, None), ({}, {}, 300), ({}, dict(padding_free=True), None)],
-    ids=["nll", "dft", "num_items_in_batch", "padding_free"])
+    ({}, {}, None), (dict(loss_type="dft"), {}, None), ({}, {}, 300), ({}, dict(padding_free=True), None),
+    ({}, dict(tree_keep_source_graphs=True), None)],
+    ids=["nll", "dft", "num_items_in_batch", "padding_free", "kept_source_graphs"])
 def test_planned_pieces_match_sft_trainer(saved_model, saved_llama, tmp_path, executions, family, options, tree_only,
                                           num_items):
     """A microbatch over tree_token_budget runs as planner pieces, each its own forward and backward (Qwen3-Next:
@@ -317,6 +318,8 @@ def test_planned_pieces_match_sft_trainer(saved_model, saved_llama, tmp_path, ex
     assert logged[1]["tree/pieces"] == 1 and logged[2]["tree/pieces"] > 2 and logged[2]["tree/handoffs"] > 1
     training = [call for call in executions if call["training"]]
     assert len(training) == 1 and training[0]["grad_tokens"] == training[0]["unique"]
+    if tree_only.get("tree_keep_source_graphs"):  # each source's forward with gradient waited for its children
+        assert training[0]["nograd_forwards"] == 0
     print(f"\n[SFT planner, {family}] pieces={training[0]['pieces']} handoffs={training[0]['handoffs']} "
           f"unique={training[0]['unique']} worst_grad_rel={worst:.2e}")
 

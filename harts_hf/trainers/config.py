@@ -36,6 +36,26 @@ MATMUL_GIB_HELP = ("Instead of tree_keep_matmul_layers: GiB of GPU memory to spe
                    "tree_token_budget; counted by matmul_output_bytes_per_token in autocast's dtype, worked out again "
                    "when the checkpointed layers change). The chosen layers are logged. None: off.")
 
+KEEP_SOURCE_GRAPHS_HELP = ("With planner pieces (tree_token_budget) on one process: a piece that hands states to pieces "
+                           "below it runs ONE forward with gradient and keeps its autograd graph while they run, "
+                           "instead of a forward without gradient for the hand-off and another with gradient after "
+                           "them. Saves that second forward of every such piece's tokens, for the memory of the kept "
+                           "graphs (those of the pieces on the current chain; with gradient checkpointing, each "
+                           "checkpointed layer's input and what the layer keeps). The gradients are the same. Not "
+                           "with several processes or DeepSpeed (their gradient synchronisation needs each piece's "
+                           "backward right after its forward). False: the second forward (one piece's activations "
+                           "at a time).")
+
+
+def check_source_graphs(trainer, owner: str) -> None:
+    """``tree_keep_source_graphs`` runs on one process without DeepSpeed; elsewhere it fails, naming the fix."""
+    processes = trainer.accelerator.num_processes
+    if trainer.args.tree_keep_source_graphs and (processes > 1 or trainer.is_deepspeed_enabled):
+        where = "DeepSpeed" if trainer.is_deepspeed_enabled else f"{processes} processes"
+        raise ValueError(f"{owner}: tree_keep_source_graphs=True runs on one process without DeepSpeed (DDP and "
+                         "DeepSpeed reduce the gradients in a piece's backward, which must then follow its forward "
+                         f"directly), and this run has {where}; set tree_keep_source_graphs=False.")
+
 
 def matmul_setting(config) -> str:
     """The kept-products field in force, as ``name=value`` for messages (the count where set, else the GiB)."""
@@ -75,7 +95,7 @@ def check_layer_counts(config) -> None:
 
 
 _BOOL_FIELDS = ("use_tree", "tree_share_across_groups", "tree_keep_groups_together", "tree_balance_replicas",
-                "tree_cross_replica_handoffs", "tree_keep_attention_outputs")
+                "tree_cross_replica_handoffs", "tree_keep_attention_outputs", "tree_keep_source_graphs")
 
 
 @dataclass
@@ -175,6 +195,7 @@ class TreeGRPOConfig(GRPOConfig):
                           "output per attention layer). The gradients are the same. False reruns it, as "
                           "transformers does."},
     )
+    tree_keep_source_graphs: bool = field(default=False, metadata={"help": KEEP_SOURCE_GRAPHS_HELP})
     tree_stored_layers: int = field(default=0, metadata={"help": STORED_LAYERS_HELP})
     tree_keep_matmul_layers: int = field(default=0, metadata={"help": MATMUL_LAYERS_HELP})
     tree_keep_matmul_gib: float | None = field(default=None, metadata={"help": MATMUL_GIB_HELP})

@@ -27,7 +27,14 @@ from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
 from ..planner import CostModel, Plan, imbalance
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
-from .config import TreeGRPOConfig, apply_layer_counts, apply_varlen_kernel, budget_plan, check_dropout
+from .config import (
+    TreeGRPOConfig,
+    apply_layer_counts,
+    apply_varlen_kernel,
+    budget_plan,
+    check_dropout,
+    check_source_graphs,
+)
 from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
 from .piece_padding import PiecePadding
 from .replica_balance import (
@@ -246,8 +253,10 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
         # backward per piece (ZeRO reduces each piece's gradients, as over micro-steps; no_sync is refused by ZeRO 2/3),
         # padded with filler passes to the same sequence of collectives on every process
         backward = engine_backward(self.deepspeed) if deepspeed else None
-        no_sync = None if deepspeed else functools.partial(self.accelerator.no_sync, model)
-        options = dict(no_sync=no_sync, backward=backward, defer_last_backward=deepspeed, **self._execute_options())
+        keep = self.args.tree_keep_source_graphs  # one process (_check_planner_supported): nothing to synchronise
+        no_sync = None if deepspeed or keep else functools.partial(self.accelerator.no_sync, model)
+        options = dict(no_sync=no_sync, backward=backward, defer_last_backward=deepspeed, recompute=not keep,
+                       **self._execute_options())
         self.last_piece_padding = 0
         if deepspeed:
             options.update(self._pad_pieces(model, the_plan, backward))
@@ -398,6 +407,7 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
         if self.args.optim in ("lomo", "adalomo"):
             raise ValueError(f"optim={self.args.optim!r} updates parameters inside backward, but planner pieces run one "
                              f"backward each; choose another optimizer, {fix}.")
+        check_source_graphs(self, "TreeGRPOTrainer")
 
     _TREE_KEYS = ("path_tokens", "unique_tokens", "R_tok", "R_att", "gdn_rounds", "gdn_replay_tokens", "pieces",
                   "handoffs")

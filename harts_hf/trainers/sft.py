@@ -29,6 +29,7 @@ from ..trees import PackedForest, PrefixForest
 from .config import (
     _ATTENTION_BACKENDS,
     _GDN_BACKENDS,
+    KEEP_SOURCE_GRAPHS_HELP,
     MATMUL_GIB_HELP,
     MATMUL_LAYERS_HELP,
     STORED_LAYERS_HELP,
@@ -38,6 +39,7 @@ from .config import (
     budget_plan,
     check_dropout,
     check_layer_counts,
+    check_source_graphs,
     check_varlen_kernel,
 )
 from .piece_padding import PiecePadding
@@ -68,6 +70,7 @@ class TreeSFTConfig(SFTConfig):
     tree_keep_attention_outputs: bool = field(default=True, metadata={
         "help": "With gradient checkpointing: keep each attention kernel's output from the forward so the "
                 "backward's rerun skips attention (the same gradients)."})
+    tree_keep_source_graphs: bool = field(default=False, metadata={"help": KEEP_SOURCE_GRAPHS_HELP})
     tree_stored_layers: int = field(default=0, metadata={"help": STORED_LAYERS_HELP})
     tree_keep_matmul_layers: int = field(default=0, metadata={"help": MATMUL_LAYERS_HELP})
     tree_keep_matmul_gib: float | None = field(default=None, metadata={"help": MATMUL_GIB_HELP})
@@ -94,6 +97,7 @@ class TreeSFTConfig(SFTConfig):
     def __post_init__(self):
         self.use_tree = check_bool(self.use_tree, "use_tree")
         self.tree_keep_attention_outputs = check_bool(self.tree_keep_attention_outputs, "tree_keep_attention_outputs")
+        self.tree_keep_source_graphs = check_bool(self.tree_keep_source_graphs, "tree_keep_source_graphs")
         self.tree_per_turn_rows = check_bool(self.tree_per_turn_rows, "tree_per_turn_rows")
         self.tree_head_chunk_size = check_int(self.tree_head_chunk_size, "tree_head_chunk_size")
         self.tree_token_budget = check_int(self.tree_token_budget, "tree_token_budget", allow_none=True)
@@ -249,8 +253,9 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
         # process; the last piece's backward is the Trainer's own
         deepspeed = self.is_deepspeed_enabled
         backward = engine_backward(self.deepspeed) if deepspeed else None
-        no_sync = None if deepspeed else functools.partial(self.accelerator.no_sync, model)
-        options.update(no_sync=no_sync, backward=backward, defer_last_backward=deepspeed)
+        keep = self.args.tree_keep_source_graphs  # one process (_check_planner_supported): nothing to synchronise
+        no_sync = None if deepspeed or keep else functools.partial(self.accelerator.no_sync, model)
+        options.update(no_sync=no_sync, backward=backward, defer_last_backward=deepspeed, recompute=not keep)
         if deepspeed:
             options.update(self._pad_pieces(model, the_plan, backward))
         elif self.accelerator.num_processes > 1:  # DDP's forward collectives in the one-forward order (lead_forward)
@@ -348,6 +353,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
             raise ValueError(f"TreeSFTTrainer: optim={self.args.optim!r} updates parameters inside backward, but "
                              f"planner pieces (tree_token_budget={self.args.tree_token_budget}) run one backward "
                              f"each; choose another optimizer, {fix}.")
+        check_source_graphs(self, "TreeSFTTrainer")
 
 
 class _PieceLoss:
