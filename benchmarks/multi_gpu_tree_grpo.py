@@ -455,6 +455,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps (default: %(default)s)")
     parser.add_argument("--tree-token-budget", type=int, default=None,
                         help="most unique tokens per tree forward; larger microbatches run as planner pieces")
+    parser.add_argument("--keep-source-graphs", action="store_true",
+                        help="tree_keep_source_graphs=True (one process, with --tree-token-budget): a hand-off "
+                             "source's forward runs once, its graph kept while the pieces below it run")
     parser.add_argument("--gdn-state-pass", default="auto", choices=["auto", "rounds", "serial"],
                         help="the fla node's state pass (fla_backend.STATE_PASS): fla's per round, all units in one "
                              "launch, or chosen per plan (default: %(default)s)")
@@ -588,7 +591,7 @@ def main(argv=None):
         gradient_accumulation_steps=args.grad_accum, max_completion_length=rollouts.max_completion_length,
         loss_type=args.loss_type, beta=0.0, num_iterations=args.num_iterations, shuffle_dataset=False,
         tree_token_budget=args.tree_token_budget, tree_cross_replica_handoffs=args.cross_replica,
-        tree_balance_replicas=args.balance, tree_gdn_backend=args.gdn_backend, bf16=cuda, use_cpu=not cuda,
+        tree_keep_source_graphs=args.keep_source_graphs, tree_balance_replicas=args.balance, tree_gdn_backend=args.gdn_backend, bf16=cuda, use_cpu=not cuda,
         gradient_checkpointing=checkpointing, tree_head_chunk_size=args.head_chunk_size,
         tree_varlen_kernel=args.varlen_kernel, use_liger_kernel=args.liger, use_tree=not args.liger,
         gradient_checkpointing_kwargs={"use_reentrant": False} if checkpointing else None, logging_steps=1,

@@ -24,23 +24,23 @@ else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked 
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
-  # the fused per-token kernels (squared ReLU, Nemotron-H's norms, KDA's gated norm: new 2026-12-05) against fp64
-  job token_ops benchmarks/gpu_kernels.py --ops token --skip-parity --workloads --out $J/token_ops
-  # the rows issues 25 and 26 are done by (full-size `swe`, tree and packed), then Kimi's, then the rest
-  job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron "${same[@]}" \
-    --repeats 2 --out $J/nemotron_swe_tree
-  job nemotron_swe_packed $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron \
-    "${same[@]}" --repeats 1 --no-tree --packed-groups $nemotron --packed-warmup first --out $J/nemotron_swe_packed
-  # tree and packed in one child process (one compilation); the packed path only on an H200
+  # issue 26: Nemotron-H full-size `swe`, the hand-off source's forward once (--no-recompute: its graph kept while the
+  # children run; at 131,072-token pieces on the H200 its second forward was 26% of the unique tokens, 2026-12-05)
+  job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron "${same[@]}" \
+    --repeats 2 --no-recompute --out $J/nemotron_swe_keep
+  # issue 25: Ling-3 full-size `swe`, tree and packed in one child process (one compilation: its first tree run took
+  # 503 s with it on the H200, 2026-12-05); the packed path only on an H200
   ling3_both=(); [ "$ling3_packed" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup first)
   job_tf524 ling3_swe $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 "${same[@]}" \
     --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
   job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi "${same[@]}" \
     --repeats 2 --packed-groups $kimi --packed-warmup first --out $J/kimi_tau
+  # issue 26: where the tree's time goes against the packed path's (full-size `tau`, one piece: no hand-off)
   job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
     --repeats 1 --profile tree packed --out $J/nemotron_tau_profile
+  # issue 22: the trainer's step, each source's forward once
   job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
-    --trainer tree "${swe005[@]}" --out $J/tree_swe005
+    --trainer tree "${swe005[@]}" --keep-source-graphs --out $J/tree_swe005
   [ "$distinct" = 1 ] && job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --out $J/tree_distinct
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
