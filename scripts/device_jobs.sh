@@ -3,13 +3,14 @@
 #
 #   T0=$(date +%s); bash -c "T0=$T0; source scripts/device_env.sh && source scripts/device_jobs.sh" 2>&1 | tail -40
 #
-# (carry .device/site.tar.xz and .device/tf.tar.xz in the first call; later calls carry nothing while the machine stays
-# warm). Each call waits for the queue until 25 s before its 600 s, then packs $OUT/results.tgz (finish). The list
-# depends on the card: an H200 (141 GB) runs the headline settings; an H100 (80 GB) smaller planner pieces, since the
-# 2.3B preset's fp32 weights, gradients and AdamW states take 37 GiB (2026-12-05, H100: the `swe` scale-0.05 trainer at
-# --tree-token-budget 65536 peaked at 57.8 GiB in its first step, before AdamW's states existed, and ran out of memory in
-# its second) and the `distinct` forest alone peaks at 92.5 GiB. Jobs from transformers 5.24 (bailing_hybrid) run in
-# child processes (job_tf524); the rest share the worker's compiled kernels.
+# (carry .device/site.tar.xz and .device/tf.tar.xz in the first call; later calls carry nothing while the machine
+# stays warm; where .device/kernels/ holds saved kernels, a call carrying only it comes first: see SAVE_CACHES below).
+# Each call waits for the queue until 25 s before its 600 s, then packs $OUT/results.tgz (finish). The list depends on
+# the card: an H200 (141 GB) runs the headline settings; an H100 (80 GB) smaller planner pieces, since the 2.3B
+# preset's fp32 weights, gradients and AdamW states take 37 GiB (2026-12-05, H100: the `swe` scale-0.05 trainer at
+# --tree-token-budget 65536 peaked at 57.8 GiB in its first step, before AdamW's states existed, and ran out of memory
+# in its second) and the `distinct` forest alone peaks at 92.5 GiB. Jobs from transformers 5.24 (bailing_hybrid) run
+# in child processes (job_tf524); the rest share the worker's compiled kernels.
 J=$JOBS/w
 mkdir -p "$JOBS"
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -50,5 +51,10 @@ fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
 jobs_start
 jobs_wait
+# SAVE_CACHES=1 (a session's last call): the compiled kernels and Triton's autotuning choices come back as
+# $OUT/kernels.tar.xz.* for .device/kernels/, which a later session's machine unpacks before anything compiles (a fresh
+# H200 spent 329 s on the first Nemotron-H tree run and 503 s on Ling-3's, compiling, 2026-12-05); give that call's
+# T0 60 s early (T0=$(( $(date +%s) - 60 ))), to leave time for the packing
+[ "${SAVE_CACHES:-0}" = 1 ] && save_caches
 finish
 tail -n 3 "$JOBS"/*.log 2>/dev/null | cut -c1-200
