@@ -18,10 +18,10 @@ probe=benchmarks/plan_memory_probe.py
 trainer=benchmarks/multi_gpu_tree_grpo.py
 same=(--no-history --kernels fused --keep-attention on)
 if [ "${mem:-0}" -gt 100000 ]; then  # an H200: the headline settings
-  nemotron=131072 ling3=65536 kimi=0 swe005=() distinct=1 ling3_packed=1
+  nemotron=131072 ling3=65536 kimi=0 swe005=() h200=1
 else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked at 63.2 GiB, 2026-12-05; the longest
   # has 72,913)
-  nemotron=65536 ling3=32768 kimi=49152 swe005=(--tree-token-budget 32768) distinct=0 ling3_packed=0
+  nemotron=65536 ling3=32768 kimi=49152 swe005=(--tree-token-budget 32768) h200=0
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
@@ -29,23 +29,28 @@ if [ ! -f "$JOBS/.queued" ]; then
   # children run; at 131,072-token pieces on the H200 its second forward was 26% of the unique tokens, 2026-12-05)
   job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron "${same[@]}" \
     --repeats 2 --no-recompute --out $J/nemotron_swe_keep
+  # issue 26: where the tree's time goes against the packed path's (full-size `tau`, one piece: no hand-off)
+  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --repeats 1 --profile tree packed --out $J/nemotron_tau_profile
   # issue 25: Ling-3 full-size `swe`, tree and packed in one child process (one compilation: its first tree run took
   # 503 s with it on the H200, 2026-12-05); the packed path only on an H200
-  ling3_both=(); [ "$ling3_packed" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup first)
+  ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup first)
   job_tf524 ling3_swe $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 "${same[@]}" \
     --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
   job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi "${same[@]}" \
     --repeats 2 --packed-groups $kimi --packed-warmup first --out $J/kimi_tau
-  # issue 26: where the tree's time goes against the packed path's (full-size `tau`, one piece: no hand-off)
-  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --repeats 1 --profile tree packed --out $J/nemotron_tau_profile
+  # issues 22/23: the Qwen3-Next full-size `swe` tree with and without the source's second forward, one process
+  [ "$h200" = 1 ] && job swe_tree_keep $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
+    --repeats 2 --no-recompute --out $J/swe_tree_keep
+  [ "$h200" = 1 ] && job swe_tree $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --repeats 2 \
+    --out $J/swe_tree
   # issue 22: the trainer's step, each source's forward once
   job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
     --trainer tree "${swe005[@]}" --keep-source-graphs --out $J/tree_swe005
-  [ "$distinct" = 1 ] && job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
+  [ "$h200" = 1 ] && job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --out $J/tree_distinct
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
-  [ "$distinct" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
+  [ "$h200" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
     --loop-sample -1 --out $J/swe_loop
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
@@ -53,8 +58,8 @@ jobs_start
 jobs_wait
 # SAVE_CACHES=1 (a session's last call): the compiled kernels and Triton's autotuning choices come back as
 # $OUT/kernels.tar.xz.* for .device/kernels/, which a later session's machine unpacks before anything compiles (a fresh
-# H200 spent 329 s on the first Nemotron-H tree run and 503 s on Ling-3's, compiling, 2026-12-05); give that call's
-# T0 60 s early (T0=$(( $(date +%s) - 60 ))), to leave time for the packing
+# H200 spent 329 s on the first Nemotron-H tree run and 503 s on Ling-3's, compiling, 2026-12-05); start that
+# call's T0 60 s early (T0=$(( $(date +%s) - 60 ))), to leave time for the packing
 [ "${SAVE_CACHES:-0}" = 1 ] && save_caches
 finish
 tail -n 3 "$JOBS"/*.log 2>/dev/null | cut -c1-200
