@@ -111,6 +111,8 @@ def check_plan(model, sequences, budget, *, reference: bool, dtype=torch.float32
     executed = grads_of(model)
     unique = the_plan.packed.num_tokens
     assert sum(counted) == unique == run.stats["grad_tokens"], "every unique token once with gradient"
+    if recompute:  # the hand-off forwards run only the segments on the root paths of the branch tokens
+        assert run.stats["nograd_tokens"] == handoff_tokens(the_plan)[0]
     assert run.stats["grad_forwards"] == len(the_plan.pieces)
     assert run.memory == []  # the allocator trace is CUDA-only
 
@@ -142,6 +144,29 @@ def check_plan(model, sequences, budget, *, reference: bool, dtype=torch.float32
     return the_plan, run
 
 
+def handoff_tokens(the_plan) -> tuple[int, int]:
+    """Tokens the sources' hand-off forwards need (the whole segments of each source that hold a root-path token of
+    one of its children's branch tokens, walked token by token), and all of those sources' tokens."""
+    packed = the_plan.packed
+    cu = packed.cu_seqlens.tolist()
+    segment_of = {t: s for s in range(len(cu) - 1) for t in range(cu[s], cu[s + 1])}
+    needed_total = source_total = 0
+    for piece in the_plan.pieces:
+        children = [p for p in the_plan.pieces if p.handoff is not None and p.handoff.source_piece == piece.index]
+        if not children:
+            continue
+        needed = set()
+        for child in children:
+            token = child.handoff.branch_token
+            while token >= 0:
+                if segment_of[token] in piece.segments:
+                    needed.add(segment_of[token])
+                token = int(packed.parent[token])
+        needed_total += sum(cu[s + 1] - cu[s] for s in needed)
+        source_total += sum(cu[s + 1] - cu[s] for s in piece.segments)
+    return needed_total, source_total
+
+
 def longest_run(sequences) -> int:
     return int(PrefixForest.from_sequences(sequences).pack().cu_seqlens.diff().max())
 
@@ -159,6 +184,8 @@ def test_forced_splits_match_tree_and_reference(family):
         (140, 128, 12), (128, 128, 0), (20, 0, 20), (141, 128, 13), (210, 192, 18)}
     chained = [p for p in the_plan.pieces if p.handoff and the_plan.pieces[p.handoff.source_piece].handoff]
     assert {p.handoff.ancestor_tokens for p in chained} >= {141, 210}
+    needed, sources = handoff_tokens(the_plan)
+    assert 0 < needed < sources  # some of the sources' segments are no child's ancestors: left out of the hand-offs
 
 
 @pytest.mark.parametrize("seed", range(3))
