@@ -25,8 +25,11 @@ else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked 
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
-  # issue 26: Nemotron-H full-size `swe`, the hand-off source's forward once (--no-recompute: its graph kept while the
-  # children run; at 131,072-token pieces on the H200 its second forward was 26% of the unique tokens, 2026-12-05)
+  # issue 26: Nemotron-H full-size `swe` tree: the hand-off forward over the children's root paths only (19,391 of the
+  # source's 110,880 tokens at 131,072-token pieces), then the source's forward once (--no-recompute: its graph kept
+  # while the children run); the packed path's row (73.34 s on the H200, 2026-12-05) is unchanged by either
+  job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron "${same[@]}" \
+    --repeats 2 --out $J/nemotron_swe_tree
   job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron "${same[@]}" \
     --repeats 2 --no-recompute --out $J/nemotron_swe_keep
   # issue 26: where the tree's time goes against the packed path's (full-size `tau`, one piece: no hand-off)
