@@ -116,9 +116,10 @@ def execute_plan(model, plan: Plan, *, logprob_weights=None, entropy_weights=Non
             accumulates its own pieces' parameter gradients (sum them over ranks, as DDP's all-reduce does, for the
             one-forward gradient); ``logprobs`` are filled for this replica's tokens only.
         group: the ``torch.distributed`` process group of the replicas (default: the whole world).
-        recompute: True: sources run a no-grad forward for the hand-off and again with gradient after their
-            children (activations of one piece alive at a time). False: one forward with gradient, its graph kept
-            while the children run (less compute, a chain's activations in memory).
+        recompute: True: sources run a no-grad forward for the hand-off, over only their segments on the root
+            paths of their children's branch tokens, and again with gradient (whole) after their children
+            (activations of one piece alive at a time). False: one forward with gradient, its graph kept while the
+            children run (less compute, a chain's activations in memory).
         gdn_backend / attention_backend / float32_head / head_chunk_size: as in :func:`harts_hf.tree_logprobs`.
         entropy_grad: entropies with gradient. Default: with ``entropy_weights`` or a ``loss_fn`` (which may use
             them), not with ``logprob_weights`` alone. Pass False with a ``loss_fn`` that leaves entropies out of the
