@@ -38,8 +38,8 @@ MATMUL_GIB_HELP = ("Instead of tree_keep_matmul_layers: GiB of GPU memory to spe
 
 KEEP_SOURCE_GRAPHS_HELP = ("With planner pieces (tree_token_budget) on one process: a piece that hands states to pieces "
                            "below it runs ONE forward with gradient and keeps its autograd graph while they run, "
-                           "instead of a forward without gradient for the hand-off and another with gradient after "
-                           "them. Saves that second forward of every such piece's tokens, for the memory of the kept "
+                           "instead of a forward without gradient for the hand-off (over its tokens on their root "
+                           "paths) and another with gradient after them. Saves that forward, for the memory of the kept "
                            "graphs (those of the pieces on the current chain; with gradient checkpointing, each "
                            "checkpointed layer's input and what the layer keeps). The gradients are the same. Not "
                            "with several processes or DeepSpeed (their gradient synchronisation needs each piece's "
