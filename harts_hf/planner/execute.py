@@ -275,7 +275,6 @@ class _PlanRunner:
         self.stats = {"pieces": 0, "handoffs": 0, "grad_forwards": 0, "grad_tokens": 0, "nograd_forwards": 0,
                       "nograd_tokens": 0}
         self._occurrences = None
-        self._segment_of = self._segment_start = self._parent = None  # token -> segment, for hand-off forwards
         self.memory: list[tuple[int, str, float, float]] = []
         self.exchange: Exchange | None = None
 
@@ -398,8 +397,7 @@ class _PlanRunner:
     def _prepare(self, piece: Piece, context: TreeContext | None):
         """``piece``'s packed token ids (global), its tree (exporting its children's hand-offs) and its targets."""
         tokens = self.packed.segment_tokens(piece.segments)
-        exports = [TreeExport(int(np.searchsorted(tokens.numpy(), child.handoff.branch_token)),
-                              child.handoff.ancestor_tokens) for child in self.children[piece.index]]
+        exports = self._exports(tokens, self.children[piece.index])
         if context is not None and context.ancestor_tokens != piece.handoff.ancestor_tokens:
             raise ValueError(f"piece {piece.index}: context has {context.ancestor_tokens} ancestors, its hand-off "
                              f"{piece.handoff.ancestor_tokens}")
@@ -410,6 +408,12 @@ class _PlanRunner:
             scored &= self.packed.loss_mask[tokens]
         targets = torch.nonzero(scored).squeeze(1).to(self.device)
         return tokens, tree, targets
+
+    @staticmethod
+    def _exports(tokens: torch.Tensor, children: list[Piece]) -> list[TreeExport]:
+        """One export per child, at its branch token's place among ``tokens`` (increasing packed ids)."""
+        return [TreeExport(int(np.searchsorted(tokens.numpy(), child.handoff.branch_token)),
+                           child.handoff.ancestor_tokens) for child in children]
 
     def run(self, piece: Piece, context: TreeContext | None, last: bool = False) -> None:
         """Forward (and backward) ``piece`` and, recursively, its children; hand-off gradients end up in the
@@ -515,23 +519,17 @@ class _PlanRunner:
         its ancestors alone; for the Qwen3-Next preset's full-size `swe` at 131,072-token pieces, 19,665 of the
         source's 113,273 tokens). Returns the filled exports, in the order of ``self.children[piece.index]``."""
         children = self.children[piece.index]
-        if self._segment_of is None:
-            cu = self.packed.cu_seqlens.cpu().numpy().astype(np.int64)
-            self._segment_of = np.repeat(np.arange(cu.shape[0] - 1), np.diff(cu))
-            self._segment_start, self._parent = cu[:-1], self.packed.parent.cpu().numpy()
+        segment_of, parent = self.packed.segment_of_token(), self.packed.segment_parent
         inside, needed = set(piece.segments), set()
         for child in children:
-            token = child.handoff.branch_token
-            while token >= 0 and self._segment_of[token] in inside and self._segment_of[token] not in needed:
-                segment = int(self._segment_of[token])
+            # up the branch token's root path to the piece's root, or to a segment another child already took
+            segment = int(segment_of[child.handoff.branch_token])
+            while segment in inside and segment not in needed:
                 needed.add(segment)
-                token = int(self._parent[self._segment_start[segment]])
+                segment = int(parent[segment])
         segments = sorted(needed)
-        tokens = self.packed.segment_tokens(segments).numpy()
-        exports = [TreeExport(int(np.searchsorted(tokens, child.handoff.branch_token)), child.handoff.ancestor_tokens)
-                   for child in children]
-        tree = TreeMetadata(self.packed.select(segments), self.device, context=context, exports=exports,
-                            **self.backends)
+        tree = TreeMetadata(self.packed.select(segments), self.device, context=context,
+                            exports=self._exports(self.packed.segment_tokens(segments), children), **self.backends)
         self._forward(tree, torch.zeros(0, dtype=torch.long, device=self.device), grad=False)
         return tree.exports
 
