@@ -193,7 +193,7 @@ def check_unshared_layout() -> float:
     import torch
 
     from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
-    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import round_batch
+    from harts_hf.kernels.tree_gated_delta_rule.round_batch import round_batch
     from harts_hf.trees import PrefixForest
 
     rng = random.Random(5)

@@ -525,7 +525,7 @@ def test_varlen_layout_gives_ancestor_or_self_visibility(name):
 def test_round_batch_lays_the_rounds_back_to_back(seed):
     """The round-batched fla node's layout: every round's units in one varlen grid, round after round, with each
     round's own grid recoverable as a slice (what its state pass gets) and every packed token output once."""
-    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import round_batch
+    from harts_hf.kernels.tree_gated_delta_rule.round_batch import round_batch
 
     sequences = random_tree_sequences(random.Random(seed), 12, vocab=5, max_tail=300) + chunk_edge_sequences()
     packed = PrefixForest.from_sequences(sequences).pack()
@@ -588,7 +588,7 @@ def test_round_batch_of_unshared_sequences_is_the_identity(handed_in):
     the identity."""
     from dataclasses import replace
 
-    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import round_batch
+    from harts_hf.kernels.tree_gated_delta_rule.round_batch import round_batch
 
     rng = random.Random(3)
     sequences = [[10 + i] + [rng.randrange(5) for _ in range(n - 1)] for i, n in enumerate((1, 63, 64, 65, 200))]
@@ -654,7 +654,7 @@ def test_state_pass_choice(monkeypatch):
 def test_serial_units_follow_the_bank(seed):
     """The serial state pass's unit table (no Triton needed to build it): units in round order, every unit's start
     row saved by an earlier unit (or zeros), chunk offsets matching fla's per-chunk ``h`` layout of the batch."""
-    from harts_hf.kernels.tree_gated_delta_rule.fla_backend import round_batch
+    from harts_hf.kernels.tree_gated_delta_rule.round_batch import round_batch
     from harts_hf.kernels.tree_gated_delta_rule.serial_state_pass import serial_units
 
     sequences = random_tree_sequences(random.Random(seed), 12, vocab=5, max_tail=300) + chunk_edge_sequences()

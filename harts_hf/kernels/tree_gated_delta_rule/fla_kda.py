@@ -19,6 +19,7 @@ import torch
 
 from . import fla_backend
 from .plan import CONTEXT_STATE, GatedDeltaPlan
+from .round_batch import round_batch
 
 __all__ = ["import_fla_op", "per_round", "tree_kda_fla"]
 
@@ -105,7 +106,7 @@ class _TreeKdaBatched(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel):
         st, l2norm_fwd = _kda_stages(), fla_backend._import_fla()[3]
-        batch = fla_backend.round_batch(plan, q.device)
+        batch = round_batch(plan, q.device)
         HV, K, V = v.shape[1], k.shape[2], v.shape[2]
         q_rstd = k_rstd = None
         if use_qk_l2norm_in_kernel:
@@ -129,7 +130,7 @@ class _TreeKdaBatched(torch.autograd.Function):
         st, l2norm_bwd = _kda_stages(), fla_backend._import_fla()[4]
         q, k, v, beta, q_rstd, k_rstd, g_cumsum, Aqk, Akk, *initial = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
-        batch = fla_backend.round_batch(plan, q.device)
+        batch = round_batch(plan, q.device)
         rows, HV, V = v.shape
         H, K = k.shape[1], k.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)

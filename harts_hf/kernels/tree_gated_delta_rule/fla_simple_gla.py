@@ -12,7 +12,7 @@ of full-size ``tau`` (2026-12-05). The plan must be built with ``final_states_on
 With :data:`BATCH_ROUNDS` (the default), :class:`_TreeSimpleGlaBatched` is one autograd node for all rounds: only the
 state pass (forward) and the state-gradient pass (backward) depend on a unit's initial state, so fla's other stages of
 ``chunk_simple_gla`` (gate cumsum, output, dq / dk / dg, dv) run ONCE over the executed tokens of every round, laid
-out round after round (:func:`~.fla_backend.round_batch`), and per round only fla's state kernel runs on that
+out round after round (:func:`~.round_batch.round_batch`), and per round only fla's state kernel runs on that
 round's slice, on a host-built chunk grid: no device-to-host read, three launches per round. Every kernel works
 chunk by chunk within a unit, so the arithmetic is the per-round function's. ``BATCH_ROUNDS = False``: fla's public
 ``chunk_simple_gla`` once per round, states handed over through autograd (:func:`~.fla_kda.per_round`; on the
@@ -28,6 +28,7 @@ import torch
 from . import fla_backend
 from .fla_kda import import_fla_op, per_round
 from .plan import GatedDeltaPlan
+from .round_batch import round_batch
 
 __all__ = ["tree_simple_gla_fla"]
 
@@ -126,7 +127,7 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, plan, scale):
         st = _stages()
-        batch = fla_backend.round_batch(plan, q.device)
+        batch = round_batch(plan, q.device)
         HV, K, V = v.shape[1], k.shape[2], v.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
         qe, ke, ve = (batch.executed(x) for x in (q, k, v))
@@ -145,7 +146,7 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
         st = _stages()
         q, k, v, g_cumsum, *initial = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
-        batch = fla_backend.round_batch(plan, q.device)
+        batch = round_batch(plan, q.device)
         rows, HV, V = v.shape
         K = k.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)

@@ -113,7 +113,7 @@ def one_save_per_unit(batch) -> bool:
 def serial_units(plan, device, lanes: bool = False) -> SerialUnits:
     """The :class:`SerialUnits` of ``plan`` (cached on the plan per device), from its round batch: one lane in round
     order, or heavy-path ``lanes`` (:func:`lane_order`)."""
-    from .fla_backend import round_batch
+    from .round_batch import round_batch
 
     cache = plan.__dict__.setdefault("_serial_units", {})
     key = (str(device), lanes)
