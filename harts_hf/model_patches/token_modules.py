@@ -145,13 +145,21 @@ def _is_group_gated_norm(module) -> bool:
         x, gate, weight, eps, size), weight, inputs=2) is not None
 
 
+def _linear_weight(linear) -> torch.Tensor | None:
+    """A projection's ``[out, in]`` weight to size the probe by, or None (missing, empty or on the meta device)."""
+    weight = getattr(linear, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0 or weight.is_meta:
+        return None
+    return weight
+
+
 def _is_swiglu_mlp(module) -> bool:
     parts = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
     act_fn = getattr(module, "act_fn", None)
     if not all(isinstance(part, torch.nn.Module) for part in parts) or not callable(act_fn):
         return False
-    weight = getattr(parts[0], "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0 or weight.is_meta:
+    weight = _linear_weight(parts[0])
+    if weight is None:
         return False
     gate, up, down = parts
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
@@ -165,8 +173,8 @@ def _is_relu_squared_mlp(module) -> bool:
     if hasattr(module, "gate_proj") or not all(isinstance(part, torch.nn.Module) for part in (up, down)) or \
             not callable(act_fn):
         return False
-    weight = getattr(up, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.numel() == 0 or weight.is_meta:
+    weight = _linear_weight(up)
+    if weight is None:
         return False
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         x = _probe_input(weight).to(weight.dtype)

@@ -217,7 +217,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     return y.reshape(x.shape).to(x.dtype)
 
 
-
 def group_gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int, *,
                          backend: str | None = None) -> torch.Tensor:
     """Mamba-2's gated norm of :func:`~.naive.group_gated_rms_norm_reference` (``x``, ``gate`` ``[..., D]``, groups of
