@@ -22,6 +22,7 @@ kernel's first configuration (the interpreter has no benchmarker).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import random
@@ -105,6 +106,16 @@ def check_value_blocks() -> float:
     return worst
 
 
+def recurrence_inputs(rows: int, per_channel: bool, H: int = 1, HV: int = 2, K: int = 16, V: int = 16) -> list:
+    """``q, k [rows, H, K]``, ``v [rows, HV, V]``, gates (``[rows, HV, K]`` per channel, else ``[rows, HV]``) in
+    ``[-0.3, 0]`` and ``beta [rows, HV]``, drawn in that order, each requiring grad."""
+    import torch
+
+    q, k, v = torch.randn(rows, H, K), torch.randn(rows, H, K), torch.randn(rows, HV, V)
+    gate = -torch.rand(rows, HV, K) * 0.3 if per_channel else -torch.rand(rows, HV) * 0.3
+    return [t.requires_grad_() for t in (q, k, v, gate, torch.rand(rows, HV))]
+
+
 def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int = 64) -> float:
     """The fla nodes of the other recurrences vs the fp32 torch backend: Kimi Delta Attention (per-channel gates,
     :mod:`.fla_kda`, fla's ``chunk_kda``) or gated linear attention (``delta=False``, per-head gates,
@@ -118,12 +129,8 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     from harts_hf.trees import PrefixForest
     from tests.forests import chunk_edge_sequences
 
-    H, HV, K, V = 1, 2, 16, 16
-
-    def inputs(rows):  # q, k, v, g, beta drawn in that order
-        q, k, v = torch.randn(rows, H, K), torch.randn(rows, H, K), torch.randn(rows, HV, V)
-        gate = -torch.rand(rows, HV, K) * 0.3 if per_channel else -torch.rand(rows, HV) * 0.3
-        return [t.requires_grad_() for t in (q, k, v, gate, torch.rand(rows, HV))]
+    HV, K, V = 2, 16, 16
+    inputs = functools.partial(recurrence_inputs, per_channel=per_channel)
 
     from harts_hf.kernels.tree_gated_delta_rule import fla_kda, fla_simple_gla
 
@@ -199,15 +206,11 @@ def check_unshared_layout() -> float:
     rng = random.Random(5)
     sequences = [[10 + i] + [rng.randrange(5) for _ in range(n - 1)] for i, n in enumerate((1, 63, 64, 65, 130))]
     packed = PrefixForest.from_sequences(sequences).pack()
-    H, HV, K, V = 1, 2, 16, 16
     worst = 0.0
     for label, per_channel, delta in (("Gated DeltaNet", False, True), ("KDA", True, True),
                                       ("gated linear attention", False, False)):
         torch.manual_seed(4)
-        gate = -torch.rand(packed.num_tokens, HV, K) * 0.3 if per_channel else -torch.rand(packed.num_tokens, HV) * 0.3
-        leaves = [t.requires_grad_() for t in (torch.randn(packed.num_tokens, H, K), torch.randn(packed.num_tokens, H, K),
-                                               torch.randn(packed.num_tokens, HV, V), gate,
-                                               torch.rand(packed.num_tokens, HV))]
+        leaves = recurrence_inputs(packed.num_tokens, per_channel)
         options = dict(use_qk_l2norm_in_kernel=delta) if label == "Gated DeltaNet" else \
             dict(use_qk_l2norm_in_kernel=delta, delta=delta)
         outs = {}
