@@ -16,7 +16,7 @@ from harts_hf.model_patches.token_modules import token_module_forwards
 from tests.models import build
 
 OFFSET, PLAIN, FP32_WEIGHT = (True, True), (False, False), (False, True)  # (offset, fp32_weight) of the norms
-QWEN_GATED = ("silu", False)  # (activation, fp32) of the gated norms
+QWEN_GATED, KDA_GATED = ("silu", False), ("sigmoid", True)  # (activation, fp32) of the gated norms
 EXPECTED = {
     "qwen3_next": {"Qwen3NextRMSNorm": (13, OFFSET), "Qwen3NextMLP": (4, None),
                    "Qwen3NextRMSNormGated": (2, QWEN_GATED)},
@@ -28,9 +28,9 @@ EXPECTED = {
     "bamba": {"BambaRMSNorm": (7, PLAIN), "BambaMLP": (3, None), "BambaRMSNormGated": (2, None)},
     # Kimi Delta Attention's gated norm: all in fp32, a sigmoid gate
     "kimi_linear": {"KimiLinearRMSNorm": (11, PLAIN), "KimiLinearMLP": (4, None),
-                    "KimiLinearRMSNormGated": (2, ("sigmoid", True))},
+                    "KimiLinearRMSNormGated": (2, KDA_GATED)},
     "bailing_hybrid": {"BailingHybridRMSNorm": (13, PLAIN), "BailingHybridMLP": (4, None),
-                       "BailingHybridRMSNormGated": (2, ("sigmoid", True))},
+                       "BailingHybridRMSNormGated": (2, KDA_GATED)},
 }
 
 
@@ -174,8 +174,8 @@ def test_relu_squared_reference_and_mlp_are_transformers(dtype):
         handle.revert()
 
 
-@pytest.mark.parametrize("family,variant", [("qwen3_next", QWEN_GATED), ("kimi_linear", ("sigmoid", True)),
-                                            ("bailing_hybrid", ("sigmoid", True))])
+@pytest.mark.parametrize("family,variant", [("qwen3_next", QWEN_GATED), ("kimi_linear", KDA_GATED),
+                                            ("bailing_hybrid", KDA_GATED)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_norm_reference_is_transformers_formula(family, variant, dtype):
     """Each gated-norm reference the probe matches reproduces its family's module bit for bit, dtype included."""
