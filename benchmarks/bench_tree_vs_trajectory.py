@@ -67,10 +67,11 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
-              graph_tokens=0)
+              graph_tokens=0, experts="cuda")
 KERNEL_SETS = {
     "fused": _FUSED,
-    "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch"),
+    "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
+    "fused_fp32_experts": dict(_FUSED, experts="never"),
     "fused_fla_norm": dict(_FUSED, norm="fla"),
     "fused_norm": dict(_FUSED, norm="harts"),
     "fused_fa4": dict(_FUSED, varlen="fa4"),
@@ -83,8 +84,9 @@ KERNEL_SETS = {
     "fused_fa4_graphs": dict(_FUSED, varlen="fa4", graph_tokens=16384),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
-``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS`` and
-``tree_gated_delta_rule.fla_backend.PUBLIC_PER_ROUND``. ``fused`` is harts_hf's default, ``fused_fa4`` the same with
+``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
+``tree_gated_delta_rule.fla_backend.PUBLIC_PER_ROUND``, ``cuda_graphs.MAX_TOKENS`` and
+``model_patches.token_modules.AUTOCAST_EXPERTS``. ``fused`` is harts_hf's default, ``fused_fa4`` the same with
 the tree attention on FlashAttention-4. Since 2026-12-02 the default RMSNorm kernel is harts_hf's own
 (``token_ops.NORM_KERNEL = "harts"``); ``fused_fla_norm`` / ``fused_fa4_fla_norm`` run fla's, as ``fused`` /
 ``fused_fa4`` did before (rows measured earlier name the sets as they were: ``fused_norm``, ``fused_fa4_norm`` and
@@ -93,7 +95,8 @@ thing against ``fused_fa4``: one autocast cast shared by the projections of an a
 DeltaNet function per round (FlashQLA where importable); ``fused_fa4_all`` both; ``fused_fa4_graphs`` records the Gated
 DeltaNet node's bodies as CUDA graphs on plans of up to 16,384 executed tokens (``cuda_graphs.MAX_TOKENS``; 0, off, in
 the other sets). The 2026-12-04 run of tau at scale 0.02 named the same two settings ``fused_fa4`` (graphs on, then the
-default) and ``fused_fa4_no_graphs``."""
+default) and ``fused_fa4_no_graphs``. ``fused_fp32_experts`` (and ``reference``) run MoE models' routed experts as
+transformers does under autocast, in the weights' dtype (fp32 here); every set before 2026-12-05 ran them so."""
 
 
 def use_kernels(name: str) -> None:
@@ -103,13 +106,14 @@ def use_kernels(name: str) -> None:
     from harts_hf.kernels.token_ops import ops as token_ops
     from harts_hf.kernels.tree_attention import varlen
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
-    from harts_hf.model_patches import core
+    from harts_hf.model_patches import core, token_modules
 
     kernels = KERNEL_SETS[name]
     token_ops.BACKEND, logprob_ops.BACKEND = kernels["token_ops"], kernels["logprob_stats"]
     varlen.KERNEL, token_ops.NORM_KERNEL = kernels["varlen"], kernels["norm"]
     core.SHARED_CASTS, fla_backend.PUBLIC_PER_ROUND = kernels["shared_casts"], kernels["gdn_public"]
     cuda_graphs.MAX_TOKENS = kernels["graph_tokens"]
+    token_modules.AUTOCAST_EXPERTS = kernels["experts"]
 
 
 def build_model(name: str, family: str, device, dtype):

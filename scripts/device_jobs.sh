@@ -32,14 +32,19 @@ if [ ! -f "$JOBS/.queued" ]; then
     --repeats 2 --out $J/nemotron_swe_tree
   job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron "${same[@]}" \
     --repeats 2 --no-recompute --out $J/nemotron_swe_keep
-  # issue 26: where the tree's time goes against the packed path's (full-size `tau`, one piece: no hand-off)
-  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --repeats 1 --profile tree packed --out $J/nemotron_tau_profile
+  # issue 26: full-size `tau` on this card, both paths timed (the H200 rows are from 2026-12-03, before the fused
+  # squared-ReLU, norm and grouped-gated-norm kernels and the scan node's grouped heads)
+  job nemotron_tau $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --repeats 2 --packed-groups 0 --packed-warmup first --out $J/nemotron_tau
   # issue 25: Ling-3 full-size `swe`, tree and packed in one child process (one compilation: its first tree run took
   # 503 s with it on the H200, 2026-12-05); the packed path only on an H200
   ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup first)
   job_tf524 ling3_swe $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 "${same[@]}" \
     --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
+  # issue 25: the routed experts in bf16 under autocast (harts_hf's default since 2026-12-05) against transformers'
+  # fp32 experts (every Ling-3 row before: MFU 0.086), full-size `tau`, the tree (one child: compiled once)
+  [ "$h200" = 1 ] && job_tf524 ling3_tau_experts $probe --model ling3_shaped --workload tau --scale 1.0 --budget 0 \
+    --no-history --kernels fused fused_fp32_experts --keep-attention on --repeats 2 --out $J/ling3_tau_experts
   job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi "${same[@]}" \
     --repeats 2 --packed-groups $kimi --packed-warmup first --out $J/kimi_tau
   # issues 22/23: the Qwen3-Next full-size `swe` tree with and without the source's second forward, one process
@@ -52,6 +57,9 @@ if [ ! -f "$JOBS/.queued" ]; then
     --trainer tree "${swe005[@]}" --keep-source-graphs --out $J/tree_swe005
   [ "$h200" = 1 ] && job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --out $J/tree_distinct
+  # issue 26: where the tree's time goes against the packed path's (full-size `tau`, one piece: no hand-off)
+  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --repeats 1 --profile tree packed --out $J/nemotron_tau_profile
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
   [ "$h200" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
     --loop-sample -1 --out $J/swe_loop

@@ -24,13 +24,18 @@ EXPECTED = {
     "llama": {"LlamaRMSNorm": (5, PLAIN), "LlamaMLP": (2, None)},
     "qwen3": {"Qwen3RMSNorm": (9, PLAIN), "Qwen3MLP": (2, None)},
     # the squared-ReLU MLPs and the Mamba mixer's grouped gated norm (the gated input normalised per group)
-    "nemotron_h": {"NemotronHRMSNorm": (6, FP32_WEIGHT), "NemotronHMLP": (2, None), "NemotronHRMSNormGated": (2, None)},
+    "nemotron_h": {"NemotronHRMSNorm": (6, FP32_WEIGHT), "NemotronHMLP": (2, None), "NemotronHRMSNormGated": (2, None),
+                   "NemotronHExperts": (1, None)},
     "bamba": {"BambaRMSNorm": (7, PLAIN), "BambaMLP": (3, None), "BambaRMSNormGated": (2, None)},
     # Kimi Delta Attention's gated norm: all in fp32, a sigmoid gate
     "kimi_linear": {"KimiLinearRMSNorm": (11, PLAIN), "KimiLinearMLP": (4, None),
-                    "KimiLinearRMSNormGated": (2, KDA_GATED)},
+                    "KimiLinearRMSNormGated": (2, KDA_GATED), "KimiLinearExperts": (2, None)},
     "bailing_hybrid": {"BailingHybridRMSNorm": (13, PLAIN), "BailingHybridMLP": (4, None),
-                       "BailingHybridRMSNormGated": (2, KDA_GATED)},
+                       "BailingHybridRMSNormGated": (2, KDA_GATED), "BailingHybridExperts": (2, None)},
+    # routed experts (transformers' use_experts_implementation): cast to the autocast dtype under autocast
+    "qwen3_moe": {"Qwen3MoeRMSNorm": (9, PLAIN), "Qwen3MoeExperts": (2, None)},
+    "qwen3_next_moe": {"Qwen3NextRMSNorm": (13, OFFSET), "Qwen3NextMLP": (4, None),
+                       "Qwen3NextRMSNormGated": (2, QWEN_GATED), "Qwen3NextExperts": (4, None)},
 }
 
 
@@ -430,3 +435,94 @@ def test_autocast_copies_cast_once_with_the_same_products_and_gradients():
     for a, b in zip(grads[1:], plain_grads[1:]):
         assert torch.equal(a, b)
     assert all(copy is leaf for copy in autocast_copies(leaf, 3))  # no autocast: nothing to cast
+
+
+MOE_FAMILIES = ("qwen3_moe", "qwen3_next_moe", "glm4_moe", "bailing_hybrid")
+
+
+def _experts(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
+
+
+def _grouped_mm_dtypes(monkeypatch) -> list:
+    """The (input, weight) dtypes of every ``F.grouped_mm`` call from here on."""
+    seen, grouped_mm = [], F.grouped_mm
+
+    def spy(a, b, *args, **kwargs):
+        seen.append((a.dtype, b.dtype))
+        return grouped_mm(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(F, "grouped_mm", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_routed_experts_run_in_the_autocast_dtype(family, monkeypatch):
+    """transformers' grouped_mm experts cast their input to the weights' dtype, so with fp32 weights under bf16
+    autocast they ran in fp32. Patched (AUTOCAST_EXPERTS = "always", so that this CPU runs it), every routed expert
+    runs in bf16 under autocast: outputs and fp32 weight gradients equal to the same experts called with their weights
+    cast to bf16 beforehand, bit for bit; without autocast the original forward, bit for bit."""
+    from harts_hf.model_patches import token_modules
+
+    model = build(family)
+    assert model.config._experts_implementation == "grouped_mm"
+    reference = build(family)
+    apply_tree_patches(model)
+    monkeypatch.setattr(token_modules, "AUTOCAST_EXPERTS", "always")
+    experts, reference_experts = _experts(model), _experts(reference)
+    assert experts and all(type(e.forward).__name__ == "PatchedForward" for e in experts)
+    seen = _grouped_mm_dtypes(monkeypatch)
+    for patched, plain in zip(experts, reference_experts):
+        hidden = torch.randn(7, model.config.hidden_size, requires_grad=True)
+        top_k = plain.config.num_experts_per_tok
+        index = torch.stack([torch.randperm(patched.num_experts)[:top_k] for _ in range(7)])
+        weights = torch.rand(7, top_k)
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = patched(hidden, index, weights)
+        assert seen == [(torch.bfloat16, torch.bfloat16)] * 2  # up and down projections
+        grads = torch.autograd.grad(out.float().square().sum(), [hidden, *patched.parameters(recurse=False)])
+        cast = {name: p.to(torch.bfloat16) for name, p in plain.named_parameters(recurse=False)}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = torch.func.functional_call(plain, cast, (hidden, index, weights))
+        expected_grads = torch.autograd.grad(expected.float().square().sum(), [hidden, *plain.parameters(recurse=False)])
+        assert torch.equal(out, expected)
+        for got, want in zip(grads, expected_grads):
+            assert got.dtype == want.dtype and torch.equal(got, want)
+        assert all(isinstance(p, torch.nn.Parameter) for p in patched._parameters.values())  # the weights are back
+        seen.clear()
+        with torch.no_grad():  # no autocast: transformers' forward, in fp32
+            assert torch.equal(patched(hidden, index, weights), plain(hidden, index, weights))
+        assert seen == [(torch.float32, torch.float32)] * 4
+
+
+@pytest.mark.parametrize("setting, implementation, cast", [
+    ("cuda", "grouped_mm", False),  # the default: CPU inputs keep transformers' code
+    ("never", "grouped_mm", False),
+    ("always", "eager", False),  # eager / batched_mm run autocast-enabled ops already
+    ("always", "grouped_mm", True),
+])
+def test_routed_experts_cast_only_where_asked(setting, implementation, cast, monkeypatch):
+    from harts_hf.model_patches import token_modules
+
+    model = build("qwen3_moe")
+    apply_tree_patches(model)
+    model.config._experts_implementation = implementation
+    monkeypatch.setattr(token_modules, "AUTOCAST_EXPERTS", setting)
+    seen = _grouped_mm_dtypes(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(input_ids=torch.randint(0, 97, (1, 12)))
+    if implementation == "eager":  # F.linear per expert under autocast: bf16 already, nothing for harts_hf to do
+        assert not seen
+    else:
+        assert {weight for _, weight in seen} == {torch.bfloat16 if cast else torch.float32}
+
+
+def test_routed_experts_setting_is_checked(monkeypatch):
+    from harts_hf.model_patches import token_modules
+
+    model = build("qwen3_moe")
+    apply_tree_patches(model)
+    monkeypatch.setattr(token_modules, "AUTOCAST_EXPERTS", "bf16")
+    with pytest.raises(ValueError, match="AUTOCAST_EXPERTS must be one of"):
+        model(input_ids=torch.randint(0, 97, (1, 12)))

@@ -8,6 +8,13 @@ it is fused only if a reference formula reproduces that output and its dtype. An
 which is exact on trees too (it acts on each token alone). CPU inputs, and CUDA inputs with
 ``token_ops.BACKEND = "torch"``, always run the original forward. Under DeepSpeed ZeRO-3 the weights are
 partitioned at patch time, so nothing is fused there.
+
+Routed experts (transformers' ``use_experts_implementation`` modules: Qwen3-MoE, Qwen3-Next, Ling 3, GLM-4 MoE and
+most other MoE families) get one fix of precision rather than a kernel: their ``grouped_mm`` implementation, the
+default, is not autocast-enabled and casts its input to the weights' dtype, so with fp32 weights under bf16 autocast
+(mixed-precision training) every routed expert ran in fp32 while every ``nn.Linear`` ran in bf16. Under autocast
+their floating-point weights are cast to the autocast dtype for the call (:data:`AUTOCAST_EXPERTS`), which is what
+autocast does for a linear layer; gradients reach the fp32 weights through the cast.
 """
 
 from __future__ import annotations
@@ -30,6 +37,12 @@ from .core import PatchedForward, autocast_copies
 __all__ = ["token_module_forwards"]
 
 logger = logging.getLogger("harts_hf")
+
+AUTOCAST_EXPERTS = "cuda"
+"""Where routed experts on transformers' ``grouped_mm`` run in the autocast dtype under autocast (see the module
+doc): ``"cuda"`` (the default: CUDA inputs; CPU runs keep transformers' code), ``"always"`` or ``"never"``
+(transformers' behaviour: experts in their weights' dtype)."""
+_AUTOCAST_EXPERTS = ("cuda", "always", "never")
 
 
 def token_module_forwards(model: torch.nn.Module):
@@ -61,6 +74,8 @@ def _handler_for(module: torch.nn.Module):
             return _mlp_call
         if _is_relu_squared_mlp(module):
             return _relu_squared_mlp_call
+        if _is_routed_experts(module):
+            return _experts_call
     except Exception as error:  # noqa: BLE001 - a module the probe cannot run (sharded, meta) stays as it is
         logger.debug("harts_hf: %s not fused (%s)", class_name, error)
     return None
@@ -220,3 +235,42 @@ def _relu_squared_mlp_call(module, original, *args, **kwargs):
     if not _one_tensor(args, kwargs) or token_ops.token_ops_backend(args[0]) == "torch":
         return original(*args, **kwargs)
     return module.down_proj(token_ops.relu_squared(module.up_proj(args[0]), backend="fla"))
+
+
+def _is_routed_experts(module) -> bool:
+    """A routed-experts module of transformers' ``use_experts_implementation`` (its forward dispatches on
+    ``config._experts_implementation``; expert weights stacked ``[experts, ...]`` as its own parameters)."""
+    forward = getattr(type(module).forward, "__wrapped__", None)
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    return forward is not None and isinstance(implementation, str) and all(
+        hasattr(module, name) for name in ("has_gate", "has_bias", "is_transposed")) and any(
+        p.dim() == 3 for p in module.parameters(recurse=False))
+
+
+def _experts_call(module, original, *args, **kwargs):
+    if AUTOCAST_EXPERTS not in _AUTOCAST_EXPERTS:
+        raise ValueError(f"token_modules.AUTOCAST_EXPERTS must be one of {_AUTOCAST_EXPERTS}, got {AUTOCAST_EXPERTS!r}")
+    x = args[0] if args else kwargs.get("hidden_states")
+    if AUTOCAST_EXPERTS == "never" or not isinstance(x, torch.Tensor) or (AUTOCAST_EXPERTS == "cuda" and not x.is_cuda):
+        return original(*args, **kwargs)
+    return experts_in_autocast_dtype(module, original, x.device.type, *args, **kwargs)
+
+
+def experts_in_autocast_dtype(module, original, device_type: str, *args, **kwargs):
+    """``original(*args, **kwargs)`` (the experts module's forward) with its floating-point parameters wider than the
+    autocast dtype of ``device_type`` cast to it for the call, where autocast is on there and the module runs
+    transformers' ``grouped_mm`` (its ``eager`` and ``batched_mm`` forms use autocast-enabled ops already). The cast
+    tensors take the parameters' places in ``module._parameters`` and the parameters return when the call ends."""
+    if module.config._experts_implementation != "grouped_mm" or not torch.is_autocast_enabled(device_type):
+        return original(*args, **kwargs)
+    dtype = torch.get_autocast_dtype(device_type)
+    wide = {name: p for name, p in module._parameters.items()
+            if p is not None and p.is_floating_point() and p.dtype.itemsize > dtype.itemsize}
+    if not wide:
+        return original(*args, **kwargs)
+    try:
+        for name, parameter in wide.items():
+            module._parameters[name] = parameter.to(dtype)
+        return original(*args, **kwargs)
+    finally:
+        module._parameters.update(wide)
