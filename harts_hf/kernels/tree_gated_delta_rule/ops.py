@@ -107,8 +107,11 @@ def tree_gated_delta_rule(
         return tree_gated_delta_rule_fla(q, k, v, g, beta, plan, scale=scale,
                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                          initial_state=initial_state, output_requested_states=output_requested_states)
-    out, states = _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel,
-                                               initial_state, delta)
+    # the torch path computes in fp32 (fp64 stays fp64), as fla's kernels do; autocast would run its products in
+    # bf16, and the triangular solve has no bf16 CPU kernel
+    with torch.autocast(q.device.type, enabled=False):
+        out, states = _tree_gated_delta_rule_torch(q, k, v, g, beta, plan, scale, use_qk_l2norm_in_kernel,
+                                                   initial_state, delta)
     if not output_requested_states:
         return out
     return out, [None if key is None else states[key] for key in plan.requested_states]
