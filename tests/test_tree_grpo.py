@@ -298,6 +298,7 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_gdn_backend="cuda"), ["tree_gdn_backend", "'fla'"]),
     (dict(tree_attention_backend="flex"), ["tree_attention_backend"]),
     (dict(tree_varlen_kernel="fa3"), ["tree_varlen_kernel", "'fa4'", "'fa3'"]),
+    (dict(tree_autocast_experts="bf16"), ["tree_autocast_experts", "'never'", "'bf16'"]),
     (dict(tree_attention_backend="cudnn"), ["tree_attention_backend='cudnn'", "CUDA only", "'auto'"]),
     (dict(tree_attention_backend="varlen"), ["tree_attention_backend='varlen'", "CUDA only"]),
     (dict(tree_gdn_backend="fla"), ["tree_gdn_backend='fla'", "CUDA only"]),
@@ -358,6 +359,21 @@ def test_varlen_kernel_field_sets_the_kernel(saved_model, tmp_path, monkeypatch)
         TreeGRPOTrainer(model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(4),
                         processing_class=char_tokenizer())
         assert varlen.KERNEL == choice
+
+
+def test_autocast_experts_field_sets_the_setting(saved_model, tmp_path, monkeypatch):
+    """tree_autocast_experts puts where routed experts run in the autocast dtype in force at construction
+    (process-wide); None leaves it."""
+    from harts_hf.model_patches import token_modules
+
+    monkeypatch.setattr(token_modules, "AUTOCAST_EXPERTS", "cuda")
+    model = AutoModelForCausalLM.from_pretrained(saved_model)
+    for choice, expected in ((None, "cuda"), ("never", "never"), ("always", "always")):
+        args = TreeGRPOConfig(**dict(BASE_ARGS, output_dir=str(tmp_path), router_aux_loss_coef=0.0,
+                                     tree_autocast_experts=choice))
+        TreeGRPOTrainer(model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(4),
+                        processing_class=char_tokenizer())
+        assert token_modules.AUTOCAST_EXPERTS == expected
 
 
 def test_plain_grpo_config_is_refused(saved_model, tmp_path):

@@ -14,11 +14,17 @@ __all__ = ["TreeGRPOConfig"]
 _GDN_BACKENDS = ("auto", "torch", "fla")
 _ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
 _VARLEN_KERNELS = (None, "torch", "fa4", "auto")
+_AUTOCAST_EXPERTS = (None, "cuda", "always", "never")
 VARLEN_KERNEL_HELP = ("The tree attention's varlen kernel on CUDA: 'torch' (torch's flash varlen), 'fa4' "
                       "(FlashAttention-4, pip install harts_hf[fa4]; the fastest measured, BENCHMARKS.md), 'auto' (fa4 "
                       "where installed on Hopper / Blackwell, else torch); process-wide "
                       "(harts_hf.kernels.tree_attention.varlen.KERNEL). None leaves that setting as it is "
                       "('torch' unless changed).")
+AUTOCAST_EXPERTS_HELP = ("Under autocast, where MoE routed experts on transformers' grouped_mm run in the autocast "
+                         "dtype (transformers runs them in the weights' dtype: fp32 with fp32 master weights): 'cuda' "
+                         "(CUDA inputs), 'always' or 'never'; process-wide "
+                         "(harts_hf.model_patches.token_modules.AUTOCAST_EXPERTS). None leaves that setting as it is "
+                         "('cuda' unless changed).")
 STORED_LAYERS_HELP = ("With gradient_checkpointing: how many decoder layers keep their activations for the "
                       "backward instead of recomputing their forward (softmax-attention layers first, then the others "
                       "spread evenly). Less compute, more memory; the gradients are the same. 0: every layer is "
@@ -183,6 +189,8 @@ class TreeGRPOConfig(GRPOConfig):
     )
     tree_varlen_kernel: str | None = field(
         default=None, metadata={"help": VARLEN_KERNEL_HELP, "choices": list(_VARLEN_KERNELS)})
+    tree_autocast_experts: str | None = field(
+        default=None, metadata={"help": AUTOCAST_EXPERTS_HELP, "choices": list(_AUTOCAST_EXPERTS)})
     tree_head_chunk_size: int = field(
         default=4096,
         metadata={"help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."},
@@ -209,6 +217,7 @@ class TreeGRPOConfig(GRPOConfig):
             raise ValueError(f"tree_attention_backend must be one of {_ATTENTION_BACKENDS}, got "
                              f"{self.tree_attention_backend!r}.")
         check_varlen_kernel(self.tree_varlen_kernel)
+        check_autocast_experts(self.tree_autocast_experts)
         cuda_kernels = [f"tree_gdn_backend={self.tree_gdn_backend!r}"] if self.tree_gdn_backend == "fla" else []
         if self.tree_attention_backend in ("varlen", "cudnn"):
             cuda_kernels.append(f"tree_attention_backend={self.tree_attention_backend!r}")
@@ -271,6 +280,20 @@ def check_varlen_kernel(choice) -> None:
     """``tree_varlen_kernel`` is one of its choices (an error names the field, the value and the choices)."""
     if choice not in _VARLEN_KERNELS:
         raise ValueError(f"tree_varlen_kernel must be one of {_VARLEN_KERNELS}, got {choice!r}.")
+
+
+def check_autocast_experts(choice) -> None:
+    """``tree_autocast_experts`` is one of its choices (an error names the field, the value and the choices)."""
+    if choice not in _AUTOCAST_EXPERTS:
+        raise ValueError(f"tree_autocast_experts must be one of {_AUTOCAST_EXPERTS}, got {choice!r}.")
+
+
+def apply_autocast_experts(choice: str | None) -> None:
+    """Put ``tree_autocast_experts`` in force (``token_modules.AUTOCAST_EXPERTS``, process-wide); None leaves it."""
+    if choice is not None:
+        from ..model_patches import token_modules
+
+        token_modules.AUTOCAST_EXPERTS = choice
 
 
 def apply_varlen_kernel(choice: str | None) -> None:

@@ -29,14 +29,17 @@ from ..trees import PackedForest, PrefixForest
 from .config import (
     _ATTENTION_BACKENDS,
     _GDN_BACKENDS,
+    AUTOCAST_EXPERTS_HELP,
     KEEP_SOURCE_GRAPHS_HELP,
     MATMUL_GIB_HELP,
     MATMUL_LAYERS_HELP,
     STORED_LAYERS_HELP,
     VARLEN_KERNEL_HELP,
+    apply_autocast_experts,
     apply_layer_counts,
     apply_varlen_kernel,
     budget_plan,
+    check_autocast_experts,
     check_dropout,
     check_layer_counts,
     check_source_graphs,
@@ -65,6 +68,7 @@ class TreeSFTConfig(SFTConfig):
     tree_attention_backend: str = field(default="auto", metadata={
         "help": "Softmax-attention kernel on trees: 'auto', 'sdpa', 'runs', 'varlen' or 'cudnn' (as TreeGRPOConfig)."})
     tree_varlen_kernel: str | None = field(default=None, metadata={"help": VARLEN_KERNEL_HELP})
+    tree_autocast_experts: str | None = field(default=None, metadata={"help": AUTOCAST_EXPERTS_HELP})
     tree_head_chunk_size: int = field(default=4096, metadata={
         "help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."})
     tree_keep_attention_outputs: bool = field(default=True, metadata={
@@ -105,6 +109,7 @@ class TreeSFTConfig(SFTConfig):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
         check_varlen_kernel(self.tree_varlen_kernel)
+        check_autocast_experts(self.tree_autocast_experts)
         super().__post_init__()
         check_layer_counts(self)
         if self.tree_per_turn_rows and self.completion_only_loss is False:
@@ -172,6 +177,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
             check_dropout(base, "TreeSFTTrainer", logger, "Zero it before training: "
                           "trl.trainer.utils.disable_dropout_in_model(model) zeroes every dropout module")
             apply_varlen_kernel(args.tree_varlen_kernel)
+            apply_autocast_experts(args.tree_autocast_experts)
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(base)
         apply_layer_counts(base, args, logger)
