@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .._checks import check_bool, check_int, check_number
+from ..model_patches import token_modules
 
 __all__ = ["TreeGRPOConfig"]
 
 _GDN_BACKENDS = ("auto", "torch", "fla")
 _ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
 _VARLEN_KERNELS = (None, "torch", "fa4", "auto")
-_AUTOCAST_EXPERTS = (None, "cuda", "always", "never")
+_AUTOCAST_EXPERTS = (None, *token_modules._AUTOCAST_EXPERTS)
 VARLEN_KERNEL_HELP = ("The tree attention's varlen kernel on CUDA: 'torch' (torch's flash varlen), 'fa4' "
                       "(FlashAttention-4, pip install harts_hf[fa4]; the fastest measured, BENCHMARKS.md), 'auto' (fa4 "
                       "where installed on Hopper / Blackwell, else torch); process-wide "
@@ -216,8 +217,7 @@ class TreeGRPOConfig(GRPOConfig):
         if self.tree_attention_backend not in _ATTENTION_BACKENDS:
             raise ValueError(f"tree_attention_backend must be one of {_ATTENTION_BACKENDS}, got "
                              f"{self.tree_attention_backend!r}.")
-        check_varlen_kernel(self.tree_varlen_kernel)
-        check_autocast_experts(self.tree_autocast_experts)
+        check_process_settings(self)
         cuda_kernels = [f"tree_gdn_backend={self.tree_gdn_backend!r}"] if self.tree_gdn_backend == "fla" else []
         if self.tree_attention_backend in ("varlen", "cudnn"):
             cuda_kernels.append(f"tree_attention_backend={self.tree_attention_backend!r}")
@@ -276,38 +276,29 @@ def budget_plan(packed, budget: int, logger, **options):
     return plan(packed, token_budget=budget, **options)
 
 
-def check_varlen_kernel(choice) -> None:
-    """``tree_varlen_kernel`` is one of its choices (an error names the field, the value and the choices)."""
-    if choice not in _VARLEN_KERNELS:
-        raise ValueError(f"tree_varlen_kernel must be one of {_VARLEN_KERNELS}, got {choice!r}.")
+def check_process_settings(config) -> None:
+    """``tree_varlen_kernel`` and ``tree_autocast_experts`` are each one of their choices (an error names the field,
+    the value and the choices)."""
+    for name, choices in (("tree_varlen_kernel", _VARLEN_KERNELS), ("tree_autocast_experts", _AUTOCAST_EXPERTS)):
+        if getattr(config, name) not in choices:
+            raise ValueError(f"{name} must be one of {choices}, got {getattr(config, name)!r}.")
 
 
-def check_autocast_experts(choice) -> None:
-    """``tree_autocast_experts`` is one of its choices (an error names the field, the value and the choices)."""
-    if choice not in _AUTOCAST_EXPERTS:
-        raise ValueError(f"tree_autocast_experts must be one of {_AUTOCAST_EXPERTS}, got {choice!r}.")
-
-
-def apply_autocast_experts(choice: str | None) -> None:
-    """Put ``tree_autocast_experts`` in force (``token_modules.AUTOCAST_EXPERTS``, process-wide); None leaves it."""
-    if choice is not None:
-        from ..model_patches import token_modules
-
-        token_modules.AUTOCAST_EXPERTS = choice
-
-
-def apply_varlen_kernel(choice: str | None) -> None:
-    """Put ``tree_varlen_kernel`` in force (``varlen.KERNEL``, process-wide); None leaves it. 'fa4' without
+def apply_process_settings(args) -> None:
+    """Put ``tree_varlen_kernel`` (``varlen.KERNEL``) and ``tree_autocast_experts``
+    (``token_modules.AUTOCAST_EXPERTS``) in force, process-wide; None leaves a setting as it is. 'fa4' without
     FlashAttention-4 installed fails here, naming the fix."""
-    if choice is None:
-        return
     from ..kernels.tree_attention import varlen
+    from ..model_patches import token_modules
 
-    if choice == "fa4" and not varlen._fa4_importable():
+    if args.tree_varlen_kernel == "fa4" and not varlen._fa4_importable():
         raise ImportError("tree_varlen_kernel='fa4' needs FlashAttention-4 (pip install harts_hf[fa4], i.e. "
                           "flash-attn-4); or set tree_varlen_kernel='auto' (FlashAttention-4 where it is installed) "
                           "or 'torch'.")
-    varlen.KERNEL = choice
+    if args.tree_varlen_kernel is not None:
+        varlen.KERNEL = args.tree_varlen_kernel
+    if args.tree_autocast_experts is not None:
+        token_modules.AUTOCAST_EXPERTS = args.tree_autocast_experts
 
 
 def check_dropout(model, name: str, logger, switch: str) -> None:

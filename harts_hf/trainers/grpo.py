@@ -29,9 +29,8 @@ from ..planner import CostModel, Plan, imbalance
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
 from .config import (
     TreeGRPOConfig,
-    apply_autocast_experts,
     apply_layer_counts,
-    apply_varlen_kernel,
+    apply_process_settings,
     budget_plan,
     check_dropout,
     check_source_graphs,
@@ -112,8 +111,7 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
         if args.use_tree:
             check_dropout(unwrap_model(self.model), "TreeGRPOTrainer", logger,
                           "Set disable_dropout=True in TreeGRPOConfig (TRL then zeroes every dropout module)")
-            apply_varlen_kernel(args.tree_varlen_kernel)
-            apply_autocast_experts(args.tree_autocast_experts)
+            apply_process_settings(args)
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(unwrap_model(self.model))
         apply_layer_counts(unwrap_model(self.model), args, logger)

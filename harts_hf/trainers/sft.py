@@ -35,15 +35,13 @@ from .config import (
     MATMUL_LAYERS_HELP,
     STORED_LAYERS_HELP,
     VARLEN_KERNEL_HELP,
-    apply_autocast_experts,
     apply_layer_counts,
-    apply_varlen_kernel,
+    apply_process_settings,
     budget_plan,
-    check_autocast_experts,
     check_dropout,
     check_layer_counts,
+    check_process_settings,
     check_source_graphs,
-    check_varlen_kernel,
 )
 from .piece_padding import PiecePadding
 
@@ -108,8 +106,7 @@ class TreeSFTConfig(SFTConfig):
         for name, choices in _BACKENDS.items():
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}.")
-        check_varlen_kernel(self.tree_varlen_kernel)
-        check_autocast_experts(self.tree_autocast_experts)
+        check_process_settings(self)
         super().__post_init__()
         check_layer_counts(self)
         if self.tree_per_turn_rows and self.completion_only_loss is False:
@@ -176,8 +173,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
                 self._tree_handles.append(apply_tree_patches(base))
             check_dropout(base, "TreeSFTTrainer", logger, "Zero it before training: "
                           "trl.trainer.utils.disable_dropout_in_model(model) zeroes every dropout module")
-            apply_varlen_kernel(args.tree_varlen_kernel)
-            apply_autocast_experts(args.tree_autocast_experts)
+            apply_process_settings(args)
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(base)
         apply_layer_counts(base, args, logger)
