@@ -485,7 +485,8 @@ def test_routed_experts_run_in_the_autocast_dtype(family, monkeypatch):
         cast = {name: p.to(torch.bfloat16) for name, p in plain.named_parameters(recurse=False)}
         with torch.autocast("cpu", dtype=torch.bfloat16):
             expected = torch.func.functional_call(plain, cast, (hidden, index, weights))
-        expected_grads = torch.autograd.grad(expected.float().square().sum(), [hidden, *plain.parameters(recurse=False)])
+        expected_grads = torch.autograd.grad(expected.float().square().sum(),
+                                             [hidden, *plain.parameters(recurse=False)])
         assert torch.equal(out, expected)
         for got, want in zip(grads, expected_grads):
             assert got.dtype == want.dtype and torch.equal(got, want)

@@ -175,8 +175,9 @@ def test_attention_inputs_follow_autocast(monkeypatch):
     assert seen and set(seen) == {(torch.bfloat16,) * 3}
 
 
-PRECISIONS = {  # how users run half precision: autocast over fp32 weights (HF Trainer's and TRL's bf16=True / fp16=True),
-    # or the weights themselves in bf16
+# how users run half precision: autocast over fp32 weights (HF Trainer's and TRL's bf16=True / fp16=True), or the
+# weights themselves in bf16
+PRECISIONS = {
     "bf16_autocast": (torch.float32, torch.bfloat16),
     "fp16_autocast": (torch.float32, torch.float16),
     "bf16_weights": (torch.bfloat16, None),
