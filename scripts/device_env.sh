@@ -52,6 +52,10 @@ if compgen -G ".device/kernels/kernels.tar.xz.*" > /dev/null && [ ! -f ~/.harts_
   cat .device/kernels/kernels.tar.xz.* | tar -C ~ -xJf - && touch ~/.harts_kernels_restored
   du -sh ~/.triton/cache ~/.tilelang/cache 2>/dev/null
 fi
+# Triton's autotuning choices from earlier machines of this kind (scripts/triton_autotune.py), once per machine
+if [ "${HARTS_AUTOTUNE_RESTORE:-1}" = 1 ] && [ ! -f ~/.harts_autotune_restored ]; then
+  python3 scripts/triton_autotune.py restore scripts/autotune && touch ~/.harts_autotune_restored
+fi
 export PYTHONPATH="$PWD:$PWD/.device/site" TF524="$PWD/.device/tf524" PYTHONUNBUFFERED=1
 # FlashAttention-4 keeps its compiled CuTe kernels on disk only when asked: a later process on the same machine then
 # loads them instead of compiling again. On 2026-12-04 (cache off) a fresh machine's first process spent 211 s before
@@ -98,6 +102,8 @@ jobs_wait() {  # until the queue is empty, the worker is gone, or 25 s before th
   python3 scripts/device_worker.py wait "$JOBS" --seconds $((575 - ($(date +%s) - ${T0:-$(date +%s)})))
 }
 finish() {
+  # this machine's autotuning choices so far, for scripts/autotune/ (copy $W/autotune/<card>.json there)
+  python3 scripts/triton_autotune.py save "$W/autotune" > "$W/autotune_saved.txt" 2>&1
   # where the compiled kernels went
   du -sh ~/.triton/cache ~/.tilelang/cache ~/.cache/fa4_cute_dsl > "$W/triton_cache_size.txt" 2>&1
   # where else compiled kernels may be kept (the three above held only 4.5 MB after 239 s of compiling, 2026-12-04)

@@ -25,17 +25,20 @@ else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked 
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
-  # issue 26: Nemotron-H full-size `swe` tree: the hand-off forward over the children's root paths only (19,391 of the
-  # source's 110,880 tokens at 131,072-token pieces), then the source's forward once (--no-recompute: its graph kept
-  # while the children run); the packed path's row (73.34 s on the H200, 2026-12-05) is unchanged by either
+  # issue 26: where the tree's time goes against the packed path's on full-size `tau` (one piece: no hand-off); on the
+  # H100, 2026-12-06, the tree ran at HFU 0.251 against the packed path's 0.280 (fraction 0.903)
+  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --repeats 1 --profile tree packed --out $J/nemotron_tau_profile
+  # issue 26: Nemotron-H full-size `swe`, the tree with the pruned hand-off forward (measured on the H100, 2026-12-06:
+  # 16.00 s) and, on the H100, the packed path again (its H100 row predates the executed layout as views; the H200's
+  # 73.34 s, at 940afb9, does not)
+  nemotron_packed=(); [ "$h200" = 0 ] && nemotron_packed=(--packed-groups $nemotron --packed-warmup first)
   job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron "${same[@]}" \
-    --repeats 2 --out $J/nemotron_swe_tree
-  job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron "${same[@]}" \
-    --repeats 2 --no-recompute --out $J/nemotron_swe_keep
-  # issue 26: full-size `tau` on this card, both paths timed (the H200 rows are from 2026-12-03, before the fused
-  # squared-ReLU, norm and grouped-gated-norm kernels and the scan node's grouped heads)
-  job nemotron_tau $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --repeats 2 --packed-groups 0 --packed-warmup first --out $J/nemotron_tau
+    --repeats 2 "${nemotron_packed[@]}" --out $J/nemotron_swe_tree
+  [ "$h200" = 1 ] && job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
+    --budget $nemotron "${same[@]}" --repeats 2 --no-recompute --out $J/nemotron_swe_keep
+  [ "$h200" = 1 ] && job nemotron_tau $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 \
+    "${same[@]}" --repeats 2 --packed-groups 0 --packed-warmup first --out $J/nemotron_tau
   # issue 25: Ling-3 full-size `swe`, tree and packed in one child process (one compilation: its first tree run took
   # 503 s with it on the H200, 2026-12-05); the packed path only on an H200
   ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup first)
@@ -57,9 +60,6 @@ if [ ! -f "$JOBS/.queued" ]; then
     --trainer tree "${swe005[@]}" --keep-source-graphs --out $J/tree_swe005
   [ "$h200" = 1 ] && job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --out $J/tree_distinct
-  # issue 26: where the tree's time goes against the packed path's (full-size `tau`, one piece: no hand-off)
-  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --repeats 1 --profile tree packed --out $J/nemotron_tau_profile
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
   [ "$h200" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
     --loop-sample -1 --out $J/swe_loop
