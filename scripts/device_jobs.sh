@@ -3,14 +3,18 @@
 #
 #   T0=$(date +%s); bash -c "T0=$T0; source scripts/device_env.sh && source scripts/device_jobs.sh" 2>&1 | tail -40
 #
-# (carry .device/site.tar.xz and .device/tf.tar.xz in the first call; later calls carry nothing while the machine
-# stays warm; where .device/kernels/ holds saved kernels, a call carrying only it comes first: see SAVE_CACHES below).
+# (carry .device/site.tar.xz, .device/tf.tar.xz and .device/liger.tar.xz in the first call; later calls carry nothing
+# while the machine stays warm; where .device/kernels/ holds saved kernels, a call carrying only it comes first: see
+# SAVE_CACHES below).
 # Each call waits for the queue until 25 s before its 600 s, then packs $OUT/results.tgz (finish). The list depends on
 # the card: an H200 (141 GB) runs the headline settings; an H100 (80 GB) smaller planner pieces, since the 2.3B
 # preset's fp32 weights, gradients and AdamW states take 37 GiB (2026-12-05, H100: the `swe` scale-0.05 trainer at
 # --tree-token-budget 65536 peaked at 57.8 GiB in its first step, before AdamW's states existed, and ran out of memory
 # in its second) and the `distinct` forest alone peaks at 92.5 GiB. Jobs from transformers 5.24 (bailing_hybrid) run
 # in child processes (job_tf524); the rest share the worker's compiled kernels.
+# Every call's results.tgz holds autotune/<card>.json, Triton's autotuning choices so far on that machine: copy it into
+# scripts/autotune/ and commit it, so that the next machine of that kind restores them instead of timing every
+# configuration of every autotuned kernel again (scripts/triton_autotune.py).
 J=$JOBS/w
 mkdir -p "$JOBS"
 mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -60,6 +64,10 @@ if [ ! -f "$JOBS/.queued" ]; then
     --trainer tree "${swe005[@]}" --keep-source-graphs --out $J/tree_swe005
   [ "$h200" = 1 ] && job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --out $J/tree_distinct
+  # issue 23: TRL's GRPOTrainer with Liger on the same rows, two timed steps (its row has one); fla's short convolution
+  # in place of transformers' PyTorch one (causal-conv1d is not on the device); Liger travels as .device/liger.tar.xz
+  [ "$h200" = 1 ] && job trl_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
+    --rows-per-task 8 --steps 3 --warmup 1 --grad-accum 16 --trainer trl --liger --trl-conv fla --out $J/trl_distinct
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
   [ "$h200" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
     --loop-sample -1 --out $J/swe_loop

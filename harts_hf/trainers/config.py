@@ -64,6 +64,29 @@ def check_source_graphs(trainer, owner: str) -> None:
                          f"directly), and this run has {where}; set tree_keep_source_graphs=False.")
 
 
+def check_planner_supported(trainer, owner: str, config_name: str) -> None:
+    """Options that cannot run a microbatch as planner pieces, each with its own backward, fail here, naming the fix
+    (``owner``: the trainer's name; ``config_name``: its config class)."""
+    budget = f"tree_token_budget={trainer.args.tree_token_budget}"
+    fix = ("or set tree_token_budget=None (one tree forward per microbatch; lower per_device_train_batch_size if it "
+           "does not fit)")
+    if trainer.aux_loss_enabled:
+        raise ValueError(f"{owner}: the MoE load-balancing loss (router_aux_loss_coef={trainer.router_aux_loss_coef}) "
+                         f"depends on the whole microbatch's routing, so it cannot be split over planner pieces "
+                         f"({budget}); set router_aux_loss_coef=0.0 in the {config_name}, {fix}.")
+    if trainer.is_fsdp_enabled:
+        raise ValueError(f"{owner}: FSDP runs backward through its own wrapper, which planner pieces ({budget}, one "
+                         f"backward each) do not drive yet; train with DDP or DeepSpeed (ZeRO-2 or ZeRO-3), {fix}.")
+    if trainer.is_deepspeed_enabled and trainer.accelerator.mixed_precision == "fp16":
+        raise ValueError(f"{owner}: planner pieces ({budget}) under DeepSpeed with fp16: the dynamic loss scale would "
+                         f"apply twice to the gradients handed between pieces; use bf16 ({config_name}(bf16=True)), "
+                         f"{fix}.")
+    if trainer.args.optim in ("lomo", "adalomo"):
+        raise ValueError(f"{owner}: optim={trainer.args.optim!r} updates parameters inside backward, but planner "
+                         f"pieces ({budget}) run one backward each; choose another optimizer, {fix}.")
+    check_source_graphs(trainer, owner)
+
+
 def matmul_setting(config) -> str:
     """The kept-products field in force, as ``name=value`` for messages (the count where set, else the GiB)."""
     if config.tree_keep_matmul_layers:

@@ -33,7 +33,7 @@ from .config import (
     apply_process_settings,
     budget_plan,
     check_dropout,
-    check_source_graphs,
+    check_planner_supported,
 )
 from .piece_loss import TOKEN_LEVEL_LOSSES, RowLayout, token_level_loss, token_weights
 from .piece_padding import PiecePadding
@@ -391,23 +391,7 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
         return stats
 
     def _check_planner_supported(self) -> None:
-        """Options that cannot run a microbatch as pieces with separate backwards fail here, naming the fix."""
-        fix = ("or set tree_token_budget=None (one tree forward per microbatch; lower per_device_train_batch_size "
-               "if it does not fit)")
-        if self.aux_loss_enabled:
-            raise ValueError(f"the MoE load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef}) depends "
-                             "on the whole microbatch's routing, so it cannot be split over planner pieces; set "
-                             f"router_aux_loss_coef=0.0 in the TreeGRPOConfig, {fix}.")
-        if self.is_fsdp_enabled:
-            raise ValueError("FSDP runs backward through its own wrapper, which planner pieces (one backward each) do "
-                             f"not drive yet; train with DDP or DeepSpeed (ZeRO-2 or ZeRO-3), {fix}.")
-        if self.is_deepspeed_enabled and self.accelerator.mixed_precision == "fp16":
-            raise ValueError("planner pieces under DeepSpeed with fp16: the dynamic loss scale would apply twice to "
-                             "the gradients handed between pieces; use bf16 (TreeGRPOConfig(bf16=True)), " + fix + ".")
-        if self.args.optim in ("lomo", "adalomo"):
-            raise ValueError(f"optim={self.args.optim!r} updates parameters inside backward, but planner pieces run one "
-                             f"backward each; choose another optimizer, {fix}.")
-        check_source_graphs(self, "TreeGRPOTrainer")
+        check_planner_supported(self, "TreeGRPOTrainer", "TreeGRPOConfig")
 
     _TREE_KEYS = ("path_tokens", "unique_tokens", "R_tok", "R_att", "gdn_rounds", "gdn_replay_tokens", "pieces",
                   "handoffs")

@@ -40,8 +40,8 @@ from .config import (
     budget_plan,
     check_dropout,
     check_layer_counts,
+    check_planner_supported,
     check_process_settings,
-    check_source_graphs,
 )
 from .piece_padding import PiecePadding
 
@@ -335,27 +335,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
         self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
 
     def _check_planner_supported(self) -> None:
-        """Options that cannot run a microbatch as pieces with separate backwards fail here, naming the fix."""
-        fix = ("or set tree_token_budget=None (one tree forward per microbatch; lower per_device_train_batch_size "
-               "if it does not fit)")
-        if self.aux_loss_enabled:
-            raise ValueError(f"TreeSFTTrainer: the MoE load-balancing loss (router_aux_loss_coef="
-                             f"{self.router_aux_loss_coef}) depends on the whole microbatch's routing, so it cannot be "
-                             f"split over planner pieces (tree_token_budget={self.args.tree_token_budget}); set "
-                             f"router_aux_loss_coef=0.0 in the TreeSFTConfig, {fix}.")
-        if self.is_fsdp_enabled:
-            raise ValueError(f"TreeSFTTrainer runs planner pieces (tree_token_budget={self.args.tree_token_budget}) "
-                             "on one process, under DDP or under DeepSpeed; FSDP runs backward through its own "
-                             f"wrapper, which the pieces' backwards do not drive yet; train with DDP or DeepSpeed, {fix}.")
-        if self.is_deepspeed_enabled and self.accelerator.mixed_precision == "fp16":
-            raise ValueError("TreeSFTTrainer: planner pieces under DeepSpeed with fp16: the dynamic loss scale would "
-                             "apply twice to the gradients handed between pieces; use bf16 (TreeSFTConfig(bf16=True)), "
-                             f"{fix}.")
-        if self.args.optim in ("lomo", "adalomo"):
-            raise ValueError(f"TreeSFTTrainer: optim={self.args.optim!r} updates parameters inside backward, but "
-                             f"planner pieces (tree_token_budget={self.args.tree_token_budget}) run one backward "
-                             f"each; choose another optimizer, {fix}.")
-        check_source_graphs(self, "TreeSFTTrainer")
+        check_planner_supported(self, "TreeSFTTrainer", "TreeSFTConfig")
 
 
 class _PieceLoss:
