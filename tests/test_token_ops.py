@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from harts_hf.kernels.logprob_stats import logprob_entropy, logprob_entropy_reference, logprob_stats_backend
 from harts_hf.kernels.token_ops import gated_rms_norm_reference, rms_norm_reference, token_ops_backend
@@ -444,16 +445,18 @@ def _experts(model):
     return [m for m in model.modules() if type(m).__name__.endswith("Experts")]
 
 
-def _grouped_mm_dtypes(monkeypatch) -> list:
-    """The (input, weight) dtypes of every ``F.grouped_mm`` call from here on."""
-    seen, grouped_mm = [], F.grouped_mm
+class _GroupedProducts(TorchDispatchMode):
+    """Within it, the (input, weight) dtypes of every grouped matrix product the kernels receive (``aten::_grouped_mm``,
+    forward and backward), in ``self.seen``."""
 
-    def spy(a, b, *args, **kwargs):
-        seen.append((a.dtype, b.dtype))
-        return grouped_mm(a, b, *args, **kwargs)
+    def __init__(self):
+        super().__init__()
+        self.seen = []
 
-    monkeypatch.setattr(F, "grouped_mm", spy)
-    return seen
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten._grouped_mm:
+            self.seen.append((args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
@@ -471,16 +474,14 @@ def test_routed_experts_run_in_the_autocast_dtype(family, monkeypatch):
     monkeypatch.setattr(token_modules, "AUTOCAST_EXPERTS", "always")
     experts, reference_experts = _experts(model), _experts(reference)
     assert experts and all(type(e.forward).__name__ == "PatchedForward" for e in experts)
-    seen = _grouped_mm_dtypes(monkeypatch)
     for patched, plain in zip(experts, reference_experts):
         hidden = torch.randn(7, model.config.hidden_size, requires_grad=True)
         top_k = plain.config.num_experts_per_tok
         index = torch.stack([torch.randperm(patched.num_experts)[:top_k] for _ in range(7)])
         weights = torch.rand(7, top_k)
-        seen.clear()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with _GroupedProducts() as products, torch.autocast("cpu", dtype=torch.bfloat16):
             out = patched(hidden, index, weights)
-        assert seen == [(torch.bfloat16, torch.bfloat16)] * 2  # up and down projections
+        assert products.seen == [(torch.bfloat16, torch.bfloat16)] * 2  # up and down projections
         grads = torch.autograd.grad(out.float().square().sum(), [hidden, *patched.parameters(recurse=False)])
         cast = {name: p.to(torch.bfloat16) for name, p in plain.named_parameters(recurse=False)}
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -490,11 +491,45 @@ def test_routed_experts_run_in_the_autocast_dtype(family, monkeypatch):
         assert torch.equal(out, expected)
         for got, want in zip(grads, expected_grads):
             assert got.dtype == want.dtype and torch.equal(got, want)
-        assert all(isinstance(p, torch.nn.Parameter) for p in patched._parameters.values())  # the weights are back
-        seen.clear()
-        with torch.no_grad():  # no autocast: transformers' forward, in fp32
+        with _GroupedProducts() as products, torch.no_grad():  # no autocast: transformers' forward, in fp32
             assert torch.equal(patched(hidden, index, weights), plain(hidden, index, weights))
-        assert seen == [(torch.float32, torch.float32)] * 4
+        assert products.seen == [(torch.float32, torch.float32)] * 4
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_lora_on_routed_experts(family, monkeypatch):
+    """PEFT LoRA on the routed experts' parameters (``LoraConfig(target_parameters=...)``, TRL's recipe for gpt-oss)
+    adds its update to the weights inside the experts' call, where they are no longer the module's own parameters:
+    the tree is exact in fp32 (log-probs, entropies and every adapter gradient against the per-sequence path), and
+    under bf16 autocast the grouped products still take bf16 operands (they took fp32 ones while the cast was made on
+    the module's parameters), the adapters getting gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    from harts_hf import tree_logprobs
+    from harts_hf.model_patches import token_modules
+    from tests.forests import chunk_edge_sequences
+    from tests.models import VOCAB
+    from tests.test_tree_logprobs import compare
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=[],
+                        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    model = get_peft_model(build(family), config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # PEFT starts every B at zero, which would leave the update out of the check
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.05 * torch.randn(parameter.shape, generator=generator))
+    sequences = chunk_edge_sequences(vocab=VOCAB)
+    compare(model, sequences, grad_tol=1e-4)
+    monkeypatch.setattr(token_modules, "AUTOCAST_EXPERTS", "always")
+    with _GroupedProducts() as products, torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tree_logprobs(model, sequences)
+    assert products.seen and set(products.seen) == {(torch.bfloat16, torch.bfloat16)}
+    sum(logprobs.sum() for logprobs in out.logprobs).backward()
+    adapters = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in name for name, _ in adapters)
+    for name, parameter in adapters:
+        assert parameter.grad is not None and torch.isfinite(parameter.grad).all() and parameter.grad.any(), name
 
 
 @pytest.mark.parametrize("setting, implementation, cast", [
@@ -510,13 +545,12 @@ def test_routed_experts_cast_only_where_asked(setting, implementation, cast, mon
     apply_tree_patches(model)
     model.config._experts_implementation = implementation
     monkeypatch.setattr(token_modules, "AUTOCAST_EXPERTS", setting)
-    seen = _grouped_mm_dtypes(monkeypatch)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with _GroupedProducts() as products, torch.autocast("cpu", dtype=torch.bfloat16):
         model(input_ids=torch.randint(0, 97, (1, 12)))
     if implementation == "eager":  # F.linear per expert under autocast: bf16 already, nothing for harts_hf to do
-        assert not seen
+        assert not products.seen
     else:
-        assert {weight for _, weight in seen} == {torch.bfloat16 if cast else torch.float32}
+        assert {weight for _, weight in products.seen} == {torch.bfloat16 if cast else torch.float32}
 
 
 def test_routed_experts_setting_is_checked(monkeypatch):

@@ -12,9 +12,12 @@ partitioned at patch time, so nothing is fused there.
 Routed experts (transformers' ``use_experts_implementation`` modules: Qwen3-MoE, Qwen3-Next, Ling 3, GLM-4 MoE and
 most other MoE families) get one fix of precision rather than a kernel: their ``grouped_mm`` implementation, the
 default, is not autocast-enabled and casts its input to the weights' dtype, so with fp32 weights under bf16 autocast
-(mixed-precision training) every routed expert ran in fp32 while every ``nn.Linear`` ran in bf16. Under autocast
-their floating-point weights are cast to the autocast dtype for the call (:data:`AUTOCAST_EXPERTS`), which is what
-autocast does for a linear layer; gradients reach the fp32 weights through the cast.
+(mixed-precision training) every routed expert ran in fp32 while every ``nn.Linear`` ran in bf16 (on CUDA, in
+torch's per-expert fallback rather than its grouped bf16 kernel). Under autocast the grouped products inside the call
+take their operands in the autocast dtype (:data:`AUTOCAST_EXPERTS`), which is what autocast does for a linear layer;
+gradients reach the fp32 weights through the cast. The cast is made where the product is called, not on the
+parameters, so it holds whatever the weights are by then: PEFT LoRA on the experts' parameters
+(``LoraConfig(target_parameters=...)``, which adds its update to them inside the call) included.
 """
 
 from __future__ import annotations
@@ -257,20 +260,29 @@ def _experts_call(module, original, *args, **kwargs):
 
 
 def experts_in_autocast_dtype(module, original, device_type: str, *args, **kwargs):
-    """``original(*args, **kwargs)`` (the experts module's forward) with its floating-point parameters wider than the
-    autocast dtype of ``device_type`` cast to it for the call, where autocast is on there and the module runs
-    transformers' ``grouped_mm`` (its ``eager`` and ``batched_mm`` forms use autocast-enabled ops already). The cast
-    tensors take the parameters' places in ``module._parameters`` and the parameters return when the call ends."""
+    """``original(*args, **kwargs)`` (the experts module's forward) with torch's grouped matrix products inside it
+    taking operands wider than the autocast dtype of ``device_type`` in that dtype, where autocast is on there and the
+    module runs transformers' ``grouped_mm`` (its ``eager`` and ``batched_mm`` forms use autocast-enabled ops
+    already)."""
     if module.config._experts_implementation != "grouped_mm" or not torch.is_autocast_enabled(device_type):
         return original(*args, **kwargs)
-    dtype = torch.get_autocast_dtype(device_type)
-    wide = {name: p for name, p in module._parameters.items()
-            if p is not None and p.is_floating_point() and p.dtype.itemsize > dtype.itemsize}
-    if not wide:
+    with _GroupedProductsIn(torch.get_autocast_dtype(device_type)):
         return original(*args, **kwargs)
-    try:
-        for name, parameter in wide.items():
-            module._parameters[name] = parameter.to(dtype)
-        return original(*args, **kwargs)
-    finally:
-        module._parameters.update(wide)
+
+
+class _GroupedProductsIn(torch.overrides.TorchFunctionMode):
+    """Within it (this thread only), ``torch._grouped_mm``, which ``F.grouped_mm`` and transformers' experts call,
+    takes its two operands in ``dtype`` where they are wider floating-point tensors; every other call is unchanged."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", None) == "_grouped_mm" and len(args) >= 2:
+            args = (*(self._narrow(x) for x in args[:2]), *args[2:])
+        return func(*args, **(kwargs or {}))
+
+    def _narrow(self, x):
+        wide = isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype.itemsize > self.dtype.itemsize
+        return x.to(self.dtype) if wide else x
