@@ -29,6 +29,14 @@ else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked 
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
+  # issue 22: where a small forest's host time goes (`tau` at scale 0.02: the tree reached 0.22 of its FLOP ratio,
+  # host-bound): the profile's cProfile of one warm tree run by Python function (profile_tree_host.txt, never written
+  # before 2026-12-06: a shadowed variable skipped it) beside torch.profiler's kernel tables
+  job tau002_profile $probe --workload tau:0.02 --scale 1.0 --budget 0 "${same[@]}" --repeats 2 --profile tree \
+    --out $J/tau002_profile
+  # issue 22: the trainer's step, each source's forward once (Qwen3-Next: its kernels are compiled by the job above)
+  job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
+    --trainer tree "${swe005[@]}" --keep-source-graphs --out $J/tree_swe005
   # issue 26: where the tree's time goes against the packed path's on full-size `tau` (one piece: no hand-off); on the
   # H100, 2026-12-06, the tree ran at HFU 0.251 against the packed path's 0.280 (fraction 0.903)
   job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
@@ -59,9 +67,6 @@ if [ ! -f "$JOBS/.queued" ]; then
     --repeats 2 --no-recompute --out $J/swe_tree_keep
   [ "$h200" = 1 ] && job swe_tree $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --repeats 2 \
     --out $J/swe_tree
-  # issue 22: the trainer's step, each source's forward once
-  job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
-    --trainer tree "${swe005[@]}" --keep-source-graphs --out $J/tree_swe005
   [ "$h200" = 1 ] && job tree_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --out $J/tree_distinct
   # issue 23: TRL's GRPOTrainer with Liger on the same rows, two timed steps (its row has one); fla's short convolution
