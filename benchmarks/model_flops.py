@@ -15,8 +15,11 @@ and sum L (L + 1) / 2; their ratio is the FLOP (sharing) ratio.
 
 ``MFU = F / (seconds * 989e12)`` (one H200's dense bf16 peak). ``HFU`` adds the recomputed forward of activation
 checkpointing (``2 P_ckpt tokens + 2 H (D_qk + D_v) L_ckpt pairs``: the matmul parameters and attention layers of the
-checkpointed decoder layers; the LM head is not recomputed; layers left out by ``tree_stored_layers`` are not, nor
-are the pairs when ``tree_keep_attention_outputs`` keeps the attention outputs).
+checkpointed decoder layers; layers left out by ``tree_stored_layers`` are not, nor are the pairs when
+``tree_keep_attention_outputs`` keeps the attention outputs). The LM head's recompute is not counted: past its first
+chunk of rows (``head_chunk_size``, 4,096) every chunk is checkpointed and runs its forward again in the backward, on
+both paths, so HFU leaves out ``2 P_head`` per row (4.1% of HFU at the 2.3B Qwen3-Next preset, 7.3% at the
+Nemotron-H-shaped one; every HFU on BENCHMARKS.md is counted this way).
 """
 
 from __future__ import annotations

@@ -38,11 +38,15 @@ import torch
 from torch.autograd.profiler import record_function
 
 PREFIX = "harts::"
-MODULE_PARTS = (("GatedDeltaNet", "gdn_layer"), ("Attention", "attention_layer"), ("MLP", "mlp"))
-"""Class-name suffix -> part, for the model's own modules (Qwen3-Next, Qwen3.5)."""
-LAYER_NORMS = ("DecoderLayer", "RMSNorm", "layer_norms")
-"""A decoder layer's own norms (children of a module whose class name ends with the first, their class name with
-the second): the part named last."""
+MODULE_PARTS = (("GatedDeltaNet", "gdn_layer"), ("DeltaAttention", "gdn_layer"), ("Mixer", "gdn_layer"),
+                ("MambaLayer", "gdn_layer"), ("Attention", "attention_layer"), ("MLP", "mlp"), ("MoE", "mlp"),
+                ("SparseMoeBlock", "mlp"))
+"""Class-name suffix -> part, for the model's own modules, the first suffix that matches: ``gdn_layer`` is every
+linear-recurrence mixer (Gated DeltaNet; Kimi Delta Attention, whose classes end in ``Attention`` too; the Mamba-2
+mixers of Nemotron-H, Bamba, Falcon-H1 and Granite-4 hybrid), ``mlp`` every feed-forward block, MoE ones included."""
+LAYER_NORMS = (("DecoderLayer", "Block"), "RMSNorm", "layer_norms")
+"""A decoder layer's own norms (children of a module whose class name ends with one of the first, Nemotron-H's
+blocks included, their class name with the second): the part named last."""
 FUNCTION_PARTS = (("harts_hf.model_patches.gated_deltanet", "tree_causal_conv1d", "conv"),
                   ("harts_hf.model_patches.gated_deltanet", "tree_gated_delta_rule", "gdn_kernel"),
                   ("harts_hf.model_patches.core", "tree_attention", "attention_kernel"),

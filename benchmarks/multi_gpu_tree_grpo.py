@@ -509,6 +509,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.liger and args.trainer != "trl":
         parser.error("--liger is TRL's use_liger_kernel for --trainer trl; the tree trainer has fused kernels of its "
                      "own (leave --liger out, or pass --trainer trl)")
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves none of --steps {args.steps} to time: pass more steps than "
+                     "warm-up steps")
+    if args.compare and not Path(args.compare).is_file():
+        parser.error(f"--compare {args.compare}: no such file (a summary.json of a reference run)")
     return args
 
 
@@ -637,9 +642,10 @@ def main(argv=None):
         return trainer
     ranks = [json.loads((out / f"rank{k}.json").read_text()) for k in range(world)]
     summary = summarize(ranks, args.warmup)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))  # before the comparison, which may fail
     if args.compare:
         summary["compare"] = compare(summary, json.loads(Path(args.compare).read_text()))
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+        (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print_table(summary)
     return trainer
 

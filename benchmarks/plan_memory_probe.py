@@ -106,6 +106,9 @@ def task_sequences(scale: float, vocab: int, seed: int = 0, workload: str = "swe
     return [prompt + completion for completion in completions]
 
 
+TRACE_KEYS = ("trace_peak_gib", "peak_by_our_line", "peak_by_line")  # what a run with the allocator's history adds
+
+
 def live_at_peak(snapshot: dict, device: int) -> tuple[float, list, list]:
     """Replay the allocator trace: the largest live total (GiB, relative to the recording's start) and the blocks
     alive then, summed by allocating line (ours, any)."""
@@ -153,10 +156,15 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
         torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
                                                  max_entries=2_000_000)
     start = time.perf_counter()
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        execution = execute_plan(model, the_plan, logprob_weights=weights,  # bf16 head, as the trainer's default
-                                 attention_backend=attention, recompute=recompute)
-    torch.cuda.synchronize(device)
+    try:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            execution = execute_plan(model, the_plan, logprob_weights=weights,  # bf16 head, as the trainer's default
+                                     attention_backend=attention, recompute=recompute)
+        torch.cuda.synchronize(device)
+    except BaseException:
+        if history:  # an out-of-memory error (caught by the caller) must not leave every later run recording
+            torch.cuda.memory._record_memory_history(enabled=None)
+        raise
     seconds = time.perf_counter() - start
     row = dict(budget=budget, unique_tokens=packed.num_tokens, pieces=len(the_plan.pieces), seconds=seconds,
                base_gib=base / 2**30, peak_gib=torch.cuda.max_memory_allocated(device) / 2**30,
@@ -169,7 +177,7 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
     if history:
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        row["trace_peak_gib"], row["peak_by_our_line"], row["peak_by_line"] = live_at_peak(snapshot, device.index or 0)
+        row.update(zip(TRACE_KEYS, live_at_peak(snapshot, device.index or 0)))
     model.zero_grad(set_to_none=True)
     return row  # the allocator's cache stays warm, as between a trainer's steps (an emptied cache puts cudaMalloc
     # calls into the next timed run, which the per-trajectory sample's runs do not pay)
@@ -304,7 +312,7 @@ def loop_sample(model, sequences, count: int, device, fit, attention: str = "aut
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=0.2)
-    parser.add_argument("--workload", nargs="+", default=["swe"], type=workload_spec, metavar="NAME[:SCALE]",
+    parser.add_argument("--workload", nargs="+", default=[("swe", None)], type=workload_spec, metavar="NAME[:SCALE]",
                         help=f"one of {', '.join(WORKLOADS)} (swe: one task; the others: the preset's whole batch), "
                              "optionally with its own scale (tau:0.02; default --scale); several: one after the "
                              "other in this process (kernels compile once), each written to OUT/<name> (OUT/<name>_"
@@ -456,21 +464,31 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
             lambda so_far: (out / "probe_interleaved_partial.json").write_text(json.dumps(so_far, indent=1))))
         save()
         print_tree_row(rows[-2])
+
+    def first_settings():
+        """The first value of each checkpointing setting, in force for the tree's warm-ups and, after the tree runs,
+        for the packed, profile and loop runs."""
+        keep_attention_outputs(model, args.keep_attention[0] == "on")
+        store_layer_activations(model, args.stored_layers[0])
+        return keep_matmul_outputs(model, args.matmul_layers[0])
+
     for kernels in [] if args.loop_only or args.no_tree or args.interleave else reversed(args.kernels):
         use_kernels(kernels)
-        warm = run(model, sequences, min(args.budget) or None, device, history=False,  # warm-up (compilation,
-                   attention=args.attention)                                      # autotuning, cuDNN plans)
+        first_settings()  # the warm-up (compilation, autotuning, cuDNN plans) runs what the first timed run runs
+        warm = run(model, sequences, min(args.budget) or None, device, history=False, attention=args.attention,
+                   recompute=not args.no_recompute)
         print(f"{kernels} kernels: tree warm-up run {warm['seconds']:.2f} s", flush=True)
         for keep, stored, matmul in itertools.product(args.keep_attention, args.stored_layers, args.matmul_layers):
             keep_attention_outputs(model, keep == "on")
             store_layer_activations(model, stored)
             matmul_layers = keep_matmul_outputs(model, matmul)
             for budget in [b or None for b in args.budget]:
-                try:
-                    repeats = [run(model, sequences, budget, device,
-                                   history=not args.no_history and not repeat and not stored,
-                                   attention=args.attention, recompute=not args.no_recompute)
-                               for repeat in range(max(args.repeats, 1))]
+                try:  # the allocator's history slows a run: recorded in a run of its own, before the timed ones
+                    traced = None if args.no_history or stored else run(
+                        model, sequences, budget, device, history=True, attention=args.attention,
+                        recompute=not args.no_recompute)
+                    repeats = [run(model, sequences, budget, device, history=False, attention=args.attention,
+                                   recompute=not args.no_recompute) for _ in range(max(args.repeats, 1))]
                 except torch.OutOfMemoryError as error:
                     model.zero_grad(set_to_none=True)
                     torch.cuda.empty_cache()
@@ -481,14 +499,14 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
                           f"{matmul} matmul layers: out of memory", flush=True)
                     continue
                 rows.append(tree_row(model, repeats, kernels, keep, stored, matmul, matmul_layers))
+                rows[-1].update({key: traced[key] for key in TRACE_KEYS} if traced is not None else {})
                 save()
                 print_tree_row(rows[-1])
-    keep_attention_outputs(model, args.keep_attention[0] == "on")  # the first settings stay in force
-    store_layer_activations(model, args.stored_layers[0])
-    keep_matmul_outputs(model, args.matmul_layers[0])
+    first_settings()  # in force from here on
     if args.profile is not None:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, out,
                                          max(args.loop_sample, 8), args.profile or ("tree", "loop", "packed"))))
+        save()
     for replicas in args.replicas:
         rows.append(dict(replica_balance=replica_balance(model, sequences, args.budget[0] or None, replicas, device,
                                                          args.attention)))
@@ -506,6 +524,7 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
                 repeats=max(args.repeats, 1), warmup=args.packed_warmup, calls=args.packed_calls)))
         packed = next(r["packed_groups"] for r in rows if "packed_groups" in r)
         packed["keep_attention"] = args.keep_attention[0]
+        save()
         for tree in (r for r in rows if r.get("pieces") is not None):
             speedup = packed["seconds"] / tree["seconds"]
             print(f"tree, budget {tree['budget']}: {tree['seconds']:.2f} s, {speedup:.2f}x the packed path, "
@@ -513,6 +532,7 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
     if args.loop_sample:
         rows.append(dict(loop_sample=loop_sample(model, sequences, args.loop_sample, device, args.fit,
                                                  args.attention)))
+        save()
     add_throughput(rows, model, sequences)
     save()
 
@@ -571,7 +591,8 @@ def interleaved(args, model, sequences, device, progress, partial=None) -> list[
     store_layer_activations(model, stored)
     matmul_layers = keep_matmul_outputs(model, matmul)
     budget, cap = args.budget[0] or None, packed_cap(args, sequences)
-    warm = run(model, sequences, budget, device, history=False, attention=args.attention)
+    warm = run(model, sequences, budget, device, history=False, attention=args.attention,
+               recompute=not args.no_recompute)
     print(f"tree warm-up run (compilation, autotuning): {warm['seconds']:.2f} s", flush=True)
     trees, passes = [], []
     for i in range(max(args.repeats, 1)):

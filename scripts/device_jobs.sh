@@ -34,7 +34,9 @@ if [ ! -f "$JOBS/.queued" ]; then
   # before 2026-12-06: a shadowed variable skipped it) beside torch.profiler's kernel tables
   job tau002_profile $probe --workload tau:0.02 --scale 1.0 --budget 0 "${same[@]}" --repeats 2 --profile tree \
     --out $J/tau002_profile
-  # issue 22: the trainer's step, each source's forward once (Qwen3-Next: its kernels are compiled by the job above)
+  # issue 22: the trainer's step (Qwen3-Next: its kernels are compiled by the job above); on the H100 in 32,768-token
+  # pieces, each hand-off source's forward once; on the H200 one tree forward per microbatch (no pieces: the issue's
+  # target is this H200 step), where --keep-source-graphs changes nothing
   job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
     --trainer tree "${swe005[@]}" --keep-source-graphs --out $J/tree_swe005
   # issue 26: where the tree's time goes against the packed path's on full-size `tau` (one piece: no hand-off); on the

@@ -131,6 +131,8 @@ def run_job(folder: Path, job: dict) -> dict:
             rc = 0
         except SystemExit as stop:
             rc = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if not isinstance(stop.code, (int, type(None))):  # sys.exit("message"): the message, as Python prints it
+                print(stop.code, file=sys.stderr, flush=True)
         except BaseException:  # a job's failure (out of memory included) is its own, not the worker's
             traceback.print_exc()
             traceback.clear_frames(sys.exc_info()[2])  # the failed job's locals (a trainer, its model) let go
@@ -143,11 +145,15 @@ def run_job(folder: Path, job: dict) -> dict:
     record = dict(name=job["name"], rc=rc, seconds=round(time.perf_counter() - start, 2))
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the next job starts with the memory this one held given back
-        record["cuda_allocated_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)  # left behind by the job
-        record["cuda_reserved_gib"] = round(torch.cuda.memory_reserved() / 2**30, 3)  # kept by torch's allocator
-        free, total = torch.cuda.mem_get_info()
-        record["device_used_gib"] = round((total - free) / 2**30, 3)  # by every process on the card, this one's too
+        try:
+            torch.cuda.empty_cache()  # the next job starts with the memory this one held given back
+            record["cuda_allocated_gib"] = round(torch.cuda.memory_allocated() / 2**30, 3)  # left behind by the job
+            record["cuda_reserved_gib"] = round(torch.cuda.memory_reserved() / 2**30, 3)  # kept by torch's allocator
+            free, total = torch.cuda.mem_get_info()
+            record["device_used_gib"] = round((total - free) / 2**30, 3)  # by every process on the card
+        except Exception as error:  # a sticky CUDA error (an illegal memory access): this process is done for
+            record["cuda_error"] = str(error).split("\n")[0]
+            raised = True
     # a job that raised or left GPU memory behind may hold anything (2026-12-05: a trainer's 37 GiB after its
     # out-of-memory error, and the three jobs after it failed at once): serve() starts the worker afresh
     if raised or record.get("cuda_allocated_gib", 0) > LEFT_BEHIND_GIB:

@@ -383,6 +383,33 @@ def test_packed_parts_join_into_the_whole_path(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "--join-tree", str(tree)])
     assert "--join-tree goes with --join-packed" in capsys.readouterr().err
+    # no --workload: the default (one `swe` task) is read as the parsed items are (it once failed to unpack)
+    with pytest.raises(ValueError, match="run the missing ones with --packed-calls"):
+        main(["--model", "tiny", "--scale", "0.02", "--packed-groups", "4096", "--join-packed", str(tmp_path / "a"),
+              "--out", str(tmp_path / "out")])
+
+
+@pytest.mark.parametrize("family, mixer, norms", [
+    ("qwen3_next", "Qwen3NextGatedDeltaNet", 2), ("kimi_linear", "KimiLinearDeltaAttention", 2),
+    ("nemotron_h", "NemotronHMamba2Mixer", 1), ("bamba", "BambaMixer", 2),
+    ("granitemoehybrid", "GraniteMoeHybridMambaLayer", 2)])
+def test_module_breakdown_names_every_familys_parts(family, mixer, norms):
+    """Each family's linear-recurrence mixer is a ``gdn_layer`` (Kimi Delta Attention's class ends in "Attention" too),
+    its softmax attention an ``attention_layer``, its feed-forward blocks (MoE ones included) ``mlp``, and the norms of
+    its decoder layers (Nemotron-H's are "Block"s, one norm each) ``layer_norms``."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from module_breakdown import LAYER_NORMS, _part_of_module
+
+    from tests.models import build
+
+    model = build(family)
+    parts = {type(m).__name__: _part_of_module(m) for m in model.modules()}
+    assert parts[mixer] == "gdn_layer"
+    assert {part for name, part in parts.items() if name.endswith("Attention") and name != mixer} == {"attention_layer"}
+    assert {part for name, part in parts.items() if name.endswith(("MLP", "MoE", "SparseMoeBlock"))} == {"mlp"}
+    layer, norm, _ = LAYER_NORMS
+    layers = [m for m in model.modules() if type(m).__name__.endswith(layer)]
+    assert layers and all(sum(type(c).__name__.endswith(norm) for c in m.children()) == norms for m in layers)
 
 
 def test_module_breakdown_counts_device_time_once():

@@ -20,6 +20,8 @@ if "raise" in sys.argv:
     raise RuntimeError("the job failed")
 if "exit" in sys.argv:
     sys.exit(5)
+if "refuse" in sys.argv:
+    sys.exit("this job needs CUDA")
 if "hold" in sys.argv:  # a module global of this job, and __mp_main__ made to point at this job's module
     import weakref
     class Held:
@@ -50,7 +52,7 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
     _worker("start", queue, "--idle", 120)
     try:
         for name, mode in [("first", "ok"), ("hard", "hard_exit"), ("second", "ok"), ("fails", "raise"),
-                           ("exits", "exit"), ("holds", "hold"), ("checks", "check")]:
+                           ("exits", "exit"), ("refuses", "refuse"), ("holds", "hold"), ("checks", "check")]:
             _worker("submit", queue, name, script, "--", mode, "--flag", 1)
         _worker("submit", "--own-process", "--env", "DEVICE_WORKER_TEST=set", queue, "alone", script, "exit")
         _worker("submit", queue, "after", script, "ok")
@@ -61,8 +63,8 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
         records = {r["name"]: r for r in map(json.loads, waited.stdout.splitlines())}
         statuses = {name: record["rc"] for name, record in records.items()}
         # os._exit ends the job with its status, not the worker: the jobs after it ran in the same process
-        assert statuses == {"first": 0, "hard": 7, "second": 0, "fails": 1, "exits": 5, "holds": 0, "checks": 0,
-                            "alone": 5, "after": 0}
+        assert statuses == {"first": 0, "hard": 7, "second": 0, "fails": 1, "exits": 5, "refuses": 1, "holds": 0,
+                            "checks": 0, "alone": 5, "after": 0}
         assert "held alive False" in (queue / "checks.log").read_text()  # nothing of a finished job stays alive
         logs = {name: (queue / f"{name}.log").read_text() for name in records}
         assert "run 1 " in logs["first"]  # each later job saw the earlier ones' state
@@ -70,7 +72,7 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
         assert len({pids[name] for name in ("first", "hard", "second", "fails", "exits")}) == 1  # one process, all
         assert "leaving hard" in logs["hard"] and "run 2 " in logs["hard"] and "run 3 " in logs["second"]
         # a job that raised may have left anything alive: the worker starts afresh (same pid, a new process image)
-        assert "run 4 " in logs["fails"] and "run 1 " in logs["exits"] and "run 2 " in logs["holds"]
+        assert "run 4 " in logs["fails"] and "run 1 " in logs["exits"] and "run 3 " in logs["holds"]
         assert records["fails"].get("worker_restarted") and not records["exits"].get("worker_restarted")
         assert pids["alone"] != pids["first"] and "run 1 " in logs["alone"]  # a process of its own
         assert "env set" in logs["alone"] and "env unset" in logs["first"]
@@ -80,6 +82,7 @@ def test_jobs_share_one_process_and_keep_their_own_logs_and_status(tmp_path):
         assert "args ok --flag 1" in logs["first"] and f"cwd {tmp_path}" in logs["first"]
         assert all("written to file descriptor 2" in log for log in logs.values())
         assert "RuntimeError: the job failed" in logs["fails"]
+        assert "this job needs CUDA" in logs["refuses"]  # sys.exit's message, which Python itself would print
     finally:
         _worker("stop", queue)
     for _ in range(600):  # it leaves after the job in hand

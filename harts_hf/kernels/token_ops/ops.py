@@ -14,7 +14,8 @@ import functools
 
 import torch
 
-from .._backend import FLA_ROW_BUCKET, fla_available, in_row_blocks
+from .. import _backend
+from .._backend import fla_available, in_row_blocks
 from .naive import (
     gated_rms_norm_reference,
     group_gated_rms_norm_reference,
@@ -92,7 +93,7 @@ def _power_of_two_blocks(function, rows: torch.Tensor) -> torch.Tensor:
     rows are zero-padded to 2048 and cut off again (the padding's gradient is zero)."""
     sizes, left = [], rows.shape[0]
     while left >= _NORM_ROW_TILE:
-        block = min(FLA_ROW_BUCKET, _NORM_ROW_TILE << ((left // _NORM_ROW_TILE).bit_length() - 1))
+        block = min(_backend.FLA_ROW_BUCKET, _NORM_ROW_TILE << ((left // _NORM_ROW_TILE).bit_length() - 1))
         sizes.append(block)
         left -= block
     blocks = list(rows.split(sizes + ([left] if left else [])))
