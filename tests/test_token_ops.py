@@ -532,6 +532,30 @@ def test_lora_on_routed_experts(family, monkeypatch):
         assert parameter.grad is not None and torch.isfinite(parameter.grad).all() and parameter.grad.any(), name
 
 
+def test_routed_experts_cast_is_the_same_under_checkpointing(monkeypatch):
+    """The recomputed forward of a checkpointed layer casts as the first forward did (autocast's state travels with
+    the checkpoint, and the torch-function mode is entered again): gradients bit for bit those without checkpointing."""
+    from harts_hf import tree_logprobs
+    from harts_hf.model_patches import token_modules
+    from tests.forests import chunk_edge_sequences
+    from tests.models import VOCAB
+
+    monkeypatch.setattr(token_modules, "AUTOCAST_EXPERTS", "always")
+    sequences = chunk_edge_sequences(vocab=VOCAB)
+    grads = []
+    for checkpointing in (False, True):
+        model = build("qwen3_moe")
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        with _GroupedProducts() as products, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = tree_logprobs(model, sequences)
+            sum(logprobs.float().sum() for logprobs in out.logprobs).backward()
+        assert {weight for _, weight in products.seen} == {torch.bfloat16}  # the recomputation's products too
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert all(torch.equal(grads[0][name], grads[1][name]) for name in grads[0])
+
+
 @pytest.mark.parametrize("setting, implementation, cast", [
     ("cuda", "grouped_mm", False),  # the default: CPU inputs keep transformers' code
     ("never", "grouped_mm", False),
