@@ -367,7 +367,7 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
             tree={k: v for k, v in log.items() if k.startswith("tree/")}))
         rows[-1].update(_model_work(rates, *(sum(rows[-1][key]) for key in ("unique_tokens", "tree_pairs", "path_tokens",
                                                                              "path_pairs")), max(step_s), world))
-    measured = [row for row in rows if row["step"] > warmup] or rows
+    measured = [row for row in rows if row["step"] > warmup] or rows  # a run cut short of its timed steps
     seconds = sum(max(row["step_s"]) for row in measured)
     path = sum(sum(row["path_tokens"]) for row in measured)
     unique = sum(sum(row["unique_tokens"]) for row in measured)

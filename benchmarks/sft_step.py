@@ -196,6 +196,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--batch {args.batch}: rows per micro-batch, at least 1")
     if args.liger and "trl" not in args.trainer:
         parser.error("--liger is SFTConfig.use_liger_kernel for --trainer trl; add trl to --trainer or leave --liger out")
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup {args.warmup} leaves none of --steps {args.steps} to time: pass more steps than "
+                     "warm-up steps")
     return args
 
 
@@ -241,7 +244,7 @@ def train_and_time(args) -> dict:
                           tree={k: v for k, v in log.items() if k.startswith("tree/")},
                           rows=len(instance), path_tokens=stats["path_tokens"], unique_tokens=stats["unique_tokens"],
                           R_tok=stats["R_tok"], mfu=work["mfu"], flop_ratio=work["flop_ratio"]))
-    measured = [s for s in steps if s["step"] > args.warmup] or steps
+    measured = [s for s in steps if s["step"] > args.warmup] or steps  # a run cut short of its timed steps
     result = dict(trainer=args.trainer, preset=args.preset, workload=args.workload, scale=args.scale,
                   batch=micro_batch(args, len(rows[0])), device=str(device), steps=steps,
                   measured_steps=[s["step"] for s in measured],
