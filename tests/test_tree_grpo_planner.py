@@ -106,6 +106,19 @@ def test_kept_source_graphs_need_one_process(saved_model, tmp_path, monkeypatch)
     tree.compute_loss(tree.model, inputs).backward()  # one process: runs
 
 
+def test_lora_on_routed_experts_matches_grpo_trainer(saved_model, tmp_path, executions):  # noqa: F811
+    """PEFT LoRA on the routed experts' parameters (``LoraConfig(target_parameters=...)``, TRL's gpt-oss recipe) and on
+    the attention's queries, in planner pieces: the loss, every adapter gradient and the logged metrics are
+    GRPOTrainer's."""
+    from peft import LoraConfig
+
+    def experts_lora():
+        return LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj"],
+                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+    assert_planned_matches(saved_model, tmp_path, executions, peft_config=experts_lora)
+
+
 def test_microbatch_that_fits_takes_one_tree_forward(saved_model, tmp_path, executions):  # noqa: F811
     base, tree = make_trainers(saved_model, tmp_path, **NO_AUX)
     tree.args.tree_token_budget = 10_000
