@@ -82,10 +82,12 @@ fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
 jobs_start
 jobs_wait
-# SAVE_CACHES=1 (a session's last call): the compiled kernels and Triton's autotuning choices come back as
-# $OUT/kernels.tar.xz.* for .device/kernels/, which a later session's machine unpacks before anything compiles (a fresh
-# H200 spent 329 s on the first Nemotron-H tree run and 503 s on Ling-3's, compiling, 2026-12-05); start that
-# call's T0 60 s early (T0=$(( $(date +%s) - 60 ))), to leave time for the packing
+# SAVE_CACHES=1: the compiled kernels and Triton's autotuning choices come back as $OUT/kernels.tar.xz.* for
+# .device/kernels/, which a later machine unpacks before anything compiles (a fresh H200 spent 329 s on the first
+# Nemotron-H tree run and 503 s on Ling-3's, compiling, 2026-12-05); start that call's T0 60 s early
+# (T0=$(( $(date +%s) - 60 ))), to leave time for the packing. .device/ is not committed, and a session's checkout
+# may start without it (2026-12-06), so this helps a later machine of the same session only; the autotuning choices
+# travel between sessions through scripts/autotune/ (see the header).
 [ "${SAVE_CACHES:-0}" = 1 ] && save_caches
 finish
 tail -n 3 "$JOBS"/*.log 2>/dev/null | cut -c1-200
