@@ -464,24 +464,15 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
             lambda so_far: (out / "probe_interleaved_partial.json").write_text(json.dumps(so_far, indent=1))))
         save()
         print_tree_row(rows[-2])
-
-    def first_settings():
-        """The first value of each checkpointing setting, in force for the tree's warm-ups and, after the tree runs,
-        for the packed, profile and loop runs."""
-        keep_attention_outputs(model, args.keep_attention[0] == "on")
-        store_layer_activations(model, args.stored_layers[0])
-        return keep_matmul_outputs(model, args.matmul_layers[0])
-
+    first = (args.keep_attention[0], args.stored_layers[0], args.matmul_layers[0])  # each setting's first value
     for kernels in [] if args.loop_only or args.no_tree or args.interleave else reversed(args.kernels):
         use_kernels(kernels)
-        first_settings()  # the warm-up (compilation, autotuning, cuDNN plans) runs what the first timed run runs
+        checkpointing(model, *first)  # the warm-up (compilation, autotuning, cuDNN plans) runs as the first timed run
         warm = run(model, sequences, min(args.budget) or None, device, history=False, attention=args.attention,
                    recompute=not args.no_recompute)
         print(f"{kernels} kernels: tree warm-up run {warm['seconds']:.2f} s", flush=True)
         for keep, stored, matmul in itertools.product(args.keep_attention, args.stored_layers, args.matmul_layers):
-            keep_attention_outputs(model, keep == "on")
-            store_layer_activations(model, stored)
-            matmul_layers = keep_matmul_outputs(model, matmul)
+            matmul_layers = checkpointing(model, keep, stored, matmul)
             for budget in [b or None for b in args.budget]:
                 try:  # the allocator's history slows a run: recorded in a run of its own, before the timed ones
                     traced = None if args.no_history or stored else run(
@@ -499,10 +490,11 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
                           f"{matmul} matmul layers: out of memory", flush=True)
                     continue
                 rows.append(tree_row(model, repeats, kernels, keep, stored, matmul, matmul_layers))
-                rows[-1].update({key: traced[key] for key in TRACE_KEYS} if traced is not None else {})
+                if traced is not None:
+                    rows[-1].update({key: traced[key] for key in TRACE_KEYS})
                 save()
                 print_tree_row(rows[-1])
-    first_settings()  # in force from here on
+    checkpointing(model, *first)  # in force for the packed, profile and loop runs
     if args.profile is not None:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, out,
                                          max(args.loop_sample, 8), args.profile or ("tree", "loop", "packed"))))
@@ -555,6 +547,14 @@ def packed_cap(args, sequences) -> int:
     return args.packed_groups or PrefixForest.from_sequences(sequences).pack().num_tokens
 
 
+def checkpointing(model, keep: str, stored: int, matmul: int) -> list[int]:
+    """Put one combination of the checkpointing settings in force (``--keep-attention``, ``--stored-layers``,
+    ``--matmul-layers``); returns the layers whose matrix products are kept."""
+    keep_attention_outputs(model, keep == "on")
+    store_layer_activations(model, stored)
+    return keep_matmul_outputs(model, matmul)
+
+
 def tree_row(model, runs: list[dict], kernels: str, keep: str, stored: int, matmul: int, matmul_layers) -> dict:
     """One tree setting's timed :func:`run` results as a row: the first run's fields, every run's seconds, their
     mean, the largest peak, and the checkpointing in force."""
@@ -587,9 +587,7 @@ def interleaved(args, model, sequences, device, progress, partial=None) -> list[
     packed path's, shaped as without interleaving (``interleaved: True`` in both). ``partial`` gets the seconds so
     far after each pair."""
     keep, stored, matmul = args.keep_attention[0], args.stored_layers[0], args.matmul_layers[0]
-    keep_attention_outputs(model, keep == "on")
-    store_layer_activations(model, stored)
-    matmul_layers = keep_matmul_outputs(model, matmul)
+    matmul_layers = checkpointing(model, keep, stored, matmul)
     budget, cap = args.budget[0] or None, packed_cap(args, sequences)
     warm = run(model, sequences, budget, device, history=False, attention=args.attention,
                recompute=not args.no_recompute)
