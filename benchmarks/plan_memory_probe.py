@@ -194,7 +194,7 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     for) and the tokens it ran (unique for the tree, path tokens for the others), so they compare per token; the top
     kernels go to ``profile_<name>.txt`` (the tree's also by input shape and Python stack to
     ``profile_tree_by_source.txt``), and a cProfile of one more warm tree run (host time by Python function) to
-    ``profile_tree_host.txt``."""
+    ``profile_tree_host.txt`` (by cumulative time) and ``profile_tree_host_self.txt`` (by own time)."""
     from gpu_suite import op_families
     from module_breakdown import attribute, labelled, table
     from torch.profiler import ProfilerActivity
@@ -240,9 +240,10 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     profiler = cProfile.Profile()  # host time of one warm tree run: where a small forest's fixed cost goes
     report["tree"]["host_wall_seconds"] = profiler.runcall(
         lambda: run(model, sequences, None, device, history=False, attention=attention)["seconds"])
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
-    (out / "profile_tree_host.txt").write_text(text.getvalue())
+    for order, name in (("cumulative", "profile_tree_host.txt"), ("tottime", "profile_tree_host_self.txt")):
+        text = io.StringIO()  # by time inside and below each function, then by its own time
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(60)
+        (out / name).write_text(text.getvalue())
     return report
 
 

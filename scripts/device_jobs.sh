@@ -22,33 +22,23 @@ probe=benchmarks/plan_memory_probe.py
 trainer=benchmarks/multi_gpu_tree_grpo.py
 same=(--no-history --kernels fused --keep-attention on)
 if [ "${mem:-0}" -gt 100000 ]; then  # an H200: the headline settings
-  nemotron=131072 ling3=65536 kimi=0 swe005=() h200=1
+  nemotron=131072 ling3=65536 kimi=0 h200=1
 else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked at 63.2 GiB, 2026-12-05; the longest
   # has 72,913)
-  nemotron=65536 ling3=32768 kimi=49152 swe005=(--tree-token-budget 32768) h200=0
+  ling3=32768 kimi=49152 h200=0
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
-  # issue 22: where a small forest's host time goes (`tau` at scale 0.02: the tree reached 0.22 of its FLOP ratio,
-  # host-bound): the profile's cProfile of one warm tree run by Python function (profile_tree_host.txt, never written
-  # before 2026-12-06: a shadowed variable skipped it) beside torch.profiler's kernel tables
-  job tau002_profile $probe --workload tau:0.02 --scale 1.0 --budget 0 "${same[@]}" --repeats 2 --profile tree \
-    --out $J/tau002_profile
-  # issue 22: the trainer's step (Qwen3-Next: its kernels are compiled by the job above); on the H100 in 32,768-token
-  # pieces, each hand-off source's forward once; on the H200 one tree forward per microbatch (no pieces: the issue's
-  # target is this H200 step), where --keep-source-graphs changes nothing
-  job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 --warmup 2 \
-    --trainer tree "${swe005[@]}" --keep-source-graphs --out $J/tree_swe005
-  # issue 26: where the tree's time goes against the packed path's on full-size `tau` (one piece: no hand-off); on the
-  # H100, 2026-12-06, the tree ran at HFU 0.251 against the packed path's 0.280 (fraction 0.903)
-  job nemotron_tau_profile $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --repeats 1 --profile tree packed --out $J/nemotron_tau_profile
-  # issue 26: Nemotron-H full-size `swe`, the tree with the pruned hand-off forward (measured on the H100, 2026-12-06:
-  # 16.00 s) and, on the H100, the packed path again (its H100 row predates the executed layout as views; the H200's
-  # 73.34 s, at 940afb9, does not)
-  nemotron_packed=(); [ "$h200" = 0 ] && nemotron_packed=(--packed-groups $nemotron --packed-warmup first)
-  job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget $nemotron "${same[@]}" \
-    --repeats 2 "${nemotron_packed[@]}" --out $J/nemotron_swe_tree
+  # (run on an H100, 2026-12-06 05:32-05:50 UTC, and taken off this list: the `tau`@0.02 host profile, the `swe` 0.05
+  # trainer at 32,768-token pieces, the Nemotron-H `tau` profile of both paths and its `swe` tree + packed path)
+  # issue 22: the trainer's step on the H200, one tree forward per microbatch (no pieces: the issue's target is this
+  # H200 step)
+  [ "$h200" = 1 ] && job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 \
+    --warmup 2 --trainer tree --out $J/tree_swe005
+  # issue 26: Nemotron-H full-size `swe` on the H200, the tree with the pruned hand-off forward, with and without the
+  # source's second forward (the H200's packed row, 73.34 s at 940afb9, already has the packed executed layout)
+  [ "$h200" = 1 ] && job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
+    --budget $nemotron "${same[@]}" --repeats 2 --out $J/nemotron_swe_tree
   [ "$h200" = 1 ] && job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
     --budget $nemotron "${same[@]}" --repeats 2 --no-recompute --out $J/nemotron_swe_keep
   [ "$h200" = 1 ] && job nemotron_tau $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 \
@@ -78,6 +68,9 @@ if [ ! -f "$JOBS/.queued" ]; then
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
   [ "$h200" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
     --loop-sample -1 --out $J/swe_loop
+  # issue 22: the `tau`@0.02 host profile again, for its table by own time (profile_tree_host_self.txt, new)
+  job tau002_profile $probe --workload tau:0.02 --scale 1.0 --budget 0 "${same[@]}" --repeats 2 --profile tree \
+    --out $J/tau002_profile
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
 jobs_start
