@@ -42,10 +42,10 @@ if [ ! -f "$JOBS/.queued" ]; then
   [ "$h200" = 1 ] && job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
     --budget $nemotron "${same[@]}" --repeats 2 --no-recompute --out $J/nemotron_swe_keep
   [ "$h200" = 1 ] && job nemotron_tau $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 \
-    "${same[@]}" --repeats 2 --packed-groups 0 --packed-warmup first --out $J/nemotron_tau
+    "${same[@]}" --repeats 2 --packed-groups 0 --packed-warmup each --out $J/nemotron_tau
   # issue 25: Ling-3 full-size `swe`, tree and packed in one child process (one compilation: its first tree run took
   # 503 s with it on the H200, 2026-12-05); the packed path only on an H200
-  ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup first)
+  ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup each)
   job_tf524 ling3_swe $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 "${same[@]}" \
     --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
   # issue 25: the routed experts in bf16 under autocast (harts_hf's default since 2026-12-05) against transformers'
@@ -53,7 +53,7 @@ if [ ! -f "$JOBS/.queued" ]; then
   [ "$h200" = 1 ] && job_tf524 ling3_tau_experts $probe --model ling3_shaped --workload tau --scale 1.0 --budget 0 \
     --no-history --kernels fused fused_fp32_experts --keep-attention on --repeats 2 --out $J/ling3_tau_experts
   job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi "${same[@]}" \
-    --repeats 2 --packed-groups $kimi --packed-warmup first --out $J/kimi_tau
+    --repeats 2 --packed-groups $kimi --packed-warmup each --out $J/kimi_tau
   # issues 22/23: the Qwen3-Next full-size `swe` tree with and without the source's second forward, one process
   [ "$h200" = 1 ] && job swe_tree_keep $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
     --repeats 2 --no-recompute --out $J/swe_tree_keep
