@@ -67,7 +67,7 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
-              graph_tokens=0, experts="cuda")
+              graph_tokens=0, experts="cuda", scan="fp32")
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
@@ -82,11 +82,12 @@ KERNEL_SETS = {
     "fused_fa4_norm_casts": dict(_FUSED, varlen="fa4", norm="harts", shared_casts=True),
     "fused_fa4_all": dict(_FUSED, varlen="fa4", norm="harts", shared_casts=True, gdn_public=True),
     "fused_fa4_graphs": dict(_FUSED, varlen="fa4", graph_tokens=16384),
+    "fused_half_scan": dict(_FUSED, scan="half"),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
-``tree_gated_delta_rule.fla_backend.PUBLIC_PER_ROUND``, ``cuda_graphs.MAX_TOKENS`` and
-``model_patches.token_modules.AUTOCAST_EXPERTS``. ``fused`` is harts_hf's default, ``fused_fa4`` the same with
+``tree_gated_delta_rule.fla_backend.PUBLIC_PER_ROUND``, ``cuda_graphs.MAX_TOKENS``,
+``model_patches.token_modules.AUTOCAST_EXPERTS`` and ``model_patches.mamba2.SCAN_INPUTS``. ``fused`` is harts_hf's default, ``fused_fa4`` the same with
 the tree attention on FlashAttention-4. Since 2026-12-02 the default RMSNorm kernel is harts_hf's own
 (``token_ops.NORM_KERNEL = "harts"``); ``fused_fla_norm`` / ``fused_fa4_fla_norm`` run fla's, as ``fused`` /
 ``fused_fa4`` did before (rows measured earlier name the sets as they were: ``fused_norm``, ``fused_fa4_norm`` and
@@ -96,7 +97,9 @@ DeltaNet function per round (FlashQLA where importable); ``fused_fa4_all`` both;
 DeltaNet node's bodies as CUDA graphs on plans of up to 16,384 executed tokens (``cuda_graphs.MAX_TOKENS``; 0, off, in
 the other sets). The 2026-12-04 run of tau at scale 0.02 named the same two settings ``fused_fa4`` (graphs on, then the
 default) and ``fused_fa4_no_graphs``. ``fused_fp32_experts`` (and ``reference``) run MoE models' routed experts as
-transformers does under autocast, in the weights' dtype (fp32 here); every set before 2026-12-05 ran them so."""
+transformers does under autocast, in the weights' dtype (fp32 here); every set before 2026-12-05 ran them so.
+``fused_half_scan`` hands Mamba-2's scan its ``C``, ``B`` and ``dt x`` in the half precision the model runs in (as
+transformers' CUDA path hands them to ``mamba_ssm``); every other set keeps them in fp32 (harts_hf's default)."""
 
 
 def use_kernels(name: str) -> None:
@@ -106,7 +109,7 @@ def use_kernels(name: str) -> None:
     from harts_hf.kernels.token_ops import ops as token_ops
     from harts_hf.kernels.tree_attention import varlen
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
-    from harts_hf.model_patches import core, token_modules
+    from harts_hf.model_patches import core, mamba2, token_modules
 
     kernels = KERNEL_SETS[name]
     token_ops.BACKEND, logprob_ops.BACKEND = kernels["token_ops"], kernels["logprob_stats"]
@@ -114,6 +117,7 @@ def use_kernels(name: str) -> None:
     core.SHARED_CASTS, fla_backend.PUBLIC_PER_ROUND = kernels["shared_casts"], kernels["gdn_public"]
     cuda_graphs.MAX_TOKENS = kernels["graph_tokens"]
     token_modules.AUTOCAST_EXPERTS = kernels["experts"]
+    mamba2.SCAN_INPUTS = kernels["scan"]
 
 
 def build_model(name: str, family: str, device, dtype):

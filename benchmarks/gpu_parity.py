@@ -252,7 +252,20 @@ def main():
                              "layer shapes in 4 layers) instead of the 8-layer hidden-1024 model; bf16, decays spread")
     parser.add_argument("--family", default="qwen3_next", choices=["qwen3_next", "qwen3_5"])
     parser.add_argument("--no-timing", dest="timing", action="store_false", help="parity only")
+    parser.add_argument("--mamba-scan", default="fp32", choices=["fp32", "half"],
+                        help="Mamba-2 presets: the dtype of the scan's C, B and dt x in the tree and packed paths "
+                             "(harts_hf.model_patches.mamba2.SCAN_INPUTS; the per-trajectory path is transformers' own)")
     args = parser.parse_args()
+    from harts_hf.model_patches import mamba2
+
+    saved, mamba2.SCAN_INPUTS = mamba2.SCAN_INPUTS, args.mamba_scan  # put back at the end (the device worker runs
+    try:  # its jobs in one process)
+        run_stages(args)
+    finally:
+        mamba2.SCAN_INPUTS = saved
+
+
+def run_stages(args) -> None:
     from run_record import write_run_record
 
     out = Path(args.out)
@@ -261,6 +274,7 @@ def main():
     import transformers
 
     results["transformers"] = transformers.__version__
+    results["mamba_scan_inputs"] = args.mamba_scan
     def save():
         (out / "gpu_parity.json").write_text(json.dumps(results, indent=2, default=str))
         print("saved", results.get("model_stages"), flush=True)

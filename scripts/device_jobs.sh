@@ -31,6 +31,17 @@ if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
   # (run on an H100, 2026-12-06 05:32-05:50 UTC, and taken off this list: the `tau`@0.02 host profile, the `swe` 0.05
   # trainer at 32,768-token pieces, the Nemotron-H `tau` profile of both paths and its `swe` tree + packed path)
+  # issue 26: Mamba-2's scan with its C, B and dt x in bf16 (`mamba2.SCAN_INPUTS = "half"`, as transformers' CUDA path
+  # hands them to mamba_ssm) against fp32 (the default): bf16 parity of the tree and the packed path against fp32,
+  # then full-size `tau`, both paths under each setting in one process (on the H100, 2026-12-06, the scan node took
+  # 1.04 of the tree's 3.06 device seconds, its fp32 gathers into the rounds' layout about 0.12 of them)
+  job nemotron_parity_half benchmarks/gpu_parity.py --preset nemotron_h_shaped --skip kernel --no-timing \
+    --scale 0.005 --mamba-scan half --out $J/nemotron_parity_half
+  job nemotron_tau_half $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 --no-history \
+    --kernels fused_half_scan --keep-attention on --repeats 2 --packed-groups 0 --packed-warmup each \
+    --out $J/nemotron_tau_half
+  job nemotron_tau_fp32 $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --repeats 2 --packed-groups 0 --packed-warmup each --out $J/nemotron_tau_fp32
   # issue 22: the trainer's step on the H200, one tree forward per microbatch (no pieces: the issue's target is this
   # H200 step)
   [ "$h200" = 1 ] && job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 \
@@ -41,8 +52,6 @@ if [ ! -f "$JOBS/.queued" ]; then
     --budget $nemotron "${same[@]}" --repeats 2 --out $J/nemotron_swe_tree
   [ "$h200" = 1 ] && job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
     --budget $nemotron "${same[@]}" --repeats 2 --no-recompute --out $J/nemotron_swe_keep
-  [ "$h200" = 1 ] && job nemotron_tau $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 \
-    "${same[@]}" --repeats 2 --packed-groups 0 --packed-warmup each --out $J/nemotron_tau
   # issue 25: Ling-3 full-size `swe`, tree and packed in one child process (one compilation: its first tree run took
   # 503 s with it on the H200, 2026-12-05); the packed path only on an H200
   ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup each)

@@ -221,6 +221,70 @@ def test_half_precision_error_is_the_per_sequence_paths(family, precision):
     assert tree_grad <= 1.5 * path_grad, (tree_grad, path_grad)
 
 
+@pytest.mark.parametrize("family", ["nemotron_h", "falcon_h1"])
+def test_mamba2_scan_inputs_in_half_precision(family, monkeypatch):
+    """``mamba2.SCAN_INPUTS``: an fp32 model without autocast computes the same under every setting, bit for bit;
+    under bf16 autocast, and with bf16 weights, ``"half"`` hands the scan ``C``, ``B`` and ``dt x`` in bf16
+    (``"fp32"``, and ``"cuda"`` on a CPU, in fp32; the decay in fp32 always), and under autocast the tree's error
+    against the fp32 run is then that of each sequence run alone through the same patches (one-sequence forests: the
+    per-trajectory path with the same kernels), within 1.5x (measured on the four Mamba-2 families: the same errors
+    as with fp32 inputs to three digits, since C, B and x leave the projection and convolution in bf16 already)."""
+    from harts_hf.model_patches import mamba2
+
+    seen = []
+    original = mamba2.tree_recurrence_with_handoffs
+
+    def spy(tree, layer, inputs, *args, **kwargs):
+        seen.append(tuple(x.dtype for x in inputs[:4]))
+        return original(tree, layer, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(mamba2, "tree_recurrence_with_handoffs", spy)
+    model = build(family)
+    sequences = chunk_edge_sequences(vocab=VOCAB, base_len=150)
+    weights = [torch.randn(len(s) - 1, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(sequences)]
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run(setting, autocast, one_by_one=False):
+        monkeypatch.setattr(mamba2, "SCAN_INPUTS", setting)
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            if one_by_one:
+                logprobs = [tree_logprobs(model, [s]).logprobs[0] for s in sequences]
+            else:
+                logprobs = tree_logprobs(model, sequences).logprobs
+        grads = torch.autograd.grad(sum((x.float() * w).sum() for x, w in zip(logprobs, weights)), params,
+                                    allow_unused=True)
+        return [x.detach().float() for x in logprobs], grads, set(seen)
+
+    exact, exact_grads, dtypes = run("fp32", False)
+    assert dtypes == {(torch.float32,) * 4}
+    same, same_grads, dtypes = run("half", False)
+    assert dtypes == {(torch.float32,) * 4}
+    assert all(torch.equal(a, b) for a, b in zip(same, exact))
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(same_grads, exact_grads))
+    for setting in ("fp32", "cuda"):
+        assert run(setting, True)[2] == {(torch.float32,) * 4}, setting
+    tree, tree_grads, dtypes = run("half", True)
+    assert dtypes == {(torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)}
+    path, path_grads, _ = run("half", True, one_by_one=True)
+
+    def errors(logprobs, grads):
+        value = torch.cat([(x - r).abs() for x, r in zip(logprobs, exact)]).mean().item()
+        relative = torch.tensor([((a.float() - b).norm() / b.norm()).item() for a, b in zip(grads, exact_grads)
+                                 if a is not None and b is not None and b.norm() > 0])
+        return value, relative.median().item()
+
+    (tree_value, tree_grad), (path_value, path_grad) = errors(tree, tree_grads), errors(path, path_grads)
+    assert 0 < tree_value <= 1.5 * path_value, (tree_value, path_value)
+    assert tree_grad <= 1.5 * path_grad, (tree_grad, path_grad)
+    model.to(torch.bfloat16)
+    assert run("half", False)[2] == {(torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32)}
+    assert run("fp32", False)[2] == {(torch.float32,) * 4}
+    monkeypatch.setattr(mamba2, "SCAN_INPUTS", "bf16")
+    with pytest.raises(ValueError, match="SCAN_INPUTS must be one of"):
+        tree_logprobs(model, sequences[:1])
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
 def test_norms_in_row_blocks_change_nothing(family, monkeypatch):
     """fla's norm kernels autotune per 65,536-row bucket, so the patched layer applies the gated norm in blocks of

@@ -9,6 +9,10 @@ follows ``h = exp(dt A) h + B (dt x)^T`` and ``y = h^T C + D x``, i.e. gated lin
 ``dt`` is ``softplus(dt + dt_bias)`` clamped to the mixer's ``time_step_limit``, in the projection's dtype, and the
 rest in fp32, as transformers' own scan computes them. Planner pieces take their root's conv rows, state and replay
 rows (on the mixer's chunk grid) from the hand-off, as the gated-delta-rule mixers do.
+
+:data:`SCAN_INPUTS` picks the dtype of the scan's ``C``, ``B`` and ``dt x``: fp32 (the default, as transformers'
+PyTorch scan) or the half precision the model runs in, as transformers' CUDA path hands them to ``mamba_ssm``'s
+kernels (their states and sums stay fp32; so do fla's here).
 """
 
 from __future__ import annotations
@@ -22,7 +26,16 @@ from ..kernels import TreeMetadata
 from .core import PatchedForward, layer_key
 from .gated_deltanet import tree_conv_with_handoffs, tree_mixer_call, tree_recurrence_with_handoffs
 
-__all__ = ["tree_mamba2_factory", "tree_mamba2_forward"]
+__all__ = ["SCAN_INPUTS", "tree_mamba2_factory", "tree_mamba2_forward"]
+
+SCAN_INPUTS = "fp32"
+"""The dtype of the scan's inputs ``C``, ``B`` and ``dt x``: ``"fp32"`` (the default; transformers' PyTorch scan),
+``"half"`` (the half precision the layer runs in: the autocast dtype under autocast, else bf16 / fp16 weights' dtype;
+what transformers' CUDA path gives ``mamba_ssm``'s ``mamba_chunk_scan_combined``: half the bytes through the scan
+node and its gathers; the decay ``dt A``, the states and the ``D x`` skip stay fp32; an fp32 model without autocast
+computes as with ``"fp32"``) or ``"cuda"`` (``"half"`` for CUDA inputs only). Applies to every Mamba-2 family and to
+the per-trajectory paths that run through harts_hf's patches (the packed path of the benchmarks)."""
+_SCAN_INPUTS = ("fp32", "half", "cuda")
 
 
 def tree_mamba2_factory(module: torch.nn.Module) -> dict:
@@ -49,7 +62,8 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
     dt = torch.clamp(F.softplus(dt + module.dt_bias.to(dt.dtype)), min=low, max=high).to(compute)  # [U, H]
     x = x.to(compute).reshape(U, H, P)
     g = -torch.exp(module.A_log.float()).to(compute) * dt  # A as transformers' forward makes it (in fp32)
-    inputs = (C.to(compute).reshape(U, G, N), B.to(compute).reshape(U, G, N), x * dt[..., None], g,
+    scan = _scan_dtype(x, dtype, compute)
+    inputs = (C.to(scan).reshape(U, G, N), B.to(scan).reshape(U, G, N), (x * dt[..., None]).to(scan), g,
               torch.ones_like(dt))
     backend = tree.gdn_backend_for(x)
     y = tree_recurrence_with_handoffs(tree, layer, inputs, tree.gdn_plan(backend, chunk_size=module.chunk_size),
@@ -60,6 +74,19 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
     else:  # Falcon-H1 without the gated norm: the gate alone
         y = y * F.silu(gate.unsqueeze(0))
     return module.out_proj(y.to(dtype))
+
+
+def _scan_dtype(x: torch.Tensor, dtype: torch.dtype, compute: torch.dtype) -> torch.dtype:
+    """The dtype of the scan's ``C``, ``B`` and ``dt x`` (:data:`SCAN_INPUTS`) for a layer whose hidden states are in
+    ``dtype`` and whose scan computes in ``compute``."""
+    if SCAN_INPUTS not in _SCAN_INPUTS:
+        raise ValueError(f"mamba2.SCAN_INPUTS must be one of {_SCAN_INPUTS}, got {SCAN_INPUTS!r}")
+    device = x.device.type
+    if SCAN_INPUTS == "fp32" or (SCAN_INPUTS == "cuda" and device != "cuda"):
+        return compute
+    if torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return dtype if dtype in (torch.bfloat16, torch.float16) else compute
 
 
 def _register() -> None:
