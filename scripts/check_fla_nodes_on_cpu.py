@@ -8,7 +8,8 @@ states); then a tiny patched Qwen3-Next with the fla backend against the torch b
 (log-probs and every parameter gradient); the tree conv with fla's ``causal_conv1d`` for its bulk; Kimi Delta
 Attention (a tiny Ling 3 model too) and gated linear attention (Mamba-2; a tiny Nemotron-H too) through their
 round-batched nodes over fla's ``chunk_kda`` / ``chunk_simple_gla`` stages and through those functions per round;
-the fused per-token kernels (with fla's RMSNorm and with harts_hf's own). fp32 throughout; a few minutes on 2 cores.
+the fused per-token kernels (with fla's RMSNorm and with harts_hf's own). fp32 throughout, but for Mamba-2's node once
+on fp16 inputs (``mamba2.SCAN_INPUTS = "half"``); a few minutes on 2 cores.
 
 Triton must be importable, at the version the interpreter bridges below were written for (3.6.0, the GPU
 machine's): ``bash scripts/run.sh test`` runs this in a helper venv (``.harts-env/triton``) that sees the active
@@ -193,6 +194,36 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     return max(worst, *errors)
 
 
+def check_half_scan_inputs() -> None:
+    """Mamba-2's scan node with half-precision ``q, k, v`` and fp32 gates (``mamba2.SCAN_INPUTS = "half"``) through
+    fla's stages against the torch backend on the same inputs (which computes in fp32 and rounds its result once):
+    outputs and every input gradient in the inputs' dtypes, within fp16's rounding (2e-3). fp16, not bf16: Triton's
+    interpreter has no bf16; the kernels take either."""
+    import torch
+
+    from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
+    from harts_hf.trees import PrefixForest
+    from tests.forests import chunk_edge_sequences
+
+    packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
+    torch.manual_seed(3)
+    q, k, v, g, beta = recurrence_inputs(packed.num_tokens, per_channel=False)
+    leaves = [t.detach().to(dtype).requires_grad_() for t, dtype in
+              zip((q, k, v, g), (torch.float16, torch.float16, torch.float16, torch.float32))]
+    outs = {}
+    for backend in ("torch", "fla"):
+        the_plan = build_gated_delta_plan(packed, final_states_only=backend == "fla", chunk_size=32)
+        out = tree_gated_delta_rule(*leaves, torch.ones_like(g), the_plan, backend=backend, delta=False, scale=1.0)
+        grads = torch.autograd.grad(out.float().square().sum(), leaves)
+        assert out.dtype == torch.float16 and [x.dtype for x in grads] == [x.dtype for x in leaves], backend
+        outs[backend] = (out.detach(), grads)
+    errors = [rel(a.float(), b.float()) for a, b in zip((outs["fla"][0], *outs["fla"][1]),
+                                                         (outs["torch"][0], *outs["torch"][1]))]
+    print(f"gated linear attention (Mamba-2), fp16 q/k/v: fla vs torch backend: out {errors[0]:.1e} grads "
+          f"{max(errors[1:]):.1e}", flush=True)
+    assert max(errors) < 2e-3, errors
+
+
 def check_unshared_layout() -> float:
     """The three round-batched fla nodes (Gated DeltaNet, KDA, Mamba-2's gated linear attention) on a forest of
     unshared sequences, whose executed layout is the identity (the packed per-trajectory path's: the gathers into
@@ -340,6 +371,7 @@ def main() -> None:
     worst = max(worst, check_model_backends("nemotron_h", "Nemotron-H"))
     worst = max(worst, check_model())
     worst = max(worst, check_token_ops())
+    check_half_scan_inputs()
     assert worst < 1e-5, f"fla nodes differ from the fp32 torch backend by {worst:.1e}"
     print(f"OK: worst relative error against the torch backend {worst:.1e}; round-batched == fused bit for bit; "
           "the serial state pass and its lanes within the same tolerance")
