@@ -661,3 +661,29 @@ def test_only_loss_tokens_and_top1_match_the_tree_forward():
     with torch.no_grad():
         forward_only = execute_plan(model, the_plan, only_loss_tokens=True, compute_top1=True)
     assert all(torch.equal(a, b) for a, b in zip(forward_only.is_top1, run.is_top1))
+
+
+def test_mamba2_half_scan_inputs_across_pieces(monkeypatch):
+    """Nemotron-H under bf16 autocast with the scan's inputs in bf16 (``mamba2.SCAN_INPUTS = "half"``): planner pieces
+    hand their conv rows, states and replay rows over in that dtype, and differ from one tree forward no more than
+    they do with the scan in fp32 (bf16 rounding of the pieces' own products; within 1.5x)."""
+    from harts_hf.model_patches import mamba2
+
+    sequences = handoff_sequences()
+    weights = weights_for(sequences)
+    gaps = {}
+    for setting in ("fp32", "half"):
+        monkeypatch.setattr(mamba2, "SCAN_INPUTS", setting)
+        model = build("nemotron_h")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            run = execute_plan(model, plan(sequences, token_budget=140), logprob_weights=weights)
+            pieces = grads_of(model)
+            model.zero_grad()
+            tree = tree_logprobs(model, sequences)
+            loss = sum((x.float() * w).sum() for x, w in zip(tree.logprobs, weights))
+        loss.backward()
+        whole = grads_of(model)
+        gaps[setting] = (max_relative(run.logprobs, tree.logprobs),
+                         max(((pieces[n] - whole[n]).norm() / whole[n].norm()).item() for n in whole
+                             if whole[n].norm() > 0))
+    assert all(a <= 1.5 * b + 1e-6 for a, b in zip(gaps["half"], gaps["fp32"])), gaps
