@@ -685,5 +685,5 @@ def test_mamba2_half_scan_inputs_across_pieces(monkeypatch):
         whole = grads_of(model)
         gaps[setting] = (max_relative(run.logprobs, tree.logprobs),
                          max(((pieces[n] - whole[n]).norm() / whole[n].norm()).item() for n in whole
-                             if whole[n].norm() > 0))
+                             if whole[n] is not None and whole[n].norm() > 0))
     assert all(a <= 1.5 * b + 1e-6 for a, b in zip(gaps["half"], gaps["fp32"])), gaps
