@@ -124,3 +124,20 @@ def test_cpu_forwards_never_reach_triton(family):
         assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 24)
         assert all(torch.isfinite(lp).all() for lp in tree_logprobs(model, SEQUENCES).logprobs)
     unpatched_forward()
+
+
+@pytest.mark.parametrize("first", ["mamba2", "token_modules", "qwen3_next"])
+def test_every_family_after_importing_one_family_module_first(first):
+    """A user who imports one module of ``harts_hf.model_patches`` first (``mamba2`` for ``SCAN_INPUTS``,
+    ``token_modules`` for ``AUTOCAST_EXPERTS``) still gets every family: the families load whatever registered first
+    (they were skipped once the registry held anything). A fresh interpreter, so nothing else imported them."""
+    import subprocess
+    import sys
+
+    code = (f"import harts_hf.model_patches.{first}\n"
+            "from harts_hf.model_patches import supported_model_types\n"
+            "print(' '.join(supported_model_types()))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    for model_type in ("qwen3_next", "qwen3_5", "kimi_linear", "bailing_hybrid", "olmo_hybrid", "nemotron_h",
+                       "llama", "qwen3_moe"):
+        assert model_type in out, (first, out)

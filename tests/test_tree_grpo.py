@@ -299,6 +299,7 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_attention_backend="flex"), ["tree_attention_backend"]),
     (dict(tree_varlen_kernel="fa3"), ["tree_varlen_kernel", "'fa4'", "'fa3'"]),
     (dict(tree_autocast_experts="bf16"), ["tree_autocast_experts", "'never'", "'bf16'"]),
+    (dict(tree_mamba_scan_inputs="bf16"), ["tree_mamba_scan_inputs", "'half'", "'bf16'"]),
     (dict(tree_attention_backend="cudnn"), ["tree_attention_backend='cudnn'", "CUDA only", "'auto'"]),
     (dict(tree_attention_backend="varlen"), ["tree_attention_backend='varlen'", "CUDA only"]),
     (dict(tree_gdn_backend="fla"), ["tree_gdn_backend='fla'", "CUDA only"]),
@@ -361,19 +362,25 @@ def test_varlen_kernel_field_sets_the_kernel(saved_model, tmp_path, monkeypatch)
         assert varlen.KERNEL == choice
 
 
-def test_autocast_experts_field_sets_the_setting(saved_model, tmp_path, monkeypatch):
-    """tree_autocast_experts puts where routed experts run in the autocast dtype in force at construction
-    (process-wide); None leaves it."""
-    from harts_hf.model_patches import token_modules
+@pytest.mark.parametrize("field, module, name, start, choices", [
+    ("tree_autocast_experts", "token_modules", "AUTOCAST_EXPERTS", "cuda", ("never", "always")),
+    ("tree_mamba_scan_inputs", "mamba2", "SCAN_INPUTS", "fp32", ("half", "cuda", "fp32")),
+])
+def test_process_setting_fields_set_their_setting(saved_model, tmp_path, monkeypatch, field, module, name, start,
+                                                  choices):
+    """tree_autocast_experts (where routed experts run in the autocast dtype) and tree_mamba_scan_inputs (the dtype
+    of Mamba-2's scan inputs) put their setting in force at construction (process-wide); None leaves it."""
+    import importlib
 
-    monkeypatch.setattr(token_modules, "AUTOCAST_EXPERTS", "cuda")
+    settings = importlib.import_module(f"harts_hf.model_patches.{module}")
+    monkeypatch.setattr(settings, name, start)
     model = AutoModelForCausalLM.from_pretrained(saved_model)
-    for choice, expected in ((None, "cuda"), ("never", "never"), ("always", "always")):
+    for choice, expected in ((None, start), *((c, c) for c in choices)):
         args = TreeGRPOConfig(**dict(BASE_ARGS, output_dir=str(tmp_path), router_aux_loss_coef=0.0,
-                                     tree_autocast_experts=choice))
+                                     **{field: choice}))
         TreeGRPOTrainer(model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(4),
                         processing_class=char_tokenizer())
-        assert token_modules.AUTOCAST_EXPERTS == expected
+        assert getattr(settings, name) == expected
 
 
 def test_plain_grpo_config_is_refused(saved_model, tmp_path):

@@ -86,8 +86,9 @@ def supported_model_types() -> list[str]:
 
 
 def _load_families() -> None:
-    if not _REGISTRY:
-        from . import full_attention, kimi_delta_attention, mamba2, olmo_hybrid, qwen3_5, qwen3_next  # noqa: F401
+    """Import every family module (each registers its families when imported). Not keyed on an empty registry:
+    importing one family module first (``harts_hf.model_patches.mamba2`` for its setting) registers only its own."""
+    from . import full_attention, kimi_delta_attention, mamba2, olmo_hybrid, qwen3_5, qwen3_next  # noqa: F401
 
 
 class PatchedForward:

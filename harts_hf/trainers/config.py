@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .._checks import check_bool, check_int, check_number
-from ..model_patches import token_modules
+from ..model_patches import mamba2, token_modules
 
 __all__ = ["TreeGRPOConfig"]
 
@@ -16,6 +16,7 @@ _GDN_BACKENDS = ("auto", "torch", "fla")
 _ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
 _VARLEN_KERNELS = (None, "torch", "fa4", "auto")
 _AUTOCAST_EXPERTS = (None, *token_modules._AUTOCAST_EXPERTS)
+_MAMBA_SCAN_INPUTS = (None, *mamba2._SCAN_INPUTS)
 VARLEN_KERNEL_HELP = ("The tree attention's varlen kernel on CUDA: 'torch' (torch's flash varlen), 'fa4' "
                       "(FlashAttention-4, pip install harts_hf[fa4]; the fastest measured, BENCHMARKS.md), 'auto' (fa4 "
                       "where installed on Hopper / Blackwell, else torch); process-wide "
@@ -26,6 +27,11 @@ AUTOCAST_EXPERTS_HELP = ("Under autocast, where MoE routed experts on transforme
                          "(CUDA inputs), 'always' or 'never'; process-wide "
                          "(harts_hf.model_patches.token_modules.AUTOCAST_EXPERTS). None leaves that setting as it is "
                          "('cuda' unless changed).")
+MAMBA_SCAN_INPUTS_HELP = ("Mamba-2 mixers (Nemotron-H, Falcon-H1, Granite-4 hybrid, Bamba): the dtype of the scan's "
+                          "C, B and dt*x: 'fp32' (transformers' PyTorch scan), 'half' (the model's half precision, as "
+                          "transformers' CUDA path hands them to mamba_ssm; states and sums stay fp32) or 'cuda' "
+                          "('half' for CUDA inputs); process-wide (harts_hf.model_patches.mamba2.SCAN_INPUTS). None "
+                          "leaves that setting as it is ('fp32' unless changed).")
 STORED_LAYERS_HELP = ("With gradient_checkpointing: how many decoder layers keep their activations for the "
                       "backward instead of recomputing their forward (softmax-attention layers first, then the others "
                       "spread evenly). Less compute, more memory; the gradients are the same. 0: every layer is "
@@ -215,6 +221,8 @@ class TreeGRPOConfig(GRPOConfig):
         default=None, metadata={"help": VARLEN_KERNEL_HELP, "choices": list(_VARLEN_KERNELS)})
     tree_autocast_experts: str | None = field(
         default=None, metadata={"help": AUTOCAST_EXPERTS_HELP, "choices": list(_AUTOCAST_EXPERTS)})
+    tree_mamba_scan_inputs: str | None = field(
+        default=None, metadata={"help": MAMBA_SCAN_INPUTS_HELP, "choices": list(_MAMBA_SCAN_INPUTS)})
     tree_head_chunk_size: int = field(
         default=4096,
         metadata={"help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."},
@@ -300,19 +308,20 @@ def budget_plan(packed, budget: int, logger, **options):
 
 
 def check_process_settings(config) -> None:
-    """``tree_varlen_kernel`` and ``tree_autocast_experts`` are each one of their choices (an error names the field,
-    the value and the choices)."""
-    for name, choices in (("tree_varlen_kernel", _VARLEN_KERNELS), ("tree_autocast_experts", _AUTOCAST_EXPERTS)):
+    """``tree_varlen_kernel``, ``tree_autocast_experts`` and ``tree_mamba_scan_inputs`` are each one of their
+    choices (an error names the field, the value and the choices)."""
+    for name, choices in (("tree_varlen_kernel", _VARLEN_KERNELS), ("tree_autocast_experts", _AUTOCAST_EXPERTS),
+                          ("tree_mamba_scan_inputs", _MAMBA_SCAN_INPUTS)):
         if getattr(config, name) not in choices:
             raise ValueError(f"{name} must be one of {choices}, got {getattr(config, name)!r}.")
 
 
 def apply_process_settings(args) -> None:
-    """Put ``tree_varlen_kernel`` (``varlen.KERNEL``) and ``tree_autocast_experts``
-    (``token_modules.AUTOCAST_EXPERTS``) in force, process-wide; None leaves a setting as it is. 'fa4' without
-    FlashAttention-4 installed fails here, naming the fix."""
+    """Put ``tree_varlen_kernel`` (``varlen.KERNEL``), ``tree_autocast_experts``
+    (``token_modules.AUTOCAST_EXPERTS``) and ``tree_mamba_scan_inputs`` (``mamba2.SCAN_INPUTS``) in force,
+    process-wide; None leaves a setting as it is. 'fa4' without FlashAttention-4 installed fails here, naming the
+    fix."""
     from ..kernels.tree_attention import varlen
-    from ..model_patches import token_modules
 
     if args.tree_varlen_kernel == "fa4" and not varlen._fa4_importable():
         raise ImportError("tree_varlen_kernel='fa4' needs FlashAttention-4 (pip install harts_hf[fa4], i.e. "
@@ -322,6 +331,8 @@ def apply_process_settings(args) -> None:
         varlen.KERNEL = args.tree_varlen_kernel
     if args.tree_autocast_experts is not None:
         token_modules.AUTOCAST_EXPERTS = args.tree_autocast_experts
+    if args.tree_mamba_scan_inputs is not None:
+        mamba2.SCAN_INPUTS = args.tree_mamba_scan_inputs
 
 
 def check_dropout(model, name: str, logger, switch: str) -> None:

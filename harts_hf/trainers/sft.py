@@ -31,6 +31,7 @@ from .config import (
     _GDN_BACKENDS,
     AUTOCAST_EXPERTS_HELP,
     KEEP_SOURCE_GRAPHS_HELP,
+    MAMBA_SCAN_INPUTS_HELP,
     MATMUL_GIB_HELP,
     MATMUL_LAYERS_HELP,
     STORED_LAYERS_HELP,
@@ -67,6 +68,7 @@ class TreeSFTConfig(SFTConfig):
         "help": "Softmax-attention kernel on trees: 'auto', 'sdpa', 'runs', 'varlen' or 'cudnn' (as TreeGRPOConfig)."})
     tree_varlen_kernel: str | None = field(default=None, metadata={"help": VARLEN_KERNEL_HELP})
     tree_autocast_experts: str | None = field(default=None, metadata={"help": AUTOCAST_EXPERTS_HELP})
+    tree_mamba_scan_inputs: str | None = field(default=None, metadata={"help": MAMBA_SCAN_INPUTS_HELP})
     tree_head_chunk_size: int = field(default=4096, metadata={
         "help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."})
     tree_keep_attention_outputs: bool = field(default=True, metadata={
