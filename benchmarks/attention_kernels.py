@@ -6,6 +6,14 @@
 and for a block of queries against a longer block of keys without a mask (a tree run against its ancestors), it
 times SDPA with its default choice and with each backend forced, and torch's flash ``varlen_attn``, and lists the
 kernels SDPA's default runs. Writes ``OUT/attention_kernels.json`` and prints a table (pairs per second).
+
+``--runs N LQ LK`` (repeatable) times instead the shape of a tree's attention through torch's flash ``varlen_attn``:
+N runs in ONE call, each a block of LQ queries against LK keys (its ancestors, then itself), causal aligned
+bottom-right, as ``tree_attention_varlen`` calls it; beside it the same pairs split in two calls (each run's queries
+against their own block, causal, and against the ancestors only, maskless: a lower bound on a split whose partial
+results a log-sum-exp merge would join, the merge not timed), and square causal sequences of LK tokens (the
+per-trajectory baseline's shape) for the per-pair rate to compare with. ``--heads HQ HKV D`` sets the head shape
+(default the 2B preset's; the Nemotron-H-shaped preset has 16 8 128).
 """
 
 from __future__ import annotations
@@ -70,13 +78,54 @@ def varlen_call(varlen_attn, q, k, v, causal: bool):
                                **gqa).float().square().mean().backward()
 
 
+def varlen_runs(varlen_attn, runs: int, Lq: int, Lk: int, causal: bool) -> tuple:
+    """fwd+bwd of ``runs`` blocks of ``Lq`` queries against ``Lk`` keys in one ``varlen_attn`` call (causal: aligned
+    bottom-right) and its attended pairs."""
+    make = lambda rows, heads: torch.randn(rows, heads, D, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                           requires_grad=True)
+    q, k, v = make(runs * Lq, HQ), make(runs * Lk, HKV), make(runs * Lk, HKV)
+    cu_q = torch.arange(runs + 1, device="cuda", dtype=torch.int32) * Lq
+    cu_k = torch.arange(runs + 1, device="cuda", dtype=torch.int32) * Lk
+    window, gqa = (-1, 0) if causal else (-1, -1), gqa_keyword(varlen_attn)
+    per_run = Lq * (Lk - Lq) + Lq * (Lq + 1) / 2 if causal else Lq * Lk
+    return (lambda: varlen_attn(q, k, v, cu_q, cu_k, Lq, Lk, window_size=window, **gqa).float().square().mean()
+            .backward()), runs * per_run
+
+
+def time_runs(varlen_attn, runs: int, Lq: int, Lk: int) -> dict:
+    """The tree-run shape, its split into an own causal block and a maskless ancestor block, and square causal
+    sequences of ``Lk`` tokens: seconds and pairs per second of each (fwd+bwd)."""
+    whole, pairs = varlen_runs(varlen_attn, runs, Lq, Lk, causal=True)
+    own, own_pairs = varlen_runs(varlen_attn, runs, Lq, Lq, causal=True)
+    ancestors, ancestor_pairs = varlen_runs(varlen_attn, runs, Lq, Lk - Lq, causal=False)
+    square, square_pairs = varlen_runs(varlen_attn, max(1, round(pairs / (Lk * (Lk + 1) / 2))), Lk, Lk, causal=True)
+    row = dict(kind="runs", runs=runs, q=Lq, k=Lk, pairs=pairs, heads=[HQ, HKV, D])
+    for name, call, count in (("tree_runs", whole, pairs), ("split_own", own, own_pairs),
+                              ("split_ancestors", ancestors, ancestor_pairs), ("square_causal", square, square_pairs)):
+        seconds = bench(call)
+        row[name] = dict(seconds=seconds, pairs=count, pairs_per_s=count / seconds)
+        print("runs", runs, Lq, Lk, name, row[name], flush=True)
+    split = row["split_own"]["seconds"] + row["split_ancestors"]["seconds"]
+    row["split_pairs_per_s"] = pairs / split
+    print(f"runs {runs} x {Lq} vs {Lk}: tree-run call {row['tree_runs']['pairs_per_s']:.3e} pairs/s, split "
+          f"{row['split_pairs_per_s']:.3e} (merge not timed), square causal {row['square_causal']['pairs_per_s']:.3e}",
+          flush=True)
+    return row
+
+
 def main():
+    global HQ, HKV, D
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="results/attention")
+    parser.add_argument("--heads", type=int, nargs=3, default=[HQ, HKV, D], metavar=("HQ", "HKV", "D"))
+    parser.add_argument("--runs", type=int, nargs=3, action="append", metavar=("N", "LQ", "LK"),
+                        help="only the tree-run shape: N runs of LQ queries against LK keys in one varlen call (see "
+                             "the module doc); repeatable")
     parser.add_argument("--causal", type=int, nargs="+", default=[16384, 49152])
     parser.add_argument("--cross", type=int, nargs=2, action="append", metavar=("Q", "K"),
                         help="query and key lengths of a maskless block (default: 8192 43008 and 1024 43008)")
     args = parser.parse_args()
+    HQ, HKV, D = args.heads
     from run_record import write_run_record
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.varlen import varlen_attn
@@ -85,6 +134,14 @@ def main():
     write_run_record(out)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(), "rows": []}
+    if args.runs:
+        for runs, Lq, Lk in args.runs:
+            if not 0 < Lq < Lk:
+                parser.error(f"--runs {runs} {Lq} {Lk}: each run needs 0 < LQ < LK (ancestors before its queries)")
+            results["rows"].append(time_runs(varlen_attn, runs, Lq, Lk))
+            (out / "attention_kernels.json").write_text(json.dumps(results, indent=1))
+            torch.cuda.empty_cache()
+        return
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)  # noqa: E731
     backends = {"sdpa_default": None, "sdpa_flash": SDPBackend.FLASH_ATTENTION,
                 "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}
