@@ -31,6 +31,14 @@ if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
   # (run on an H100, 2026-12-06 05:32-05:50 UTC, and taken off this list: the `tau`@0.02 host profile, the `swe` 0.05
   # trainer at 32,768-token pieces, the Nemotron-H `tau` profile of both paths and its `swe` tree + packed path)
+  # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
+  # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
+  # warmed the first only); on FlashAttention-4, the headline's kernel, where its stack travelled (device_env.sh:
+  # two calls of archives first), else on torch's flash varlen (harts_hf's default; then a new row, not a re-run)
+  headline_kernels=fused; [ -f .device/fa4x/.fa4libs ] && headline_kernels=fused_fa4
+  [ "$h200" = 1 ] && job headline $probe --workload tau grpo distinct --scale 1.0 --budget 0 --no-history \
+    --kernels $headline_kernels --repeats 2 --keep-attention on --packed-groups 0 --packed-warmup each \
+    --out $J/headline
   # issue 26: Mamba-2's scan with its C, B and dt x in bf16 (`mamba2.SCAN_INPUTS = "half"`, as transformers' CUDA path
   # hands them to mamba_ssm) against fp32 (the default): bf16 parity of the tree and the packed path against fp32,
   # then full-size `tau`, both paths under each setting in one process (on the H100, 2026-12-06, the scan node took
