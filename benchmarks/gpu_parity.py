@@ -275,6 +275,7 @@ def run_stages(args) -> None:
 
     results["transformers"] = transformers.__version__
     results["mamba_scan_inputs"] = args.mamba_scan
+
     def save():
         (out / "gpu_parity.json").write_text(json.dumps(results, indent=2, default=str))
         print("saved", results.get("model_stages"), flush=True)

@@ -184,6 +184,15 @@ PRECISIONS = {
 }
 
 
+def half_precision_errors(logprobs, grads, reference, reference_grads) -> tuple[float, torch.Tensor]:
+    """The mean absolute log-prob error against ``reference`` and the relative error of every parameter gradient
+    against ``reference_grads`` (those with a nonzero gradient in both)."""
+    value = torch.cat([(x.float() - r).abs() for x, r in zip(logprobs, reference)]).mean().item()
+    relative = torch.tensor([((a.float() - b).norm() / b.norm()).item() for a, b in zip(grads, reference_grads)
+                             if a is not None and b is not None and b.norm() > 0])
+    return value, relative
+
+
 @pytest.mark.parametrize("precision", sorted(PRECISIONS))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_half_precision_error_is_the_per_sequence_paths(family, precision):
@@ -210,9 +219,7 @@ def test_half_precision_error_is_the_per_sequence_paths(family, precision):
         path, _, _ = per_sequence_logprobs(model, sequences)
 
     def errors(logprobs):
-        value = torch.cat([(x.float() - r).abs() for x, r in zip(logprobs, reference)]).mean().item()
-        grads = torch.tensor([((a.float() - b).norm() / b.norm()).item() for a, b in zip(gradients(logprobs), exact)
-                              if a is not None and b is not None and b.norm() > 0])
+        value, grads = half_precision_errors(logprobs, gradients(logprobs), reference, exact)
         assert torch.isfinite(grads).all()
         return value, grads.median().item()
 
@@ -269,9 +276,7 @@ def test_mamba2_scan_inputs_in_half_precision(family, monkeypatch):
     path, path_grads, _ = run("half", True, one_by_one=True)
 
     def errors(logprobs, grads):
-        value = torch.cat([(x - r).abs() for x, r in zip(logprobs, exact)]).mean().item()
-        relative = torch.tensor([((a.float() - b).norm() / b.norm()).item() for a, b in zip(grads, exact_grads)
-                                 if a is not None and b is not None and b.norm() > 0])
+        value, relative = half_precision_errors(logprobs, grads, exact, exact_grads)
         return value, relative.median().item()
 
     (tree_value, tree_grad), (path_value, path_grad) = errors(tree, tree_grads), errors(path, path_grads)
