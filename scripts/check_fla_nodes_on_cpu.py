@@ -197,11 +197,13 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
 def check_half_scan_inputs() -> None:
     """Mamba-2's scan node with half-precision ``q, k, v`` and fp32 gates (``mamba2.SCAN_INPUTS = "half"``) through
     fla's stages against the torch backend on the same inputs (which computes in fp32 and rounds its result once):
-    outputs and every input gradient in the inputs' dtypes, within fp16's rounding (2e-3). fp16, not bf16: Triton's
-    interpreter has no bf16; the kernels take either."""
+    outputs and every input gradient in the inputs' dtypes, within fp16's rounding (2e-3); fla's dq / dk / dg stage
+    gets its inputs in the states' fp32 (the kernel fla 0.6 has on Hopper under Triton < 3.7.1 wants them so). fp16,
+    not bf16: Triton's interpreter has no bf16; the kernels take either."""
     import torch
 
     from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
+    from harts_hf.kernels.tree_gated_delta_rule import fla_simple_gla
     from harts_hf.trees import PrefixForest
     from tests.forests import chunk_edge_sequences
 
@@ -210,13 +212,27 @@ def check_half_scan_inputs() -> None:
     q, k, v, g, beta = recurrence_inputs(packed.num_tokens, per_channel=False)
     leaves = [t.detach().to(dtype).requires_grad_() for t, dtype in
               zip((q, k, v, g), (torch.float16, torch.float16, torch.float16, torch.float32))]
-    outs = {}
-    for backend in ("torch", "fla"):
-        the_plan = build_gated_delta_plan(packed, final_states_only=backend == "fla", chunk_size=32)
-        out = tree_gated_delta_rule(*leaves, torch.ones_like(g), the_plan, backend=backend, delta=False, scale=1.0)
-        grads = torch.autograd.grad(out.float().square().sum(), leaves)
-        assert out.dtype == torch.float16 and [x.dtype for x in grads] == [x.dtype for x in leaves], backend
-        outs[backend] = (out.detach(), grads)
+    outs, seen = {}, []
+    stages = fla_simple_gla._stages
+
+    def recording_stages() -> dict:  # the dtypes fla's dq / dk / dg stage gets (fla 0.6 on Hopper: h's dtype)
+        found = stages()
+        dqkwg = found["bwd_dqkwg"]
+        found["bwd_dqkwg"] = lambda **kw: seen.append((kw["q"].dtype, kw["do"].dtype, kw["h"].dtype)) or dqkwg(**kw)
+        return found
+
+    fla_simple_gla._stages = recording_stages
+    try:
+        for backend in ("torch", "fla"):
+            the_plan = build_gated_delta_plan(packed, final_states_only=backend == "fla", chunk_size=32)
+            out = tree_gated_delta_rule(*leaves, torch.ones_like(g), the_plan, backend=backend, delta=False,
+                                        scale=1.0)
+            grads = torch.autograd.grad(out.float().square().sum(), leaves)
+            assert out.dtype == torch.float16 and [x.dtype for x in grads] == [x.dtype for x in leaves], backend
+            outs[backend] = (out.detach(), grads)
+    finally:
+        fla_simple_gla._stages = stages
+    assert seen == [(torch.float32,) * 3], seen
     errors = [rel(a.float(), b.float()) for a, b in zip((outs["fla"][0], *outs["fla"][1]),
                                                          (outs["torch"][0], *outs["torch"][1]))]
     print(f"gated linear attention (Mamba-2), fp16 q/k/v: fla vs torch backend: out {errors[0]:.1e} grads "

@@ -24,13 +24,15 @@ same=(--no-history --kernels fused --keep-attention on)
 if [ "${mem:-0}" -gt 100000 ]; then  # an H200: the headline settings
   nemotron=131072 ling3=65536 kimi=0 h200=1
 else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked at 63.2 GiB, 2026-12-05; the longest
-  # has 72,913)
-  ling3=32768 kimi=49152 h200=0
+  # has 72,913); smaller tree pieces than on the H200 (on an H100, 2026-12-06, Ling-3's `swe` tree at 32,768-token
+  # pieces and Kimi's `tau` tree at 49,152 ran out of memory with 22-33 GiB reserved but unallocated)
+  ling3=16384 kimi=32768 h200=0
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
-  # (run on an H100, 2026-12-06 05:32-05:50 UTC, and taken off this list: the `tau`@0.02 host profile, the `swe` 0.05
-  # trainer at 32,768-token pieces, the Nemotron-H `tau` profile of both paths and its `swe` tree + packed path)
+  # (run on an H100, 2026-12-06 05:32-05:50 and 08:05-08:21 UTC, and taken off this list: the `tau`@0.02 host profile
+  # (twice), the `swe` 0.05 trainer at 32,768-token pieces, the Nemotron-H `tau` profile of both paths and its `swe`
+  # tree + packed path)
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on FlashAttention-4, the headline's kernel, where its stack travelled (device_env.sh:
@@ -43,11 +45,11 @@ if [ ! -f "$JOBS/.queued" ]; then
   # hands them to mamba_ssm) against fp32 (the default): bf16 parity of the tree and the packed path against fp32,
   # then full-size `tau`, both paths under each setting in one process (on the H100, 2026-12-06, the scan node took
   # 1.04 of the tree's 3.06 device seconds, its fp32 gathers into the rounds' layout about 0.12 of them)
-  job nemotron_parity_half benchmarks/gpu_parity.py --preset nemotron_h_shaped --skip kernel --no-timing \
-    --scale 0.005 --mamba-scan half --out $J/nemotron_parity_half
   job nemotron_tau_half $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 --no-history \
     --kernels fused_half_scan --keep-attention on --repeats 2 --packed-groups 0 --packed-warmup each \
     --out $J/nemotron_tau_half
+  job nemotron_parity_half benchmarks/gpu_parity.py --preset nemotron_h_shaped --skip kernel --no-timing \
+    --scale 0.005 --mamba-scan half --out $J/nemotron_parity_half
   job nemotron_tau_fp32 $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
     --repeats 2 --packed-groups 0 --packed-warmup each --out $J/nemotron_tau_fp32
   # issue 22: the trainer's step on the H200, one tree forward per microbatch (no pieces: the issue's target is this
@@ -85,9 +87,6 @@ if [ ! -f "$JOBS/.queued" ]; then
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
   [ "$h200" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
     --loop-sample -1 --out $J/swe_loop
-  # issue 22: the `tau`@0.02 host profile again, for its table by own time (profile_tree_host_self.txt, new)
-  job tau002_profile $probe --workload tau:0.02 --scale 1.0 --budget 0 "${same[@]}" --repeats 2 --profile tree \
-    --out $J/tau002_profile
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
 jobs_start

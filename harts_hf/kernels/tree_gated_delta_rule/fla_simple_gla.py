@@ -158,8 +158,13 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
         d_bank = batch.bank_grad(bank, d_requested)
         dh = _state_gradient_pass(st, batch, plan.chunk_size, _per_value_head(qe, groups), g_cumsum, do, d_bank, scale,
                                   V)
-        dq, dk, _, dg = st["bwd_dqkwg"](q=qe, k=ke, v=ve, g=g_cumsum, g_gamma=None, h=h, do=do, dh=dh, scale=scale,
-                                        **grid)
+        # q, k, v and do in the states' fp32 for this stage: with half-precision inputs (``mamba2.SCAN_INPUTS``),
+        # fla 0.6 on Hopper under Triton < 3.7.1 has no kernel for it (its Triton one raises, #640; its TileLang one
+        # wants h in q's dtype); the stage then computes as under the fp32 setting (its Triton kernel elsewhere would
+        # round h and dh to the half dtype instead)
+        dq, dk, _, dg = st["bwd_dqkwg"](**{name: x.to(h.dtype) for name, x in (("q", qe), ("k", ke), ("v", ve),
+                                                                                 ("do", do))},
+                                        g=g_cumsum, g_gamma=None, h=h, dh=dh, scale=scale, **grid)
         dv = st["bwd_dv"](q=qe, k=ke, g=g_cumsum, g_gamma=None, do=do, dh=dh, scale=scale, **grid)
         dg = st["cumsum"](dg, reverse=True, **grid)
         grads = [dq, dk, dv, dg]  # each summed by token in its parameter's dtype, the executed-size one freed
