@@ -67,7 +67,7 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
-              graph_tokens=0, experts="cuda", scan="fp32")
+              graph_tokens=0, experts="cuda", scan="cuda")
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
@@ -83,6 +83,7 @@ KERNEL_SETS = {
     "fused_fa4_all": dict(_FUSED, varlen="fa4", norm="harts", shared_casts=True, gdn_public=True),
     "fused_fa4_graphs": dict(_FUSED, varlen="fa4", graph_tokens=16384),
     "fused_half_scan": dict(_FUSED, scan="half"),
+    "fused_fp32_scan": dict(_FUSED, scan="fp32"),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -98,8 +99,10 @@ DeltaNet node's bodies as CUDA graphs on plans of up to 16,384 executed tokens (
 the other sets). The 2026-12-04 run of tau at scale 0.02 named the same two settings ``fused_fa4`` (graphs on, then the
 default) and ``fused_fa4_no_graphs``. ``fused_fp32_experts`` (and ``reference``) run MoE models' routed experts as
 transformers does under autocast, in the weights' dtype (fp32 here); every set before 2026-12-05 ran them so.
-``fused_half_scan`` hands Mamba-2's scan its ``C``, ``B`` and ``dt x`` in the half precision the model runs in (as
-transformers' CUDA path hands them to ``mamba_ssm``); every other set keeps them in fp32 (harts_hf's default)."""
+Mamba-2's scan gets its ``C``, ``B`` and ``dt x`` in the half precision the model runs in on CUDA (as transformers'
+CUDA path hands them to ``mamba_ssm``; harts_hf's default since 2026-12-06, ``SCAN_INPUTS = "cuda"``) in every set but
+``fused_fp32_scan`` (fp32, as every set before 2026-12-06 ran it; ``fused_half_scan``, the half inputs before they
+were the default, now computes as ``fused`` on the GPU)."""
 
 
 def use_kernels(name: str) -> None:

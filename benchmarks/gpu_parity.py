@@ -252,9 +252,10 @@ def main():
                              "layer shapes in 4 layers) instead of the 8-layer hidden-1024 model; bf16, decays spread")
     parser.add_argument("--family", default="qwen3_next", choices=["qwen3_next", "qwen3_5"])
     parser.add_argument("--no-timing", dest="timing", action="store_false", help="parity only")
-    parser.add_argument("--mamba-scan", default="fp32", choices=["fp32", "half"],
+    parser.add_argument("--mamba-scan", default="cuda", choices=["cuda", "fp32", "half"],
                         help="Mamba-2 presets: the dtype of the scan's C, B and dt x in the tree and packed paths "
-                             "(harts_hf.model_patches.mamba2.SCAN_INPUTS; the per-trajectory path is transformers' own)")
+                             "(harts_hf.model_patches.mamba2.SCAN_INPUTS: 'cuda', the default, is 'half' on the GPU; "
+                             "the per-trajectory path is transformers' own)")
     args = parser.parse_args()
     from harts_hf.model_patches import mamba2
 

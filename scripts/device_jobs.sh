@@ -25,14 +25,15 @@ if [ "${mem:-0}" -gt 100000 ]; then  # an H200: the headline settings
   nemotron=131072 ling3=65536 kimi=0 h200=1
 else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked at 63.2 GiB, 2026-12-05; the longest
   # has 72,913); smaller tree pieces than on the H200 (on an H100, 2026-12-06, Ling-3's `swe` tree at 32,768-token
-  # pieces and Kimi's `tau` tree at 49,152 ran out of memory with 22-33 GiB reserved but unallocated)
-  ling3=16384 kimi=32768 h200=0
+  # pieces and Kimi's `tau` tree at 49,152 ran out of memory with 22-33 GiB reserved but unallocated; Ling-3's `swe`
+  # has a run of 19,710 tokens without a branch point, the least budget the planner takes)
+  ling3=24576 kimi=32768 h200=0
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
   # (run on an H100, 2026-12-06 05:32-05:50 and 08:05-08:21 UTC, and taken off this list: the `tau`@0.02 host profile
   # (twice), the `swe` 0.05 trainer at 32,768-token pieces, the Nemotron-H `tau` profile of both paths and its `swe`
-  # tree + packed path)
+  # tree + packed path, the Mamba-2 scan's half-precision inputs against fp32: parity and full-size `tau`)
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on FlashAttention-4, the headline's kernel, where its stack travelled (device_env.sh:
@@ -41,25 +42,15 @@ if [ ! -f "$JOBS/.queued" ]; then
   [ "$h200" = 1 ] && job headline $probe --workload tau grpo distinct --scale 1.0 --budget 0 --no-history \
     --kernels $headline_kernels --repeats 2 --keep-attention on --packed-groups 0 --packed-warmup each \
     --out $J/headline
-  # issue 26: Mamba-2's scan with its C, B and dt x in bf16 (`mamba2.SCAN_INPUTS = "half"`, as transformers' CUDA path
-  # hands them to mamba_ssm) against fp32 (the default): bf16 parity of the tree and the packed path against fp32,
-  # then full-size `tau`, both paths under each setting in one process (on the H100, 2026-12-06, the scan node took
-  # 1.04 of the tree's 3.06 device seconds, its fp32 gathers into the rounds' layout about 0.12 of them)
-  job nemotron_tau_half $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 --no-history \
-    --kernels fused_half_scan --keep-attention on --repeats 2 --packed-groups 0 --packed-warmup each \
-    --out $J/nemotron_tau_half
-  job nemotron_parity_half benchmarks/gpu_parity.py --preset nemotron_h_shaped --skip kernel --no-timing \
-    --scale 0.005 --mamba-scan half --out $J/nemotron_parity_half
-  job nemotron_tau_fp32 $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --repeats 2 --packed-groups 0 --packed-warmup each --out $J/nemotron_tau_fp32
   # issue 22: the trainer's step on the H200, one tree forward per microbatch (no pieces: the issue's target is this
   # H200 step)
   [ "$h200" = 1 ] && job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 \
     --warmup 2 --trainer tree --out $J/tree_swe005
-  # issue 26: Nemotron-H full-size `swe` on the H200, the tree with the pruned hand-off forward, with and without the
-  # source's second forward (the H200's packed row, 73.34 s at 940afb9, already has the packed executed layout)
+  # issue 26: Nemotron-H full-size `swe` on the H200 (the scan's inputs in bf16, the default since 2026-12-06: both
+  # paths again), the tree with the pruned hand-off forward, with and without the source's second forward
   [ "$h200" = 1 ] && job nemotron_swe_tree $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
-    --budget $nemotron "${same[@]}" --repeats 2 --out $J/nemotron_swe_tree
+    --budget $nemotron "${same[@]}" --repeats 2 --packed-groups $nemotron --packed-warmup each \
+    --out $J/nemotron_swe_tree
   [ "$h200" = 1 ] && job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
     --budget $nemotron "${same[@]}" --repeats 2 --no-recompute --out $J/nemotron_swe_keep
   # issue 25: Ling-3 full-size `swe`, tree and packed in one child process (one compilation: its first tree run took

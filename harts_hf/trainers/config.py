@@ -31,7 +31,7 @@ MAMBA_SCAN_INPUTS_HELP = ("Mamba-2 mixers (Nemotron-H, Falcon-H1, Granite-4 hybr
                           "C, B and dt*x: 'fp32' (transformers' PyTorch scan), 'half' (the model's half precision, as "
                           "transformers' CUDA path hands them to mamba_ssm; states and sums stay fp32) or 'cuda' "
                           "('half' for CUDA inputs); process-wide (harts_hf.model_patches.mamba2.SCAN_INPUTS). None "
-                          "leaves that setting as it is ('fp32' unless changed).")
+                          "leaves that setting as it is ('cuda' unless changed).")
 STORED_LAYERS_HELP = ("With gradient_checkpointing: how many decoder layers keep their activations for the "
                       "backward instead of recomputing their forward (softmax-attention layers first, then the others "
                       "spread evenly). Less compute, more memory; the gradients are the same. 0: every layer is "
