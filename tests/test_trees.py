@@ -202,3 +202,46 @@ def test_segment_tokens_and_select_take_the_same_tokens():
         tokens = packed.segment_tokens(segments)
         assert tokens.tolist() == [t for s in segments for t in range(cu[s], cu[s + 1])]
         assert torch.equal(packed.select(segments).input_ids, packed.input_ids[tokens])
+
+
+@pytest.mark.parametrize("max_tokens, align", [(40, 16), (40, 64), (7, 1), (1000, 16)])
+def test_split_segments_cuts_long_runs_at_chunk_boundaries(max_tokens, align):
+    """split_segments: every segment longer than ``max_tokens`` becomes a chain of single-child segments of at most
+    that many tokens, cut at depths that are multiples of ``align`` where one lies inside the allowance; the tokens,
+    their order and every token and sequence field stay; so do the branch points (the statistics but the segment
+    count)."""
+    from dataclasses import fields
+
+    from tests.forests import random_tree_sequences
+
+    packed = PrefixForest.from_sequences(random_tree_sequences(random.Random(1), 12, vocab=5, max_tail=120)).pack()
+    split = packed.split_segments(max_tokens, align)
+    lengths = split.cu_seqlens.diff().tolist()
+    if max(packed.cu_seqlens.diff().tolist()) <= max_tokens:
+        assert split is packed
+        return
+    assert max(lengths) <= max_tokens and split.num_segments > packed.num_segments
+    for name in (f.name for f in fields(packed)):
+        if name not in ("cu_seqlens", "segment_parent", "segment_depth", "_cache"):
+            assert torch.equal(getattr(split, name), getattr(packed, name)), name
+    assert set(packed.cu_seqlens.tolist()) <= set(split.cu_seqlens.tolist())  # the old boundaries stay
+    old_starts = set(packed.cu_seqlens.tolist())
+    depth = split.segment_depth.tolist()
+    for s, (start, parent) in enumerate(zip(split.cu_seqlens.tolist()[:-1], split.segment_parent.tolist())):
+        assert depth[s] == packed.position_ids[start]
+        if start in old_starts:
+            continue  # a segment as before (its parent: the last part of its old parent)
+        assert parent == s - 1 and packed.parent[start] == start - 1  # a new cut: the previous part, one child
+        aligned_inside = (depth[s - 1] + max_tokens) // align * align > depth[s - 1]
+        assert depth[s] % align == 0 or not aligned_inside, (s, depth[s])
+    # every token's segment parent chain is the token parent chain, segment by segment
+    segment_of = split.segment_of_token()
+    for s in range(split.num_segments):
+        first = int(split.cu_seqlens[s])
+        above = int(split.parent[first])
+        assert split.segment_parent[s] == (-1 if above < 0 else segment_of[above])
+    before, after = packed.stats(), split.stats()
+    assert {k: v for k, v in before.items() if k not in ("segments", "depth_segments")} == \
+        {k: v for k, v in after.items() if k not in ("segments", "depth_segments")}
+    with pytest.raises(ValueError, match="max_tokens"):
+        packed.split_segments(0)

@@ -133,8 +133,10 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
             system prompt is a single tree); False keeps every tree on one replica.
 
     Returns:
-        A :class:`Plan`; deterministic for the same input. Raises ``ValueError`` when a run of tokens without a
-        branch point (part of one trajectory) is longer than ``token_budget``.
+        A :class:`Plan`; deterministic for the same input. A run of tokens without a branch point (part of one
+        trajectory) longer than ``token_budget`` is cut at chunk boundaries into segments that fit
+        (:meth:`PackedForest.split_segments`): the plan's ``packed`` then has those segments (the same tokens in
+        the same order), and its pieces name them.
     """
     num_replicas = check_int(num_replicas, "plan: num_replicas")
     token_budget = check_int(token_budget, "plan: token_budget")
@@ -145,7 +147,8 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
     if cost_model is not None and not isinstance(cost_model, CostModel):
         raise TypeError(f"plan: cost_model must be a CostModel or None, got {type(cost_model).__name__}")
     cost_model = cost_model or CostModel()
-    packed = _as_packed(forest_or_sequences)
+    # a run longer than the budget is cut inside, at chunk boundaries: its parts hand over as at a branch point
+    packed = _as_packed(forest_or_sequences).split_segments(token_budget, chunk_size)
     cu = packed.cu_seqlens.cpu().numpy().astype(np.int64)
     lengths = cu[1:] - cu[:-1]
     parent = packed.segment_parent.cpu().numpy()
@@ -155,14 +158,6 @@ def plan(forest_or_sequences, *, num_replicas: int = 1, token_budget: int, cost_
     for s in range(num_segments):
         if parent[s] >= 0:
             children[parent[s]].append(s)
-
-    too_long = np.flatnonzero(lengths > token_budget)
-    if too_long.size:
-        s = int(too_long[0])
-        raise ValueError(
-            f"token_budget={token_budget} is smaller than a run of {int(lengths[s])} tokens without a branch point "
-            f"(depths {int(depth0[s])}..{int(depth0[s] + lengths[s]) - 1} of a trajectory of at least "
-            f"{int(depth0[s] + lengths[s])} tokens); raise token_budget to at least {int(lengths[s])}.")
 
     shared = dict(packed=packed, cu=cu, lengths=lengths, parent=parent, depth0=depth0, children=children,
                   token_budget=token_budget, chunk_size=chunk_size, cost_model=cost_model, num_replicas=num_replicas,

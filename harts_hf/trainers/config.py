@@ -154,9 +154,8 @@ class TreeGRPOConfig(GRPOConfig):
                           "planner pieces cut at branch points, each its own forward and backward, with exact "
                           "hand-offs (every token computed once; the same loss and gradient). Not with the MoE "
                           "load-balancing loss (router_aux_loss_coef), DeepSpeed, FSDP or LOMO. A stretch without a "
-                          "branch point longer than the budget cannot be cut: that microbatch then runs with the "
-                          "stretch's length as its budget, with a warning naming both. None: one forward per "
-                          "microbatch."},
+                          "branch point longer than the budget is cut inside, at chunk boundaries (its parts hand "
+                          "over as at a branch point). None: one forward per microbatch."},
     )
     tree_share_across_groups: bool = field(
         default=True,
@@ -294,16 +293,11 @@ class TreeGRPOConfig(GRPOConfig):
                             f"{self.tree_cost_model!r} of type {type(self.tree_cost_model).__name__}")
 
 
-def budget_plan(packed, budget: int, logger, **options):
-    """:func:`harts_hf.planner.plan` of ``packed`` within ``tree_token_budget=budget``, or within the longest run
-    without a branch point when that is longer (pieces are cut only at branch points; warned once)."""
+def budget_plan(packed, budget: int, **options):
+    """:func:`harts_hf.planner.plan` of ``packed`` within ``tree_token_budget=budget`` (a run without a branch point
+    longer than the budget is cut inside it, at chunk boundaries)."""
     from ..planner import plan
 
-    longest = int((packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).max())
-    if longest > budget:
-        logger.warning_once(f"a run of {longest} tokens without a branch point exceeds tree_token_budget={budget}; "
-                            "pieces are cut only at branch points, so such a piece holds up to that many tokens")
-        budget = longest
     return plan(packed, token_budget=budget, **options)
 
 

@@ -196,9 +196,9 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
         return budget is None or layout.forest.pack().num_tokens <= budget
 
     def _plan(self, layout: RowLayout, replicas: int = 1) -> Plan:
-        """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points, on ``replicas`` replicas
-        (with several, a tree's pieces may sit on different replicas)."""
-        return budget_plan(layout.forest.pack(), self.args.tree_token_budget, logger, num_replicas=replicas,
+        """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer runs), on
+        ``replicas`` replicas (with several, a tree's pieces may sit on different replicas)."""
+        return budget_plan(layout.forest.pack(), self.args.tree_token_budget, num_replicas=replicas,
                            cost_model=self._cost_model)
 
     def _execute_options(self) -> dict:

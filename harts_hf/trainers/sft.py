@@ -84,8 +84,8 @@ class TreeSFTConfig(SFTConfig):
                 "once; the same loss, gradients and metrics); evaluation runs such microbatches as forward-only "
                 "pieces. Under DDP and DeepSpeed ZeRO-2/3 (bf16); not with the MoE load-balancing loss "
                 "(router_aux_loss_coef), DeepSpeed with fp16, FSDP or LOMO. A "
-                "stretch without a branch point longer than the budget cannot be cut: that microbatch then runs with "
-                "the stretch's length as its budget, with a warning naming both. None: one forward per microbatch."})
+                "stretch without a branch point longer than the budget is cut inside, at chunk boundaries (its parts "
+                "hand over as at a branch point). None: one forward per microbatch."})
     tree_per_turn_rows: bool = field(default=False, metadata={
         "help": "Conversational datasets ('messages' column): train on one row per assistant turn instead of one "
                 "row per conversation. Row t is the conversation up to and including its t-th assistant message, "
@@ -279,9 +279,9 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
                     head_chunk_size=self.args.tree_head_chunk_size)
 
     def _plan(self, packed: PackedForest) -> Plan:
-        """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (or of the longest stretch
-        without one, when that is longer)."""
-        return budget_plan(packed, self.args.tree_token_budget, logger)
+        """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer
+        stretches without one)."""
+        return budget_plan(packed, self.args.tree_token_budget)
 
     def _label_values(self, masks, logprobs, entropies, is_top1):
         """The label tokens' log-probs, entropies and argmax flags (flat, rows in order) from per-row values."""

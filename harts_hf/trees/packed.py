@@ -121,6 +121,42 @@ class PackedForest:
             sequence_token_index=as_long(sequence_tokens[inside]),
         )
 
+    def split_segments(self, max_tokens: int, align: int = 1) -> PackedForest:
+        """The same forest with every segment longer than ``max_tokens`` cut into consecutive segments of at most
+        ``max_tokens`` tokens, each the single child of the one before (as a sequence that ends inside a segment
+        cuts it), so that a planner piece can end inside a long run. The cuts lie at depths that are multiples of
+        ``align`` (a chunk boundary: the state handed across needs no replay) where ``max_tokens >= align``.
+        Tokens, their order and every token and sequence field stay as they are; ``self`` if no segment is longer."""
+        max_tokens = check_int(max_tokens, "PackedForest.split_segments: max_tokens")
+        align = check_int(align, "PackedForest.split_segments: align")
+        cu = self.cu_seqlens.cpu().numpy().astype(np.int64)
+        if int(np.diff(cu).max()) <= max_tokens:
+            return self
+        depth0 = self.segment_depth.cpu().numpy()
+        parent = self.segment_parent.cpu().numpy()
+        new_cu, new_parent, new_depth = [0], [], []
+        last = np.empty(self.num_segments, dtype=np.int64)  # the new id of each segment's last part
+        for s in range(self.num_segments):  # preorder: a parent's parts are numbered before its children's
+            start, end, previous = int(cu[s]), int(cu[s + 1]), (int(last[parent[s]]) if parent[s] >= 0 else -1)
+            position = start
+            while position < end:
+                depth = int(depth0[s]) + position - start
+                cut_depth = depth + max_tokens
+                if end - position > max_tokens and cut_depth // align * align > depth:
+                    cut_depth = cut_depth // align * align
+                cut = min(end, position + cut_depth - depth)
+                new_parent.append(previous)
+                new_depth.append(depth)
+                new_cu.append(cut)
+                previous, position = len(new_parent) - 1, cut
+            last[s] = previous
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "_cache"}
+        device = self.device
+        values.update(cu_seqlens=torch.tensor(new_cu, dtype=torch.int32, device=device),
+                      segment_parent=torch.tensor(new_parent, dtype=torch.long, device=device),
+                      segment_depth=torch.tensor(new_depth, dtype=torch.long, device=device))
+        return PackedForest(**values)
+
     def segment_tokens(self, segments) -> torch.Tensor:
         """``[T]`` long on the CPU: the packed index of every token of ``segments`` (segment ids), in their order."""
         cu = self.cu_seqlens.cpu().numpy().astype(np.int64)
