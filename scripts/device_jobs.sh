@@ -25,9 +25,9 @@ if [ "${mem:-0}" -gt 100000 ]; then  # an H200: the headline settings
   nemotron=131072 ling3=65536 kimi=0 h200=1
 else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked at 63.2 GiB, 2026-12-05; the longest
   # has 72,913); smaller tree pieces than on the H200 (on an H100, 2026-12-06, Ling-3's `swe` tree at 32,768-token
-  # pieces and Kimi's `tau` tree at 49,152 ran out of memory with 22-33 GiB reserved but unallocated; Ling-3's `swe`
-  # has a run of 19,710 tokens without a branch point, the least budget the planner takes)
-  ling3=24576 kimi=32768 h200=0
+  # pieces and Kimi's `tau` tree at 49,152 ran out of memory with 22-33 GiB reserved but unallocated; the planner
+  # refused 16,384 for Ling-3's run of 19,710 tokens without a branch point then, and cuts such runs since 7cba6e9)
+  ling3=16384 kimi=32768 h200=0
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
