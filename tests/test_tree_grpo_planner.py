@@ -32,9 +32,10 @@ def metrics_of(trainer) -> dict:
     return {key: values[-1] for key, values in trainer._metrics["train"].items() if values}
 
 
-def assert_planned_matches(path, tmp_path, executions, tol=1e-5, tree_args=(), **options):
+def assert_planned_matches(path, tmp_path, executions, tol=1e-5, tree_args=(), budget=BUDGET["tree_token_budget"],
+                           **options):
     base, tree = make_trainers(path, tmp_path, tree_args=tree_args, **NO_AUX, **options)
-    tree.args.tree_token_budget = BUDGET["tree_token_budget"]
+    tree.args.tree_token_budget = budget
     inputs_base, inputs_tree = prepared(base), prepared(tree)
     torch.testing.assert_close(inputs_tree["advantages"], inputs_base["advantages"])
     for key in ("old_per_token_logps", "ref_per_token_logps"):  # forward-only pieces (no gradient)
@@ -66,6 +67,20 @@ def assert_planned_matches(path, tmp_path, executions, tol=1e-5, tree_args=(), *
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo"])
 def test_planned_loss_types_match_grpo_trainer(saved_model, tmp_path, executions, loss_type):  # noqa: F811
     assert_planned_matches(saved_model, tmp_path, executions, loss_type=loss_type)
+
+
+def test_budget_below_the_longest_run_matches_grpo_trainer(saved_model, tmp_path, executions,  # noqa: F811
+                                                          monkeypatch):
+    """tree_token_budget=6, below the runs without a branch point in these trees: the planner cuts inside them
+    (short of a chunk, with replay), and the loss, gradients and metrics are still GRPOTrainer's."""
+    from harts_hf.trees import packed as packed_module
+
+    split = packed_module.PackedForest.split_segments
+    cut = []
+    monkeypatch.setattr(packed_module.PackedForest, "split_segments",
+                        lambda self, *a: cut.append(self is not (out := split(self, *a))) or out)
+    assert_planned_matches(saved_model, tmp_path, executions, budget=6, loss_type="dapo")
+    assert any(cut)
 
 
 @pytest.mark.parametrize("options", [
