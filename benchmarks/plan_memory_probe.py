@@ -172,8 +172,7 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
                alloc_retries=alloc_retries(device) - retries,  # cache flushes (cudaFree + retry) in the run
                stats=execution.stats,
                memory=[(p, phase, round(a, 3), round(m, 3)) for p, phase, a, m in execution.memory],
-               piece_tokens=[int(sum(int(packed.cu_seqlens[s + 1] - packed.cu_seqlens[s]) for s in p.segments))
-                             for p in the_plan.pieces])
+               piece_tokens=[p.unique_tokens for p in the_plan.pieces])  # (the plan's segments: long runs cut)
     if history:
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
