@@ -53,6 +53,10 @@ if [ ! -f "$JOBS/.queued" ]; then
     --out $J/nemotron_swe_tree
   [ "$h200" = 1 ] && job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
     --budget $nemotron "${same[@]}" --repeats 2 --no-recompute --out $J/nemotron_swe_keep
+  # on an H100: the same `swe` rows at its 65,536-token pieces and packed calls (the last, 2026-12-06 05:44, had fp32
+  # scan inputs: fraction 0.873)
+  [ "$h200" = 0 ] && job nemotron_swe_h100 $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
+    --budget 65536 "${same[@]}" --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_swe_h100
   # issue 25: Ling-3 full-size `swe`, tree and packed in one child process (one compilation: its first tree run took
   # 503 s with it on the H200, 2026-12-05); the packed path only on an H200
   ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup each)
@@ -78,6 +82,10 @@ if [ ! -f "$JOBS/.queued" ]; then
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
   [ "$h200" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
     --loop-sample -1 --out $J/swe_loop
+  # on an H100, last: the headline's full-size `tau`, both paths in one process (a row of that card, not the H200
+  # headline's re-run; `grpo` and `distinct` do not fit its 80 GB)
+  [ "$h200" = 0 ] && job tau_h100 $probe --workload tau --scale 1.0 --budget 0 --no-history --kernels $headline_kernels \
+    --repeats 2 --keep-attention on --packed-groups 0 --packed-warmup each --out $J/tau_h100
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
 jobs_start
