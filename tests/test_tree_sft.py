@@ -326,6 +326,29 @@ def test_planned_pieces_match_sft_trainer(saved_model, saved_llama, tmp_path, ex
           f"unique={training[0]['unique']} worst_grad_rel={worst:.2e}")
 
 
+def test_budget_below_a_run_cuts_inside_it(saved_model, tmp_path, executions, monkeypatch):
+    """tree_token_budget=40, below planner_dataset's shared prefix (one run of more than 64 tokens) and its answers:
+    the planner cuts those runs inside them (at depth 64 with nothing replayed, elsewhere short of a chunk, with
+    replay), and Trainer.training_step gives SFTTrainer's loss and every parameter gradient."""
+    from harts_hf.trees import packed as packed_module
+
+    split = packed_module.PackedForest.split_segments
+    cut = []
+    monkeypatch.setattr(packed_module.PackedForest, "split_segments",
+                        lambda self, *a: cut.append(self is not (out := split(self, *a))) or out)
+    base, _ = make_trainers(saved_model, tmp_path, planner_dataset(), **NO_AUX, gradient_accumulation_steps=2)
+    _, planned = make_trainers(saved_model, tmp_path, planner_dataset(), tree_args=dict(tree_token_budget=40),
+                               **NO_AUX, gradient_accumulation_steps=2)
+    losses = []
+    for trainer in (base, planned):
+        trainer.current_gradient_accumulation_steps = 2  # set by the training loop
+        losses.append(trainer.training_step(trainer.model, first_batch(trainer), None))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-5)
+    worst_gradient_error(base.model, planned.model, 1e-4)
+    training = [call for call in executions if call["training"]]
+    assert any(cut) and training[0]["grad_tokens"] == training[0]["unique"] and training[0]["pieces"] > 8
+
+
 @pytest.mark.parametrize("options", [{}, dict(gradient_checkpointing=True)], ids=["plain", "gradient_checkpointing"])
 def test_planned_training_steps_give_the_same_parameters(saved_model, tmp_path, options):
     """Two optimizer steps of two accumulated 3-row microbatches, each run as planner pieces: the parameters
