@@ -293,14 +293,6 @@ class TreeGRPOConfig(GRPOConfig):
                             f"{self.tree_cost_model!r} of type {type(self.tree_cost_model).__name__}")
 
 
-def budget_plan(packed, budget: int, **options):
-    """:func:`harts_hf.planner.plan` of ``packed`` within ``tree_token_budget=budget`` (a run without a branch point
-    longer than the budget is cut inside it, at chunk boundaries)."""
-    from ..planner import plan
-
-    return plan(packed, token_budget=budget, **options)
-
-
 def check_process_settings(config) -> None:
     """``tree_varlen_kernel``, ``tree_autocast_experts`` and ``tree_mamba_scan_inputs`` are each one of their
     choices (an error names the field, the value and the choices)."""

@@ -25,13 +25,12 @@ from ..logprobs import run_tree_forward, unwrap_model
 from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
-from ..planner import CostModel, Plan, imbalance
+from ..planner import CostModel, Plan, imbalance, plan
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
 from .config import (
     TreeGRPOConfig,
     apply_layer_counts,
     apply_process_settings,
-    budget_plan,
     check_dropout,
     check_planner_supported,
 )
@@ -198,8 +197,8 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
     def _plan(self, layout: RowLayout, replicas: int = 1) -> Plan:
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer runs), on
         ``replicas`` replicas (with several, a tree's pieces may sit on different replicas)."""
-        return budget_plan(layout.forest.pack(), self.args.tree_token_budget, num_replicas=replicas,
-                           cost_model=self._cost_model)
+        return plan(layout.forest.pack(), token_budget=self.args.tree_token_budget, num_replicas=replicas,
+                    cost_model=self._cost_model)
 
     def _execute_options(self) -> dict:
         return dict(temperature=self.temperature, gdn_backend=self.args.tree_gdn_backend,

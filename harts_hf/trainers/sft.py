@@ -23,7 +23,7 @@ from .._checks import check_bool, check_int, trainer_args
 from ..logprobs import tree_logprobs, unwrap_model
 from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
-from ..planner import Plan
+from ..planner import Plan, plan
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
 from ..trees import PackedForest, PrefixForest
 from .config import (
@@ -38,7 +38,6 @@ from .config import (
     VARLEN_KERNEL_HELP,
     apply_layer_counts,
     apply_process_settings,
-    budget_plan,
     check_dropout,
     check_layer_counts,
     check_planner_supported,
@@ -281,7 +280,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
     def _plan(self, packed: PackedForest) -> Plan:
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer
         stretches without one)."""
-        return budget_plan(packed, self.args.tree_token_budget)
+        return plan(packed, token_budget=self.args.tree_token_budget)
 
     def _label_values(self, masks, logprobs, entropies, is_top1):
         """The label tokens' log-probs, entropies and argmax flags (flat, rows in order) from per-row values."""
