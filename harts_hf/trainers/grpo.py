@@ -20,12 +20,13 @@ from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
+from .. import planner  # planner.plan looked up per call, as the trainers always did
 from .._checks import trainer_args
 from ..logprobs import run_tree_forward, unwrap_model
 from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
-from ..planner import CostModel, Plan, imbalance, plan
+from ..planner import CostModel, Plan, imbalance
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
 from .config import (
     TreeGRPOConfig,
@@ -197,8 +198,8 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
     def _plan(self, layout: RowLayout, replicas: int = 1) -> Plan:
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer runs), on
         ``replicas`` replicas (with several, a tree's pieces may sit on different replicas)."""
-        return plan(layout.forest.pack(), token_budget=self.args.tree_token_budget, num_replicas=replicas,
-                    cost_model=self._cost_model)
+        return planner.plan(layout.forest.pack(), token_budget=self.args.tree_token_budget, num_replicas=replicas,
+                            cost_model=self._cost_model)
 
     def _execute_options(self) -> dict:
         return dict(temperature=self.temperature, gdn_backend=self.args.tree_gdn_backend,
