@@ -14,6 +14,11 @@ against their own block, causal, and against the ancestors only, maskless: a low
 results a log-sum-exp merge would join, the merge not timed), and square causal sequences of LK tokens (the
 per-trajectory baseline's shape) for the per-pair rate to compare with. ``--heads HQ HKV D`` sets the head shape
 (default the 2B preset's; the Nemotron-H-shaped preset has 16 8 128).
+
+``--forest WORKLOAD SCALE`` (repeatable) checks and times the tree attention of a workload's whole forest: the plain
+varlen call (every run's root-to-run keys gathered) against each tree's shared root attended in place
+(``tree_attention.varlen.SPLIT_SHARED_ROOTS``), with their differences and, on small forests, each one's error
+against fp32 (``check_forest``). MLA's shape: ``--heads 32 32 192 --value-dim 128``.
 """
 
 from __future__ import annotations
@@ -113,6 +118,69 @@ def time_runs(varlen_attn, runs: int, Lq: int, Lk: int) -> dict:
     return row
 
 
+def _errors(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """|a - b| over the largest |b| (p50, p99, max), in fp32."""
+    diff = (a.float() - b.float()).abs().flatten()
+    scale = b.float().abs().max().clamp_min(1e-30)
+    picks = diff[torch.randint(diff.numel(), (min(diff.numel(), 1 << 24),), device=diff.device)]
+    return {name: (value / scale).item() for name, value in
+            (("p50", picks.quantile(0.5)), ("p99", picks.quantile(0.99)), ("max", diff.max()))}
+
+
+def check_forest(workload: str, scale: float, value_dim: int, reference_tokens: int = 20000) -> dict:
+    """The tree attention of a workload's forest (bf16, random q/k/v at ``--heads``, values ``value_dim`` wide and
+    zero-padded to the key width as harts_hf pads MLA's): the plain varlen call against the shared roots attended in
+    place (``varlen.SPLIT_SHARED_ROOTS``), fwd+bwd seconds of each, their outputs' and input gradients' difference,
+    and, for forests of at most ``reference_tokens`` unique tokens, each path's error against an fp32 run of the
+    per-run SDPA path."""
+    from harts_hf.kernels.tree_attention import rooted, tree_attention, varlen
+    from harts_hf.trees import PrefixForest
+    from harts_hf.workloads import make_workload
+
+    packed = PrefixForest.from_sequences(make_workload(workload, scale=scale, seed=0).sequences).pack().to("cuda")
+    layout = varlen.build_varlen_layout(packed).to("cuda")
+    split = rooted.shared_root_split(layout)
+    U = packed.num_tokens
+    torch.manual_seed(0)
+    q = torch.randn(U, HQ, D, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(U, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(U, HKV, D, device="cuda", dtype=torch.bfloat16)
+    v[..., value_dim:] = 0
+    weight = torch.randn(U, HQ, D, device="cuda", dtype=torch.bfloat16)
+    row = dict(kind="forest", workload=workload, scale=scale, unique_tokens=U, heads=[HQ, HKV, D], value_dim=value_dim,
+               gathered_rows=layout.key_index.numel(), rest_rows=split.rest.key_index.numel(),
+               root_blocks=len(split.blocks))
+    results = {}
+    for name, flag in (("plain", False), ("rooted", True)):
+        varlen.SPLIT_SHARED_ROOTS = flag
+        inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+        def step(inputs=inputs):
+            for x in inputs:
+                x.grad = None
+            out = varlen.tree_attention_varlen(*inputs, layout)
+            (out.float() * weight).sum().backward()
+            return out
+
+        row[name] = dict(seconds=bench(step), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        results[name] = [step().detach()] + [x.grad.detach() for x in inputs]
+        torch.cuda.reset_peak_memory_stats()
+        print(workload, scale, name, row[name], flush=True)
+    varlen.SPLIT_SHARED_ROOTS = False
+    row["rooted_vs_plain"] = {part: _errors(a, b) for part, a, b in
+                              zip(("out", "dq", "dk", "dv"), results["rooted"], results["plain"])}
+    if U <= reference_tokens:
+        inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
+        out = tree_attention(*inputs, packed.subtree_end, backend="runs", layout=layout)
+        (out * weight.float()).sum().backward()
+        exact = [out.detach()] + [x.grad for x in inputs]
+        for name in ("plain", "rooted"):
+            row[f"{name}_vs_fp32"] = {part: _errors(a, b) for part, a, b in
+                                      zip(("out", "dq", "dk", "dv"), results[name], exact)}
+    print(json.dumps({key: value for key, value in row.items() if key.endswith(("fp32", "plain"))}), flush=True)
+    return row
+
+
 def main():
     global HQ, HKV, D
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -121,6 +189,11 @@ def main():
     parser.add_argument("--runs", type=int, nargs=3, action="append", metavar=("N", "LQ", "LK"),
                         help="only the tree-run shape: N runs of LQ queries against LK keys in one varlen call (see "
                              "the module doc); repeatable")
+    parser.add_argument("--forest", nargs=2, action="append", metavar=("WORKLOAD", "SCALE"),
+                        help="only the tree attention of a workload's forest, plain against its shared roots in place "
+                             "(see check_forest); repeatable")
+    parser.add_argument("--value-dim", type=int, default=None,
+                        help="with --forest: the values' real width (MLA's 128 under keys of 192); default D")
     parser.add_argument("--causal", type=int, nargs="+", default=[16384, 49152])
     parser.add_argument("--cross", type=int, nargs=2, action="append", metavar=("Q", "K"),
                         help="query and key lengths of a maskless block (default: 8192 43008 and 1024 43008)")
@@ -134,6 +207,12 @@ def main():
     write_run_record(out)
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(), "rows": []}
+    if args.forest:
+        for workload, scale in args.forest:
+            results["rows"].append(check_forest(workload, float(scale), args.value_dim or D))
+            (out / "attention_kernels.json").write_text(json.dumps(results, indent=1))
+            torch.cuda.empty_cache()
+        return
     if args.runs:
         for runs, Lq, Lk in args.runs:
             if not 0 < Lq < Lk:

@@ -140,11 +140,12 @@ def live_at_peak(snapshot: dict, device: int) -> tuple[float, list, list]:
 
 
 def run(model, sequences, budget, device, history: bool, attention: str = "auto", recompute: bool = True) -> dict:
+    from harts_hf.model_patches import chunk_grid
     from harts_hf.planner import execute_plan, plan
     from harts_hf.trees import PrefixForest
 
     packed = PrefixForest.from_sequences(sequences).pack()
-    the_plan = plan(packed, num_replicas=1, token_budget=budget or packed.num_tokens)
+    the_plan = plan(packed, num_replicas=1, token_budget=budget or packed.num_tokens, chunk_size=chunk_grid(model))
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(len(s) - 1, generator=generator) * 1e-4 for s in sequences]
     model.zero_grad(set_to_none=True)

@@ -23,6 +23,7 @@ from harts_hf.kernels import (
     tree_causal_conv1d,
     tree_gated_delta_rule,
 )
+from harts_hf.model_patches import chunk_grid
 from harts_hf.planner import execute_plan, plan
 from harts_hf.reference import per_sequence_logprobs
 from harts_hf.trees import PrefixForest
@@ -97,8 +98,8 @@ def count_grad_tokens(model):
     return counted, hook
 
 
-def check_plan(model, sequences, budget, *, reference: bool, dtype=torch.float32, recompute=True):
-    the_plan = plan(sequences, token_budget=budget)
+def check_plan(model, sequences, budget, *, reference: bool, dtype=torch.float32, recompute=True, chunk_size=64):
+    the_plan = plan(sequences, token_budget=budget, chunk_size=chunk_size)
     assert any(p.handoff is not None for p in the_plan.pieces), "the budget must force hand-offs"
     weights, entropy_weights = weights_for(sequences, dtype), weights_for(sequences, dtype, seed=1)
     model.zero_grad()
@@ -202,6 +203,26 @@ def test_runs_longer_than_the_budget_are_cut_inside(family):
     inside = [p.handoff for p in the_plan.pieces if p.handoff is not None and p.handoff.replay_tokens == 0
               and p.handoff.state_depth > 0 and p.handoff.state_depth % 64 == 0]
     assert {h.state_depth for h in inside} >= {64, 128, 192, 256}  # the lone trajectory's cuts among them
+
+
+def test_inside_cuts_follow_the_models_chunk_grid():
+    """A Mamba-2 model with chunks of 128: ``chunk_grid`` gives 128, and the planner cuts the long runs at multiples
+    of 128 only, where every layer's state hands over with nothing replayed (on the default grid of 64, odd multiples
+    of 64 replay 64 rows in the Mamba layers). Exact against one tree forward and the per-trajectory path."""
+    model = build("nemotron_h")
+    mixers = [m for m in model.modules() if type(m).__name__ == "NemotronHMamba2Mixer"]
+    assert mixers and chunk_grid(model) == 64  # the test model's chunks of 16
+    for mixer in mixers:
+        mixer.chunk_size = 128
+    assert chunk_grid(model) == 128
+    rng = random.Random(3)
+    sequences = handoff_sequences() + [[rng.randrange(VOCAB) for _ in range(400)]]
+    the_plan, _ = check_plan(model, sequences, 150, reference=True, chunk_size=chunk_grid(model))
+    inside = [p.handoff for p in the_plan.pieces if p.handoff is not None and p.handoff.replay_tokens == 0
+              and p.handoff.state_depth > 0]
+    assert {h.state_depth for h in inside} >= {128, 256}  # the lone trajectory: 0-128, 128-256, 256-400
+    assert all(h.state_depth % 128 == 0 for h in inside)
+    assert chunk_grid(build("qwen3_next")) == 64 and chunk_grid(build("llama")) == 64
 
 
 @pytest.mark.parametrize("seed", range(3))

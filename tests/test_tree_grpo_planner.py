@@ -197,6 +197,24 @@ def test_fitted_cost_model_cuts_the_pieces(saved_model, tmp_path, monkeypatch): 
     assert used and all(model == fitted for model in used)
 
 
+def test_pieces_are_cut_on_the_models_chunk_grid(saved_model, tmp_path, monkeypatch):  # noqa: F811
+    """The trainer plans on ``chunk_grid(model)`` (a Mamba-2 model's 128 where it has them; here made 128 by hand)."""
+    import harts_hf.planner
+    import harts_hf.trainers.grpo
+
+    used = []
+    planner = harts_hf.planner.plan
+    monkeypatch.setattr(harts_hf.planner, "plan", lambda *a, **k: used.append(k["chunk_size"]) or planner(*a, **k))
+    monkeypatch.setattr(harts_hf.trainers.grpo, "chunk_grid", lambda model: 128)
+    args = dict(BASE_ARGS, output_dir=str(tmp_path), **NO_AUX, **BUDGET)
+    tree = TreeGRPOTrainer(patch_generate(AutoModelForCausalLM.from_pretrained(saved_model, dtype=torch.float32),
+                                          char_tokenizer()), reward_funcs=length_reward,
+                           args=TreeGRPOConfig(**args), train_dataset=prompt_dataset(8),
+                           processing_class=char_tokenizer())
+    tree.compute_loss(tree.model, prepared(tree)).backward()
+    assert used and set(used) == {128}
+
+
 def test_out_of_memory_in_a_step_names_the_settings_that_bound_it(saved_model, tmp_path, monkeypatch):  # noqa: F811
     """A CUDA out-of-memory error in a step reaches the user as itself, with a note naming the token budget in force
     and what to change (on 2026-12-05 an 80 GB card fit step 1 at 65,536-token pieces and failed in step 2, once

@@ -330,12 +330,13 @@ def test_budget_below_a_run_cuts_inside_it(saved_model, tmp_path, executions, mo
     """tree_token_budget=40, below planner_dataset's shared prefix (one run of more than 64 tokens) and its answers:
     the planner cuts those runs inside them (at depth 64 with nothing replayed, elsewhere short of a chunk, with
     replay), and Trainer.training_step gives SFTTrainer's loss and every parameter gradient."""
+    from harts_hf.model_patches import chunk_grid
     from harts_hf.trees import packed as packed_module
 
     split = packed_module.PackedForest.split_segments
-    cut = []
+    cut, grids = [], []
     monkeypatch.setattr(packed_module.PackedForest, "split_segments",
-                        lambda self, *a: cut.append(self is not (out := split(self, *a))) or out)
+                        lambda self, *a: grids.append(a[1]) or cut.append(self is not (out := split(self, *a))) or out)
     base, _ = make_trainers(saved_model, tmp_path, planner_dataset(), **NO_AUX, gradient_accumulation_steps=2)
     _, planned = make_trainers(saved_model, tmp_path, planner_dataset(), tree_args=dict(tree_token_budget=40),
                                **NO_AUX, gradient_accumulation_steps=2)
@@ -347,6 +348,7 @@ def test_budget_below_a_run_cuts_inside_it(saved_model, tmp_path, executions, mo
     worst_gradient_error(base.model, planned.model, 1e-4)
     training = [call for call in executions if call["training"]]
     assert any(cut) and training[0]["grad_tokens"] == training[0]["unique"] and training[0]["pieces"] > 8
+    assert set(grids) == {chunk_grid(planned.model)} == {64}  # the model's chunk grid (no Mamba-2 mixers here)
 
 
 @pytest.mark.parametrize("options", [{}, dict(gradient_checkpointing=True)], ids=["plain", "gradient_checkpointing"])

@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import copy
 import inspect
+import math
 import re
 import sys
 import types
@@ -28,8 +29,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..kernels import TreeMetadata, tree_attention
 from ..kernels.tree_attention.ops import autocast_inputs
 
-__all__ = ["PatchHandle", "PatchedForward", "TreeFamily", "apply_tree_patches", "cpu_safe", "register_family",
-           "supported_model_types",
+__all__ = ["PatchHandle", "PatchedForward", "TreeFamily", "apply_tree_patches", "chunk_grid", "cpu_safe",
+           "register_family", "supported_model_types",
            "TREE_ATTENTION_NAME", "TREE_KWARG"]
 
 TREE_ATTENTION_NAME = "harts_tree"
@@ -218,6 +219,23 @@ def model_type_of(model) -> str:
     if config is None:
         raise TypeError(f"apply_tree_patches expects a transformers PreTrainedModel, got {type(model).__name__}")
     return config.model_type
+
+
+def chunk_grid(model) -> int:
+    """The chunk grid the planner should cut ``model``'s forests on: the least common multiple of
+    :data:`~harts_hf.trees.CHUNK_SIZE` (fla's chunks for Gated DeltaNet and KDA) and every Mamba-2 mixer's own
+    ``chunk_size`` (Nemotron-H's 128, Falcon-H1's ``mamba_chunk_size``). A cut on this grid hands the state over with
+    nothing replayed in any layer; a model without such mixers (or of no registered family) gets ``CHUNK_SIZE``."""
+    from ..trees import CHUNK_SIZE
+
+    _load_families()
+    family = _REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
+    grid = CHUNK_SIZE
+    for module in model.modules() if family is not None and family.linear_classes else ():
+        size = getattr(module, "chunk_size", None) if type(module).__name__ in family.linear_classes else None
+        if isinstance(size, int) and size > 0:
+            grid = math.lcm(grid, size)
+    return grid
 
 
 def apply_tree_patches(model) -> PatchHandle:

@@ -23,7 +23,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 from .. import planner  # planner.plan looked up per call, as the trainers always did
 from .._checks import trainer_args
 from ..logprobs import run_tree_forward, unwrap_model
-from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
+from ..model_patches import apply_tree_patches, chunk_grid, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from ..model_patches.entry import load_balancing_loss
 from ..planner import CostModel, Plan, imbalance
@@ -196,10 +196,10 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
         return budget is None or layout.forest.pack().num_tokens <= budget
 
     def _plan(self, layout: RowLayout, replicas: int = 1) -> Plan:
-        """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer runs), on
-        ``replicas`` replicas (with several, a tree's pieces may sit on different replicas)."""
+        """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer runs, on the
+        model's chunk grid), on ``replicas`` replicas (with several, a tree's pieces may sit on different replicas)."""
         return planner.plan(layout.forest.pack(), token_budget=self.args.tree_token_budget, num_replicas=replicas,
-                            cost_model=self._cost_model)
+                            cost_model=self._cost_model, chunk_size=chunk_grid(unwrap_model(self.model)))
 
     def _execute_options(self) -> dict:
         return dict(temperature=self.temperature, gdn_backend=self.args.tree_gdn_backend,

@@ -22,7 +22,7 @@ from trl.data_utils import is_conversational_from_value, maybe_convert_to_chatml
 from .. import planner  # planner.plan looked up per call, as the trainers always did
 from .._checks import check_bool, check_int, trainer_args
 from ..logprobs import tree_logprobs, unwrap_model
-from ..model_patches import apply_tree_patches, cpu_safe, keep_attention_outputs
+from ..model_patches import apply_tree_patches, chunk_grid, cpu_safe, keep_attention_outputs
 from ..model_patches.core import _PATCH_MARK
 from ..planner import Plan
 from ..planner.execute import PieceLogprobs, backward_surrogate, engine_backward, execute_plan, lead_forward
@@ -280,8 +280,8 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
 
     def _plan(self, packed: PackedForest) -> Plan:
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer
-        stretches without one)."""
-        return planner.plan(packed, token_budget=self.args.tree_token_budget)
+        stretches without one, on the model's chunk grid)."""
+        return planner.plan(packed, token_budget=self.args.tree_token_budget, chunk_size=chunk_grid(unwrap_model(self.model)))
 
     def _label_values(self, masks, logprobs, entropies, is_top1):
         """The label tokens' log-probs, entropies and argmax flags (flat, rows in order) from per-row values."""

@@ -18,7 +18,7 @@ import torch
 
 from ...trees import PackedForest
 
-__all__ = ["KERNEL", "VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention_varlen",
+__all__ = ["KERNEL", "SPLIT_SHARED_ROOTS", "VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention_varlen",
            "varlen_available", "varlen_call_groups", "varlen_kernel"]
 
 MAX_CALL_ELEMENTS = (1 << 31) - 1
@@ -36,6 +36,12 @@ checkpointing can keep its outputs) or ``"auto"``: fa4 where it imports on a GPU
 else torch. Measured on the H200 (BENCHMARKS.md, 2026-12-02): fa4 takes full-size `tau`'s tree step from 5.91 to
 5.32 s, the packed baseline's calls of changing lengths compiled nothing noticeable, and the no-sharing control ran
 level with it; it is opt-in because it is a separate install (``harts_hf[fa4]``, a beta release)."""
+
+
+SPLIT_SHARED_ROOTS = False
+"""Attend each tree's shared root (and any context rows) in place, in one unmasked call merged through the
+log-sum-exp, instead of gathering a copy of it for every run (:mod:`.rooted`): torch's kernel only, no window,
+softcapping or sinks. Opt-in: exact on the CPU (Triton-free math primitive), not yet measured on a GPU."""
 
 
 @dataclass
@@ -217,6 +223,12 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
                          f"(varlen KERNEL is {KERNEL!r}, which runs {kernel!r}): pip install harts_hf[fa4] and set "
                          "KERNEL = 'fa4' (from harts_hf.kernels.tree_attention import varlen), or use backend='runs' (exact, slow)")
     features = dict(window=window, softcap=softcap, sinks=sinks)
+    if SPLIT_SHARED_ROOTS and kernel == "torch" and all(value is None for value in features.values()):
+        from .rooted import shared_root_split, tree_attention_rooted
+
+        split = shared_root_split(layout)
+        if split.blocks:
+            return tree_attention_rooted(q, k, v, split, scaling)
     extra = gqa_keyword(varlen_attn) if q.shape[1] != k.shape[1] and kernel == "torch" else {}
     cu_q, cu_k = layout.host_cu()
     cache = layout.__dict__.setdefault("_call_groups", {})  # per layout, head shape and limit (as run_blocks caches)
