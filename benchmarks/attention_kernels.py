@@ -16,8 +16,8 @@ per-trajectory baseline's shape) for the per-pair rate to compare with. ``--head
 (default the 2B preset's; the Nemotron-H-shaped preset has 16 8 128).
 
 ``--forest WORKLOAD SCALE`` (repeatable) checks and times the tree attention of a workload's whole forest: the plain
-varlen call (every run's root-to-run keys gathered) against each tree's shared root attended in place
-(``tree_attention.varlen.SPLIT_SHARED_ROOTS``), with their differences and, on small forests, each one's error
+varlen call (every run's root-to-run keys gathered) against key segments shared by many runs attended in place
+(``tree_attention.varlen.SHARED_KEYS_IN_PLACE``), with their differences and, on small forests, each one's error
 against fp32 (``check_forest``). MLA's shape: ``--heads 32 32 192 --value-dim 128``.
 """
 
@@ -127,32 +127,42 @@ def _errors(a: torch.Tensor, b: torch.Tensor) -> dict:
             (("p50", picks.quantile(0.5)), ("p99", picks.quantile(0.99)), ("max", diff.max()))}
 
 
-def check_forest(workload: str, scale: float, value_dim: int, reference_tokens: int = 20000) -> dict:
-    """The tree attention of a workload's forest (bf16, random q/k/v at ``--heads``, values ``value_dim`` wide and
-    zero-padded to the key width as harts_hf pads MLA's): the plain varlen call against the shared roots attended in
-    place (``varlen.SPLIT_SHARED_ROOTS``), fwd+bwd seconds of each, their outputs' and input gradients' difference,
-    and, for forests of at most ``reference_tokens`` unique tokens, each path's error against an fp32 run of the
-    per-run SDPA path."""
-    from harts_hf.kernels.tree_attention import rooted, tree_attention, varlen
+def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0, 8.0),
+                 reference_tokens: int = 20000) -> dict:
+    """The tree attention of a workload's forest (bf16 on CUDA, random q/k/v at ``--heads``, values ``value_dim`` wide and
+    zero-padded to the key width as harts_hf pads MLA's): the plain varlen call against shared key segments attended
+    in place (``varlen.SHARED_KEYS_IN_PLACE``) at each ``shared_keys.COST_FACTOR`` of ``factors``: fwd+bwd seconds
+    and peak of each, the split's gathered rows and blocks, each split's outputs' and input gradients' difference from
+    the plain call's, and, for forests of at most ``reference_tokens`` unique tokens, each path's error against an
+    fp32 run of the per-run SDPA path."""
+    from harts_hf.kernels.tree_attention import shared_keys, tree_attention, varlen
     from harts_hf.trees import PrefixForest
     from harts_hf.workloads import make_workload
 
-    packed = PrefixForest.from_sequences(make_workload(workload, scale=scale, seed=0).sequences).pack().to("cuda")
-    layout = varlen.build_varlen_layout(packed).to("cuda")
-    split = rooted.shared_root_split(layout)
+    device, dtype = (torch.device("cuda"), torch.bfloat16) if torch.cuda.is_available() else (torch.device("cpu"),
+                                                                                               torch.float64)
+    packed = PrefixForest.from_sequences(make_workload(workload, scale=scale, seed=0).sequences).pack().to(device)
+    layout = varlen.build_varlen_layout(packed).to(device)
     U = packed.num_tokens
     torch.manual_seed(0)
-    q = torch.randn(U, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(U, HKV, D, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn(U, HKV, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(U, HQ, D, device=device, dtype=dtype)
+    k = torch.randn(U, HKV, D, device=device, dtype=dtype)
+    v = torch.randn(U, HKV, D, device=device, dtype=dtype)
     v[..., value_dim:] = 0
-    weight = torch.randn(U, HQ, D, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(U, HQ, D, device=device, dtype=dtype)
+    default_factor = shared_keys.COST_FACTOR
+    peak = torch.cuda.max_memory_allocated if device.type == "cuda" else (lambda: float("nan"))
     row = dict(kind="forest", workload=workload, scale=scale, unique_tokens=U, heads=[HQ, HKV, D], value_dim=value_dim,
-               gathered_rows=layout.key_index.numel(), rest_rows=split.rest.key_index.numel(),
-               root_blocks=len(split.blocks))
+               gathered_rows=layout.key_index.numel())
     results = {}
-    for name, flag in (("plain", False), ("rooted", True)):
-        varlen.SPLIT_SHARED_ROOTS = flag
+    for factor in (None, *factors):
+        name = "plain" if factor is None else f"shared_keys_{factor:g}"
+        varlen.SHARED_KEYS_IN_PLACE = factor is not None
+        if factor is not None:
+            shared_keys.COST_FACTOR = factor
+            split = shared_keys.shared_segment_split(layout, (HQ * D) / (2 * HKV * D))
+            row[name] = dict(rest_rows=split.rest.key_index.numel(), blocks=len(split.blocks),
+                             block_query_rows=sum(b[1] - b[0] for b in split.blocks))
         inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
 
         def step(inputs=inputs):
@@ -162,22 +172,26 @@ def check_forest(workload: str, scale: float, value_dim: int, reference_tokens: 
             (out.float() * weight).sum().backward()
             return out
 
-        row[name] = dict(seconds=bench(step), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        row.setdefault(name, {}).update(seconds=bench(step), peak_gib=peak() / 2**30)
         results[name] = [step().detach()] + [x.grad.detach() for x in inputs]
-        torch.cuda.reset_peak_memory_stats()
         print(workload, scale, name, row[name], flush=True)
-    varlen.SPLIT_SHARED_ROOTS = False
-    row["rooted_vs_plain"] = {part: _errors(a, b) for part, a, b in
-                              zip(("out", "dq", "dk", "dv"), results["rooted"], results["plain"])}
+    varlen.SHARED_KEYS_IN_PLACE = False
+    shared_keys.COST_FACTOR = default_factor
+    for name in results:
+        if name != "plain":
+            row[name]["vs_plain"] = {part: _errors(a, b) for part, a, b in
+                                     zip(("out", "dq", "dk", "dv"), results[name], results["plain"])}
     if U <= reference_tokens:
         inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
         out = tree_attention(*inputs, packed.subtree_end, backend="runs", layout=layout)
         (out * weight.float()).sum().backward()
         exact = [out.detach()] + [x.grad for x in inputs]
-        for name in ("plain", "rooted"):
-            row[f"{name}_vs_fp32"] = {part: _errors(a, b) for part, a, b in
-                                      zip(("out", "dq", "dk", "dv"), results[name], exact)}
-    print(json.dumps({key: value for key, value in row.items() if key.endswith(("fp32", "plain"))}), flush=True)
+        for name in results:
+            row[name]["vs_fp32"] = {part: _errors(a, b) for part, a, b in
+                                    zip(("out", "dq", "dk", "dv"), results[name], exact)}
+    print(json.dumps(row), flush=True)
     return row
 
 
@@ -190,7 +204,7 @@ def main():
                         help="only the tree-run shape: N runs of LQ queries against LK keys in one varlen call (see "
                              "the module doc); repeatable")
     parser.add_argument("--forest", nargs=2, action="append", metavar=("WORKLOAD", "SCALE"),
-                        help="only the tree attention of a workload's forest, plain against its shared roots in place "
+                        help="only the tree attention of a workload's forest, plain against shared keys in place "
                              "(see check_forest); repeatable")
     parser.add_argument("--value-dim", type=int, default=None,
                         help="with --forest: the values' real width (MLA's 128 under keys of 192); default D")

@@ -67,7 +67,7 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
-              graph_tokens=0, experts="cuda", scan="cuda", rooted=False)
+              graph_tokens=0, experts="cuda", scan="cuda", shared_keys=False)
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
@@ -84,7 +84,7 @@ KERNEL_SETS = {
     "fused_fa4_graphs": dict(_FUSED, varlen="fa4", graph_tokens=16384),
     "fused_half_scan": dict(_FUSED, scan="half"),
     "fused_fp32_scan": dict(_FUSED, scan="fp32"),
-    "fused_rooted": dict(_FUSED, rooted=True),
+    "fused_shared_keys": dict(_FUSED, shared_keys=True),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -103,8 +103,9 @@ transformers does under autocast, in the weights' dtype (fp32 here); every set b
 Mamba-2's scan gets its ``C``, ``B`` and ``dt x`` in the half precision the model runs in on CUDA (as transformers'
 CUDA path hands them to ``mamba_ssm``; harts_hf's default since 2026-12-06, ``SCAN_INPUTS = "cuda"``) in every set but
 ``fused_fp32_scan`` (fp32, as every set before 2026-12-06 ran it; ``fused_half_scan``, the half inputs before they
-were the default, now computes as ``fused`` on the GPU). ``fused_rooted`` attends each tree's shared root in place
-instead of gathering it per run (``tree_attention.varlen.SPLIT_SHARED_ROOTS``; the packed path has no shared roots)."""
+were the default, now computes as ``fused`` on the GPU). ``fused_shared_keys`` attends key segments shared by many runs in
+place instead of gathering them per run (``tree_attention.varlen.SHARED_KEYS_IN_PLACE``; the packed path shares
+none)."""
 
 
 def use_kernels(name: str) -> None:
@@ -123,7 +124,7 @@ def use_kernels(name: str) -> None:
     cuda_graphs.MAX_TOKENS = kernels["graph_tokens"]
     token_modules.AUTOCAST_EXPERTS = kernels["experts"]
     mamba2.SCAN_INPUTS = kernels["scan"]
-    varlen.SPLIT_SHARED_ROOTS = kernels["rooted"]
+    varlen.SHARED_KEYS_IN_PLACE = kernels["shared_keys"]
 
 
 def build_model(name: str, family: str, device, dtype):

@@ -250,15 +250,17 @@ def test_tree_attention_split_by_runs_merges_exactly(name, dtype, context, key_b
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", list(FORESTS) + ["two_trees"])
 @pytest.mark.parametrize("context", [0, 5])
-def test_tree_attention_with_shared_roots_in_place_merges_exactly(name, dtype, context, monkeypatch):
-    """varlen.SPLIT_SHARED_ROOTS: each tree's shared root segment attended by every row below it in one unmasked
-    call on the rows as they are (and context rows by every query), the runs' remaining paths in the varlen call,
-    merged by log-sum-exp, each call's backward given the merged out/lse. With explicit softmax per sequence against
-    the dense-mask path: outputs and the gradients of q, k, v and the context keys/values (values narrower than
-    keys, as MLA's); the gathered key rows drop by exactly the rows split off; calls cut by the element limit."""
+@pytest.mark.parametrize("every", [True, False], ids=["every_segment", "worth_it"])
+def test_tree_attention_with_shared_keys_in_place_merges_exactly(name, dtype, context, every, monkeypatch):
+    """varlen.SHARED_KEYS_IN_PLACE: key segments ending at branch points attended by every row below them in one
+    unmasked call on the rows as they are (``every``: every such segment, nested ones merged in turn; else those the
+    default rule picks), context rows by every query, the runs' remaining paths in the varlen call, merged by
+    log-sum-exp, each call's backward given the merged out/lse. With explicit softmax per sequence against the
+    dense-mask path: outputs and the gradients of q, k, v and the context keys/values (values narrower than keys, as
+    MLA's); fewer gathered key rows; calls cut by the element limit give the same."""
     import dataclasses
 
-    from harts_hf.kernels.tree_attention import rooted, varlen
+    from harts_hf.kernels.tree_attention import shared_keys, varlen
 
     torch.manual_seed(0)
     sequences = FORESTS["fan_out"] + FORESTS["random_a"] if name == "two_trees" else FORESTS[name]
@@ -271,56 +273,61 @@ def test_tree_attention_with_shared_roots_in_place_merges_exactly(name, dtype, c
     ck = torch.randn(context, HKV, D, dtype=dtype, requires_grad=True)
     cv = torch.randn(context, HKV, DV, dtype=dtype, requires_grad=True)
     layout = build_varlen_layout(packed, context_tokens=context)
-    split = rooted.shared_root_split(layout, min_saved_rows=1)
-    assert rooted.shared_root_split(layout, min_saved_rows=1) is split  # cached on the layout
-    assert split.rest.key_index.numel() == layout.key_index.numel() - split.saved_rows
+    setting = dict(row_ratio=0.0, min_saved_rows=1) if every else dict(row_ratio=1.0, min_saved_rows=64)
+    split = shared_keys.shared_segment_split(layout, **setting)
+    assert shared_keys.shared_segment_split(layout, **setting) is split  # cached on the layout
+    branch_segments = int(((packed.subtree_end - torch.arange(U)) > 1).sum())  # an upper bound on their number
+    segments = [b for b in split.blocks if b[2] < U]
+    assert len(split.blocks) == len(segments) + (context > 0) and len(segments) <= branch_segments
+    if every and name != "single_tokens":
+        assert len(segments) >= 2 if name in ("random_a", "random_b", "fan_out", "two_trees") else segments
+    if split.blocks:
+        assert split.saved_rows > 0 and split.rest.key_index.numel() == layout.key_index.numel() - split.saved_rows
     assert split.rest.host_cu()[0][-1] == U and split.rest.context_tokens == 0
-    roots = [b for b in split.blocks if b[2] < U]
-    assert (len(roots) >= 1) == (name not in ("single_tokens",)) and (context == 0) == (len(roots) == len(split.blocks))
-    if name == "two_trees":
-        assert len(roots) == 2
-    extra = dict(context_k=ck, context_v=cv) if context else {}
     pad = torch.zeros(U, HKV, D - DV, dtype=dtype)  # the dense path wants one head dim: pad v, drop the pad after
     padded_cv = torch.cat([cv, torch.zeros(context, HKV, D - DV, dtype=dtype)], dim=-1)
     expected = tree_attention(q, k, torch.cat([v, pad], dim=-1), packed.subtree_end, scaling=0.3, backend="sdpa",
-                              **(dict(context_k=ck, context_v=padded_cv) if extra else {}))[..., :DV]
+                              **(dict(context_k=ck, context_v=padded_cv) if context else {}))[..., :DV]
     inputs = (q, k, v) + ((ck, cv) if context else ())
     weight = torch.randn(U, HQ, DV, dtype=dtype)
     expected_grads = torch.autograd.grad((expected * weight).sum(), inputs)
-    for limit in (varlen.MAX_CALL_ELEMENTS, 40 * HQ * D + varlen.PAD_ROWS * HQ * D * 4):
-        monkeypatch.setattr(varlen, "MAX_CALL_ELEMENTS", max(limit, (varlen.PAD_ROWS + 400) * HQ * D))
-        out = rooted.tree_attention_rooted(q, torch.cat([k, ck]), torch.cat([v, cv]), split, scaling=0.3,
-                                           primitive="math")
+    for limit in (varlen.MAX_CALL_ELEMENTS, (varlen.PAD_ROWS + 400) * HQ * D):
+        monkeypatch.setattr(varlen, "MAX_CALL_ELEMENTS", limit)
+        out = shared_keys.tree_attention_shared_keys(q, torch.cat([k, ck]), torch.cat([v, cv]), split, scaling=0.3,
+                                                     primitive="math")
         torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
         for a, b in zip(torch.autograd.grad((out * weight).sum(), inputs), expected_grads):
             scale = b.abs().max().clamp_min(1e-12)
             torch.testing.assert_close(a / scale, b / scale, **TOLERANCE[dtype])
 
 
-def test_shared_roots_in_place_only_with_torchs_kernel_and_plain_attention(monkeypatch):
-    """SPLIT_SHARED_ROOTS routes tree_attention_varlen to the rooted path (flash primitive) only for torch's kernel
-    without window, softcapping or sinks; off (the default), the plain varlen call."""
-    from harts_hf.kernels.tree_attention import rooted, varlen
+def test_shared_keys_in_place_only_with_torchs_kernel_and_plain_attention(monkeypatch):
+    """SHARED_KEYS_IN_PLACE routes tree_attention_varlen to the shared-keys path (flash primitive) only for torch's
+    kernel without window, softcapping or sinks, and only where a segment is worth splitting off; off (the default),
+    the plain varlen call."""
+    from harts_hf.kernels.tree_attention import shared_keys, varlen
 
     packed = PrefixForest.from_sequences(FORESTS["fan_out"]).pack()
     layout = build_varlen_layout(packed)
     q = torch.randn(packed.num_tokens, 4, 8)
     k = v = torch.randn(packed.num_tokens, 2, 8)
     calls = []
-    monkeypatch.setattr(rooted, "tree_attention_rooted", lambda *a, **kw: calls.append("rooted") or q)
+    monkeypatch.setattr(shared_keys, "tree_attention_shared_keys", lambda *a, **kw: calls.append("shared") or q)
     monkeypatch.setattr(varlen, "_varlen_call", lambda *a, **kw: calls.append("plain") or q)
     monkeypatch.setattr(varlen, "varlen_kernel", lambda device, choice=None: "torch")
-    assert not varlen.SPLIT_SHARED_ROOTS
+    assert not varlen.SHARED_KEYS_IN_PLACE
     varlen.tree_attention_varlen(q, k, v, layout)
-    monkeypatch.setattr(varlen, "SPLIT_SHARED_ROOTS", True)
-    varlen.tree_attention_varlen(q, k, v, layout)  # a root of 10 rows under 32 runs: below MIN_SAVED_ROWS
-    monkeypatch.setattr(rooted, "MIN_SAVED_ROWS", 1)
+    monkeypatch.setattr(varlen, "SHARED_KEYS_IN_PLACE", True)
+    monkeypatch.setattr(shared_keys, "MIN_SAVED_ROWS", 10_000)
+    varlen.tree_attention_varlen(q, k, v, layout)  # no segment saves that many rows
+    monkeypatch.setattr(shared_keys, "MIN_SAVED_ROWS", 1024)  # 56 rows under 24 runs do
     varlen.tree_attention_varlen(q, k, v, layout)
     varlen.tree_attention_varlen(q, k, v, layout, window=16)
-    assert calls == ["plain", "plain", "rooted", "plain"]
+    assert calls == ["plain", "plain", "shared", "plain"]
     monkeypatch.undo()
     with pytest.raises(ValueError, match="primitive must be one of"):
-        rooted.tree_attention_rooted(q, k, v, rooted.shared_root_split(layout, min_saved_rows=1), primitive="nope")
+        shared_keys.tree_attention_shared_keys(q, k, v, shared_keys.shared_segment_split(layout, 0.0, 1),
+                                               primitive="nope")
 
 
 def test_gather_rows_sums_repeated_rows_in_fp32_and_rounds_once(monkeypatch):

@@ -18,7 +18,7 @@ import torch
 
 from ...trees import PackedForest
 
-__all__ = ["KERNEL", "SPLIT_SHARED_ROOTS", "VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention_varlen",
+__all__ = ["KERNEL", "SHARED_KEYS_IN_PLACE", "VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention_varlen",
            "varlen_available", "varlen_call_groups", "varlen_kernel"]
 
 MAX_CALL_ELEMENTS = (1 << 31) - 1
@@ -38,10 +38,11 @@ else torch. Measured on the H200 (BENCHMARKS.md, 2026-12-02): fa4 takes full-siz
 level with it; it is opt-in because it is a separate install (``harts_hf[fa4]``, a beta release)."""
 
 
-SPLIT_SHARED_ROOTS = False
-"""Attend each tree's shared root (and any context rows) in place, in one unmasked call merged through the
-log-sum-exp, instead of gathering a copy of it for every run (:mod:`.rooted`): torch's kernel only, no window,
-softcapping or sinks. Opt-in: exact on the CPU (Triton-free math primitive), not yet measured on a GPU."""
+SHARED_KEYS_IN_PLACE = False
+"""Attend key segments shared by many runs (and any context rows) in place, in one unmasked call per segment merged
+through the log-sum-exp, instead of gathering a copy of them for every run (:mod:`.shared_keys`): torch's kernel
+only, no window, softcapping or sinks. Opt-in: exact on the CPU (explicit-softmax primitive), not yet measured on a
+GPU."""
 
 
 @dataclass
@@ -57,10 +58,12 @@ class VarlenLayout:
     max_k: int
     context_tokens: int = 0
     host: tuple[list[int], list[int]] | None = None  # cu_q and cu_k as Python lists (no device sync to read)
+    parent: np.ndarray | None = None  # the forest's parent and subtree_end (host), for :mod:`.shared_keys`
+    subtree_end: np.ndarray | None = None
 
     def to(self, device) -> VarlenLayout:
         return VarlenLayout(self.key_index.to(device), self.cu_q.to(device), self.cu_k.to(device), self.max_q,
-                            self.max_k, self.context_tokens, self.host_cu())
+                            self.max_k, self.context_tokens, self.host_cu(), self.parent, self.subtree_end)
 
     def host_cu(self) -> tuple[list[int], list[int]]:
         if self.host is None:
@@ -96,7 +99,7 @@ def build_varlen_layout(packed: PackedForest, context_tokens: int = 0) -> Varlen
     np.cumsum(lengths_k, out=cu_k[1:])
     return VarlenLayout(torch.from_numpy(np.concatenate(paths).astype(np.int64)), torch.from_numpy(cu_q),
                         torch.from_numpy(cu_k), int(lengths_q.max()), int(lengths_k.max()), context_tokens,
-                       (cu_q.tolist(), cu_k.tolist()))
+                        (cu_q.tolist(), cu_k.tolist()), parent, packed.subtree_end.cpu().numpy())
 
 
 class _GatherRows(torch.autograd.Function):
@@ -223,12 +226,13 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
                          f"(varlen KERNEL is {KERNEL!r}, which runs {kernel!r}): pip install harts_hf[fa4] and set "
                          "KERNEL = 'fa4' (from harts_hf.kernels.tree_attention import varlen), or use backend='runs' (exact, slow)")
     features = dict(window=window, softcap=softcap, sinks=sinks)
-    if SPLIT_SHARED_ROOTS and kernel == "torch" and all(value is None for value in features.values()):
-        from .rooted import shared_root_split, tree_attention_rooted
+    if (SHARED_KEYS_IN_PLACE and kernel == "torch" and layout.parent is not None
+            and all(value is None for value in features.values())):
+        from .shared_keys import shared_segment_split, tree_attention_shared_keys
 
-        split = shared_root_split(layout)
+        split = shared_segment_split(layout, q[0].numel() / (k[0].numel() + v[0].numel()))
         if split.blocks:
-            return tree_attention_rooted(q, k, v, split, scaling)
+            return tree_attention_shared_keys(q, k, v, split, scaling)
     extra = gqa_keyword(varlen_attn) if q.shape[1] != k.shape[1] and kernel == "torch" else {}
     cu_q, cu_k = layout.host_cu()
     cache = layout.__dict__.setdefault("_call_groups", {})  # per layout, head shape and limit (as run_blocks caches)

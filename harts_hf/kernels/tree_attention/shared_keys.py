@@ -1,24 +1,27 @@
-"""Tree attention with each tree's shared root attended in place: no gathered copies of it (CUDA: flash varlen).
+"""Tree attention with shared key segments attended in place: no gathered copies of them (CUDA: flash varlen).
 
-The varlen layout (:mod:`.varlen`) gathers every run's root-to-run key path, so a tree's root segment is copied
-once per run: on full-size `tau` (a 9,598-token prompt under 96 runs) most gathered key rows are copies of it, and
-for MLA's wide heads (32 key heads of 192 and values padded to 192: 24.6 KB a row in bf16) the gathers and the
-atomic scatter-add of their gradients cost about as much as the tree's extra attention pairs (BENCHMARKS.md, the
-Kimi-Linear profile of 2026-12-06). Here every token below a tree's root segment (rows ``[a + L, E)`` in DFS order,
-contiguous) attends the root's rows ``[a, a + L)`` (contiguous too) in one unmasked call on the rows as they are,
-and the runs' remaining paths (without the root) go through one varlen call as before. Context rows (ancestors
-outside the forest, the planner's hand-offs) are split off the same way: every query attends them unmasked. The
-partial results merge through their log-sum-exps,
+The varlen layout (:mod:`.varlen`) gathers every run's root-to-run key path, so a segment shared by many runs is
+copied once per run below it: on full-size `tau` half the gathered key rows are copies of its 9,598-token prompt, and
+for MLA's wide heads (32 key heads of 192, values padded to 192: 24.6 KB a row in bf16) the gathers and the atomic
+scatter-add of their gradients cost about as much as the tree's extra attention pairs (BENCHMARKS.md, the Kimi-Linear
+profile of 2026-12-06). In DFS order a segment ``[s, e)`` that ends at a branch point has every one of its
+descendants in the rows ``[e, E)`` right after it (``E = subtree_end[e - 1]``), and every one of them sees all of the
+segment: one unmasked call of those query rows against the segment's rows, both as they are, replaces the segment's
+copies in the runs' paths. The runs' remaining paths go through one varlen call as before (a run that passes the
+segment's end is cut there). Context rows (ancestors outside the forest, the planner's hand-offs) are split off the
+same way: every query attends them unmasked. The partial results merge through their log-sum-exps,
 
-    lse = logaddexp(lse_rest, lse_root);   out = out_rest * exp(lse_rest - lse) + out_root * exp(lse_root - lse)
+    lse = logaddexp(lse_a, lse_b);   out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
 
-and each call's backward, given the merged ``out`` and ``lse``, is exactly its share of the whole softmax's
-gradient (:mod:`.split` says why).
+and each call's backward, given the merged ``out`` and ``lse``, is exactly its share of the whole softmax's gradient
+(:mod:`.split` says why).
 
-``primitive="math"`` runs the same decomposition with explicit softmax per sequence (any device, fp32/fp64): the
-CPU tests check the split and the merged-statistics backward with it; ``"flash"`` calls FlashAttention-2 inside
-torch (``aten._flash_attention_forward`` / ``_backward``, bottom-right causal, GQA as is). Opt-in
-(:data:`.varlen.SPLIT_SHARED_ROOTS`) until it is measured on a GPU.
+Which segments: those whose split saves at least :data:`MIN_SAVED_ROWS` gathered key rows and whose saved key and
+value elements are at least :data:`COST_FACTOR` times the extra call's query elements (:func:`shared_segment_split`),
+so a prompt shared by a group is split off and a short turn under two runs is not. ``primitive="math"`` runs the same decomposition with
+explicit softmax per sequence (any device, fp32/fp64): the CPU tests check it; ``"flash"`` calls FlashAttention-2
+inside torch (``aten._flash_attention_forward`` / ``_backward``, bottom-right causal, GQA as is). Opt-in
+(:data:`.varlen.SHARED_KEYS_IN_PLACE`) until it is measured on a GPU.
 """
 
 from __future__ import annotations
@@ -30,15 +33,19 @@ import torch
 
 from .split import _acc
 
-__all__ = ["RootSplit", "shared_root_split", "tree_attention_rooted"]
+__all__ = ["SegmentSplit", "shared_segment_split", "tree_attention_shared_keys"]
 
 MIN_SAVED_ROWS = 1024
-"""A tree's root is split off only where that saves at least this many gathered key rows (root rows x other runs);
-context rows always are."""
+"""A segment is split off only where that saves at least this many gathered key rows; context rows always are."""
+
+COST_FACTOR = 2.0
+"""A segment is split off where the key and value elements it saves are at least this many times the query elements
+of its extra call (which reads the queries, outputs and their gradients again and merges in fp32). A guess until the
+GPU measures it (``benchmarks/attention_kernels.py --forest``)."""
 
 
 @dataclass
-class RootSplit:
+class SegmentSplit:
     """``rest``: the runs' key paths without the split-off rows (a :class:`~.varlen.VarlenLayout` whose key index
     points into ``k``'s rows, context included); ``blocks``: ``(q_start, q_end, k_start, k_end)``, query rows that
     attend those key rows unmasked; ``saved_rows``: gathered key rows no longer gathered."""
@@ -48,56 +55,75 @@ class RootSplit:
     saved_rows: int
 
 
-def _leading_run(path: np.ndarray, start: int, limit: int) -> int:
-    """How many leading entries of ``path`` are ``start, start + 1, ...`` (at most ``limit``)."""
-    limit = min(limit, path.shape[0])
-    same = path[:limit] == np.arange(start, start + limit)
-    return limit if same.all() else int(np.argmin(same))
+def _segments_to_split(parent: np.ndarray, subtree_end: np.ndarray, run_starts: np.ndarray, ancestors: np.ndarray,
+                       min_saved_rows: int, row_ratio: float) -> list[tuple[int, int, int]]:
+    """``(s, e, E)`` of every segment ``[s, e)`` ending at a branch point worth splitting off: the gathered key rows
+    it saves (``e - s`` for each run with queries in ``[e, E)``, less the ancestors of ``s`` that the run passing
+    ``e`` gathers once more when it is cut there), at least ``min_saved_rows`` and at least ``row_ratio`` times the
+    ``E - e`` query rows of its extra call. ``ancestors[t]``: how many forest rows are above row ``t``."""
+    U = parent.shape[0]
+    children = np.bincount(parent[parent >= 0], minlength=U)
+    branch = np.flatnonzero(children >= 2)
+    starts = np.flatnonzero((parent < 0) | (parent != np.arange(U) - 1) | (np.append(0, children[:-1]) >= 2))
+    chosen = []
+    for b in branch:
+        s, e, E = int(starts[np.searchsorted(starts, b, side="right") - 1]), int(b) + 1, int(subtree_end[b])
+        first = int(np.searchsorted(run_starts, e))
+        runs = int(np.searchsorted(run_starts, E) - first) + (first >= len(run_starts) or run_starts[first] != e)
+        saved = runs * (e - s) - (0 if first < len(run_starts) and run_starts[first] == e else int(ancestors[s]))
+        if saved >= min_saved_rows and saved >= row_ratio * (E - e):
+            chosen.append((s, e, E))
+    return chosen
 
 
-def shared_root_split(layout, min_saved_rows: int | None = None) -> RootSplit:
-    """The split of ``layout`` (a :class:`~.varlen.VarlenLayout`), cached on it per ``min_saved_rows``."""
+def shared_segment_split(layout, row_ratio: float = 1.0, min_saved_rows: int | None = None) -> SegmentSplit:
+    """The split of ``layout`` (a :class:`~.varlen.VarlenLayout` built with its forest's ``parent`` and
+    ``subtree_end``), cached on it per setting. ``row_ratio``: query elements per key + value elements of a row
+    (a segment is split where the key rows it saves are at least :data:`COST_FACTOR` times that many times its
+    call's query rows)."""
     from .varlen import VarlenLayout
 
     min_saved_rows = MIN_SAVED_ROWS if min_saved_rows is None else min_saved_rows
-    cache = layout.__dict__.setdefault("_root_split", {})
-    if min_saved_rows in cache:
-        return cache[min_saved_rows]
+    cache = layout.__dict__.setdefault("_segment_split", {})
+    key = (row_ratio, min_saved_rows, COST_FACTOR)
+    if key in cache:
+        return cache[key]
+    if layout.parent is None:
+        raise ValueError("shared_segment_split: the layout has no forest structure; build it with "
+                         "build_varlen_layout(packed)")
     cu_q, cu_k = layout.host_cu()
     key_index = layout.key_index.cpu().numpy()
-    U, C, runs = cu_q[-1], layout.context_tokens, len(cu_q) - 1
-    paths = [key_index[cu_k[r] + C: cu_k[r + 1]] for r in range(runs)]  # context rows lead every path
-    blocks = [(0, U, U, U + C)] if C else []
-    saved = C * runs
-    roots = [r for r in range(runs) if paths[r].shape[0] == cu_q[r + 1] - cu_q[r]] + [runs]
-    rows, new_paths = [], []
-    for r0, r1 in zip(roots, roots[1:]):  # the runs of one tree: its root run, then the others (DFS order)
-        a, e0 = cu_q[r0], cu_q[r0 + 1]
-        shared = min((_leading_run(paths[r], a, e0 - a) for r in range(r0 + 1, r1)), default=0)
-        if shared == 0 or shared * (r1 - r0 - 1) < min_saved_rows:
-            rows.extend(cu_q[r + 1] - cu_q[r] for r in range(r0, r1))
-            new_paths.extend(paths[r0:r1])
-            continue
-        blocks.append((a + shared, cu_q[r1], a, a + shared))
-        saved += shared * (r1 - r0 - 1)
-        rows.append(shared)  # the root run's first rows: their own keys, causal
-        new_paths.append(paths[r0][:shared])
-        if e0 > a + shared:
-            rows.append(e0 - a - shared)
-            new_paths.append(paths[r0][shared:])
-        rows.extend(cu_q[r + 1] - cu_q[r] for r in range(r0 + 1, r1))
-        new_paths.extend(path[shared:] for path in paths[r0 + 1: r1])
-    lengths_k = np.fromiter((p.shape[0] for p in new_paths), dtype=np.int64, count=len(new_paths))
+    U, C = cu_q[-1], layout.context_tokens
+    ancestors = np.empty(U, dtype=np.int64)  # rows above each row: its place in its run's path (paths ascend)
+    for r in range(len(cu_q) - 1):
+        above = cu_k[r + 1] - cu_k[r] - C - (cu_q[r + 1] - cu_q[r])
+        ancestors[cu_q[r]: cu_q[r + 1]] = above + np.arange(cu_q[r + 1] - cu_q[r])
+    segments = _segments_to_split(layout.parent, layout.subtree_end, np.asarray(cu_q[:-1]), ancestors,
+                                  min_saved_rows, COST_FACTOR * row_ratio)
+    blocks = ([(0, U, U, U + C)] if C else []) + [(e, E, s, e) for s, e, E in segments]
+    cuts = sorted(set(cu_q) | {e for _, e, _ in segments if e < U})  # runs passing a split segment's end: cut there
+    seg = np.asarray(segments, dtype=np.int64).reshape(-1, 3)
+    paths, rows = [], []
+    for a, b in zip(cuts, cuts[1:]):
+        r = int(np.searchsorted(cu_q, a, side="right")) - 1  # the original run holding rows [a, b)
+        path = key_index[cu_k[r] + C: cu_k[r + 1] - (cu_q[r + 1] - b)]
+        above = seg[(seg[:, 1] <= a) & (a < seg[:, 2])]  # split segments above row a: not in its path
+        for s, e, _ in above:
+            path = path[(path < s) | (path >= e)]
+        paths.append(path)
+        rows.append(b - a)
+    saved = key_index.shape[0] - sum(p.shape[0] for p in paths)
+    lengths_k = np.fromiter((p.shape[0] for p in paths), dtype=np.int64, count=len(paths))
     new_cu_q = np.zeros(len(rows) + 1, dtype=np.int32)
     new_cu_k = np.zeros(len(rows) + 1, dtype=np.int32)
     np.cumsum(rows, out=new_cu_q[1:])
     np.cumsum(lengths_k, out=new_cu_k[1:])
     device = layout.key_index.device
-    rest = VarlenLayout(torch.from_numpy(np.concatenate(new_paths).astype(np.int64)).to(device),
+    rest = VarlenLayout(torch.from_numpy(np.concatenate(paths).astype(np.int64)).to(device),
                         torch.from_numpy(new_cu_q).to(device), torch.from_numpy(new_cu_k).to(device),
                         int(max(rows)), int(lengths_k.max()), 0, (new_cu_q.tolist(), new_cu_k.tolist()))
-    cache[min_saved_rows] = RootSplit(rest, blocks, saved)
-    return cache[min_saved_rows]
+    cache[key] = SegmentSplit(rest, blocks, saved) if saved > 0 or C else SegmentSplit(layout, [], 0)
+    return cache[key]
 
 
 # --- primitives on packed rows: q [Tq, HQ, D], k/v [Tk, HKV, D]; lse float32 [HQ, Tq] ------------------------------
@@ -149,8 +175,8 @@ def _flash_forward(q, k, v, cu_q, cu_k, causal: bool, scale: float):
         q, k, v, cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()), 0.0, causal, False, scale=scale,
         **_flash_window(causal))
     if lse.shape != (q.shape[1], q.shape[0]):
-        raise RuntimeError(f"tree attention (rooted): flash varlen returned a log-sum-exp of shape {tuple(lse.shape)}, "
-                           f"expected (heads, rows) = {(q.shape[1], q.shape[0])}; set varlen.SPLIT_SHARED_ROOTS = False")
+        raise RuntimeError(f"tree attention (shared keys): flash varlen returned a log-sum-exp of shape {tuple(lse.shape)}, "
+                           f"expected (heads, rows) = {(q.shape[1], q.shape[0])}; set varlen.SHARED_KEYS_IN_PLACE = False")
     return out, lse
 
 
@@ -165,14 +191,14 @@ def _flash_backward(grad, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: fl
 _PRIMITIVES = {"math": (_math_forward, _math_backward), "flash": (_flash_forward, _flash_backward)}
 
 
-def _block_rows(split: RootSplit, q_row_elements: int, k_row_elements: int,
+def _block_rows(split: SegmentSplit, q_row_elements: int, k_row_elements: int,
                 limit: int) -> list[tuple[int, int, int, int]]:
     """The unmasked blocks with their query rows cut so that one call stays under ``limit`` elements."""
     from .varlen import PAD_ROWS
 
     for _, _, k_start, k_end in split.blocks:
         if (k_end - k_start + PAD_ROWS) * k_row_elements > limit:
-            raise ValueError(f"tree attention: a shared root of {k_end - k_start} rows is more than one flash varlen "
+            raise ValueError(f"tree attention: a shared segment of {k_end - k_start} rows is more than one flash varlen "
                              f"call can address ({limit} elements per tensor); split the forest into pieces "
                              "(TreeGRPOConfig.tree_token_budget / harts_hf.planner.plan(token_budget=...))")
     step = max(limit // q_row_elements - PAD_ROWS, 1)
@@ -189,14 +215,14 @@ def _merge_into(out, lse, rows: slice, out_b, lse_b):
     lse[:, rows] = merged
 
 
-class _RootedAttention(torch.autograd.Function):
+class _SharedKeysAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, split: RootSplit, groups, blocks, scale: float, primitive: str):
+    def forward(ctx, q, k, v, split: SegmentSplit, groups, blocks, scale: float, primitive: str):
         forward_call = _PRIMITIVES[primitive][0]
         rest = split.rest
         cu_q, cu_k = rest.host_cu()
         outs, lses = [], []
-        for r0, r1 in groups:  # the rest: the runs' paths without the roots, as the plain varlen call
+        for r0, r1 in groups:  # the rest: the runs' paths without the split segments, as the plain varlen call
             index = rest.key_index[cu_k[r0]: cu_k[r1]]
             o, lse = forward_call(q[cu_q[r0]: cu_q[r1]], k.index_select(0, index), v.index_select(0, index),
                                   rest.cu_q[r0: r1 + 1] - cu_q[r0], rest.cu_k[r0: r1 + 1] - cu_k[r0], True, scale)
@@ -250,14 +276,14 @@ def _bounds(rows: int, device) -> torch.Tensor:
     return torch.tensor([0, rows], dtype=torch.int32, device=device)
 
 
-def tree_attention_rooted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: RootSplit,
-                          scaling: float | None = None, primitive: str = "flash") -> torch.Tensor:
+def tree_attention_shared_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SegmentSplit,
+                               scaling: float | None = None, primitive: str = "flash") -> torch.Tensor:
     """q ``[U, HQ, D]``, k ``[U + C, HKV, D]``, v ``[U + C, HKV, Dv]`` (context rows last) -> ``[U, HQ, Dv]``;
-    ``split`` from :func:`shared_root_split`. ``primitive``: ``"flash"`` (CUDA, half precision) or ``"math"``."""
+    ``split`` from :func:`shared_segment_split`. ``primitive``: ``"flash"`` (CUDA, half precision) or ``"math"``."""
     from . import varlen
 
     if primitive not in _PRIMITIVES:
-        raise ValueError(f"tree_attention_rooted: primitive must be one of {tuple(_PRIMITIVES)}, got {primitive!r}")
+        raise ValueError(f"tree_attention_shared_keys: primitive must be one of {tuple(_PRIMITIVES)}, got {primitive!r}")
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     limit = varlen.MAX_CALL_ELEMENTS
     cu_q, cu_k = split.rest.host_cu()
@@ -266,4 +292,4 @@ def tree_attention_rooted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spl
     if key not in cache:
         cache[key] = (varlen.varlen_call_groups(cu_q, cu_k, *key), _block_rows(split, *key))
     groups, blocks = cache[key]
-    return _RootedAttention.apply(q, k, v, split, groups, blocks, scale, primitive)
+    return _SharedKeysAttention.apply(q, k, v, split, groups, blocks, scale, primitive)
