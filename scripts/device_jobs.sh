@@ -34,6 +34,24 @@ if [ ! -f "$JOBS/.queued" ]; then
   # (run on an H100, 2026-12-06 05:32-05:50 and 08:05-08:21 UTC, and taken off this list: the `tau`@0.02 host profile
   # (twice), the `swe` 0.05 trainer at 32,768-token pieces, the Nemotron-H `tau` profile of both paths and its `swe`
   # tree + packed path, the Mamba-2 scan's half-precision inputs against fp32: parity and full-size `tau`)
+  # (run on an H100, 2026-12-06 11:02-11:40 UTC, and taken off: Nemotron-H `swe` both paths at bf16 scan inputs,
+  # Ling-3 `swe` tree at 16,384, Kimi `tau` both paths at 32,768 and its profile, Ling-3's experts A/B on `tau` at
+  # 16,384, the headline's `tau` / `grpo` / `distinct` on an H100)
+  # issues 25/26/22, any card, first: shared key segments attended in place (varlen.SHARED_KEYS_IN_PLACE, 4146015).
+  # The attention alone on whole forests, plain call against the split at three cost factors, with its bf16 error
+  # against fp32 on the small forest: MLA's heads (Kimi / Ling-3), then the 2B preset's and Nemotron-H's
+  job shared_keys_mla benchmarks/attention_kernels.py --forest tau 0.05 --forest tau 1.0 --forest swe 0.2 \
+    --heads 32 32 192 --value-dim 128 --out $J/shared_keys_mla
+  job shared_keys_gqa benchmarks/attention_kernels.py --forest tau 0.05 --forest tau 1.0 --forest swe 0.2 \
+    --out $J/shared_keys_gqa
+  job shared_keys_nemotron benchmarks/attention_kernels.py --forest tau 1.0 --forest swe 0.2 --heads 16 8 128 \
+    --out $J/shared_keys_nemotron
+  # then whole fwd+bwd, the tree under both settings in one process (the packed rows of 2026-12-06 for the
+  # fraction): Kimi `tau` (its profile: 0.54 s of gathers), Nemotron-H `tau`
+  job_tf524 kimi_tau_shared $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi \
+    --no-history --kernels fused fused_shared_keys --keep-attention on --repeats 2 --out $J/kimi_tau_shared
+  job nemotron_tau_shared $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 --no-history \
+    --kernels fused fused_shared_keys --keep-attention on --repeats 2 --out $J/nemotron_tau_shared
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on FlashAttention-4, the headline's kernel, where its stack travelled (device_env.sh:
@@ -53,21 +71,17 @@ if [ ! -f "$JOBS/.queued" ]; then
     --out $J/nemotron_swe_tree
   [ "$h200" = 1 ] && job nemotron_swe_keep $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
     --budget $nemotron "${same[@]}" --repeats 2 --no-recompute --out $J/nemotron_swe_keep
-  # on an H100: the same `swe` rows at its 65,536-token pieces and packed calls (the last, 2026-12-06 05:44, had fp32
-  # scan inputs: fraction 0.873)
-  [ "$h200" = 0 ] && job nemotron_swe_h100 $probe --model nemotron_h_shaped --workload swe --scale 1.0 \
-    --budget 65536 "${same[@]}" --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_swe_h100
   # issue 25: Ling-3 full-size `swe`, tree and packed in one child process (one compilation: its first tree run took
   # 503 s with it on the H200, 2026-12-05); the packed path only on an H200
   ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup each)
-  job_tf524 ling3_swe $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 "${same[@]}" \
-    --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
+  [ "$h200" = 1 ] && job_tf524 ling3_swe $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 \
+    "${same[@]}" --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
   # issue 25: the routed experts in bf16 under autocast (harts_hf's default since 2026-12-05) against transformers'
   # fp32 experts (every Ling-3 row before: MFU 0.086), full-size `tau`, the tree (one child: compiled once)
   [ "$h200" = 1 ] && job_tf524 ling3_tau_experts $probe --model ling3_shaped --workload tau --scale 1.0 --budget 0 \
     --no-history --kernels fused fused_fp32_experts --keep-attention on --repeats 2 --out $J/ling3_tau_experts
-  job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi "${same[@]}" \
-    --repeats 2 --packed-groups $kimi --packed-warmup each --out $J/kimi_tau
+  [ "$h200" = 1 ] && job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 \
+    --budget $kimi "${same[@]}" --repeats 2 --packed-groups $kimi --packed-warmup each --out $J/kimi_tau
   # issues 22/23: the Qwen3-Next full-size `swe` tree with and without the source's second forward, one process
   [ "$h200" = 1 ] && job swe_tree_keep $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
     --repeats 2 --no-recompute --out $J/swe_tree_keep
@@ -82,10 +96,6 @@ if [ ! -f "$JOBS/.queued" ]; then
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
   [ "$h200" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
     --loop-sample -1 --out $J/swe_loop
-  # on an H100, last: the headline's full-size `tau`, both paths in one process (a row of that card, not the H200
-  # headline's re-run; `grpo` and `distinct` do not fit its 80 GB)
-  [ "$h200" = 0 ] && job tau_h100 $probe --workload tau --scale 1.0 --budget 0 --no-history --kernels $headline_kernels \
-    --repeats 2 --keep-attention on --packed-groups 0 --packed-warmup each --out $J/tau_h100
 fi
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv > "$W/gpu.txt" 2>&1
 jobs_start
