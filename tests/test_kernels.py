@@ -301,10 +301,59 @@ def test_tree_attention_with_shared_keys_in_place_merges_exactly(name, dtype, co
             torch.testing.assert_close(a / scale, b / scale, **TOLERANCE[dtype])
 
 
-def test_shared_keys_in_place_only_with_torchs_kernel_and_plain_attention(monkeypatch):
-    """SHARED_KEYS_IN_PLACE routes tree_attention_varlen to the shared-keys path (flash primitive) only for torch's
-    kernel without window, softcapping or sinks, and only where a segment is worth splitting off; off (the default),
-    the plain varlen call."""
+def test_shared_keys_in_place_through_the_fa4_dispatcher_ops(monkeypatch):
+    """The "fa4" primitive: harts::fa4_varlen_fwd / _bwd with ``causal`` False for the unmasked blocks and True for
+    the rest, FlashAttention-4's functions stood in for by the explicit-softmax primitive (they need a Hopper GPU):
+    the same outputs and gradients as the dense-mask path."""
+    from harts_hf.kernels.tree_attention import fa4, shared_keys
+
+    seen = []
+
+    def forward(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, softcap,
+                window_size_left, window_size_right, learnable_sink, return_lse):
+        assert softcap is None and window_size_left is None and learnable_sink is None and return_lse
+        seen.append(causal)
+        return (*shared_keys._math_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                           softmax_scale), None, None, None)
+
+    def backward(q, k, v, out, dout, lse, *, softmax_scale, causal, softcap, window_size_left, window_size_right,
+                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, learnable_sink):
+        return shared_keys._math_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, causal, softmax_scale)
+
+    monkeypatch.setattr(fa4, "check_interface", lambda: (forward, backward))
+    torch.manual_seed(0)
+    packed = PrefixForest.from_sequences(FORESTS["fan_out"]).pack()
+    U = packed.num_tokens
+    q = torch.randn(U, 4, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(U, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    split = shared_keys.shared_segment_split(build_varlen_layout(packed), 0.0, 1)
+    out = shared_keys.tree_attention_shared_keys(q, k, v, split, scaling=0.3, primitive="fa4")
+    expected = tree_attention(q, k, v, packed.subtree_end, scaling=0.3, backend="sdpa")
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
+    weight = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * weight).sum(), (q, k, v)),
+                    torch.autograd.grad((expected * weight).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, **TOLERANCE[torch.float64])
+    assert True in seen and False in seen
+    # under checkpointing with the keep-attention policy the backward's rerun calls no attention forward again
+    from torch.utils.checkpoint import checkpoint
+
+    from harts_hf.model_patches.checkpointing import _attention_contexts
+
+    for contexts, rerun in ((_attention_contexts, False), (None, True)):
+        seen.clear()
+        again = checkpoint(lambda q, k, v: shared_keys.tree_attention_shared_keys(q * 1.0, k, v, split, 0.3, "fa4"),
+                           q, k, v, use_reentrant=False, **({} if contexts is None else {"context_fn": contexts}))
+        calls = len(seen)
+        torch.autograd.grad((again * weight).sum(), (q, k, v))
+        assert (len(seen) > calls) == rerun and torch.allclose(again, expected, atol=1e-12)
+
+
+def test_shared_keys_in_place_only_with_plain_attention(monkeypatch):
+    """SHARED_KEYS_IN_PLACE routes tree_attention_varlen to the shared-keys path (the flash primitive on torch's
+    kernel, fa4 on FlashAttention-4) only without window, softcapping or sinks, and only where a segment is worth
+    splitting off; off (the default), the plain varlen call."""
     from harts_hf.kernels.tree_attention import shared_keys, varlen
 
     packed = PrefixForest.from_sequences(FORESTS["fan_out"]).pack()
@@ -312,9 +361,10 @@ def test_shared_keys_in_place_only_with_torchs_kernel_and_plain_attention(monkey
     q = torch.randn(packed.num_tokens, 4, 8)
     k = v = torch.randn(packed.num_tokens, 2, 8)
     calls = []
-    monkeypatch.setattr(shared_keys, "tree_attention_shared_keys", lambda *a, **kw: calls.append("shared") or q)
+    monkeypatch.setattr(shared_keys, "tree_attention_shared_keys", lambda *a, **kw: calls.append(a[-1]) or q)
     monkeypatch.setattr(varlen, "_varlen_call", lambda *a, **kw: calls.append("plain") or q)
-    monkeypatch.setattr(varlen, "varlen_kernel", lambda device, choice=None: "torch")
+    kernel = ["torch"]
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device, choice=None: kernel[0])
     assert not varlen.SHARED_KEYS_IN_PLACE
     varlen.tree_attention_varlen(q, k, v, layout)
     monkeypatch.setattr(varlen, "SHARED_KEYS_IN_PLACE", True)
@@ -323,7 +373,9 @@ def test_shared_keys_in_place_only_with_torchs_kernel_and_plain_attention(monkey
     monkeypatch.setattr(shared_keys, "MIN_SAVED_ROWS", 1024)  # 56 rows under 24 runs do
     varlen.tree_attention_varlen(q, k, v, layout)
     varlen.tree_attention_varlen(q, k, v, layout, window=16)
-    assert calls == ["plain", "plain", "shared", "plain"]
+    kernel[0] = "fa4"
+    varlen.tree_attention_varlen(q, k, v, layout)
+    assert calls == ["plain", "plain", "flash", "plain", "fa4"]
     monkeypatch.undo()
     with pytest.raises(ValueError, match="primitive must be one of"):
         shared_keys.tree_attention_shared_keys(q, k, v, shared_keys.shared_segment_split(layout, 0.0, 1),

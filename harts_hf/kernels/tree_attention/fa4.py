@@ -7,7 +7,7 @@ policy can keep (:mod:`harts_hf.model_patches.checkpointing`), like torch's own 
 same two functions FlashAttention-4's autograd function calls (``_flash_attn_fwd`` / ``_flash_attn_bwd`` of
 ``flash_attn.cute.interface``, 4.0.0b36); :func:`check_interface` checks their signatures before first use.
 
-Bottom-right causal always; ``window_left`` < 0 means no window (FlashAttention-4 spells it ``None``), ``softcap``
+Bottom-right causal (``causal=False``: no mask, for :mod:`.shared_keys`' unmasked blocks); ``window_left`` < 0 means no window (FlashAttention-4 spells it ``None``), ``softcap``
 0 no logit softcapping, and ``sinks`` (``[HQ]`` attention-sink logits, GPT-OSS's) is optional.
 """
 
@@ -53,28 +53,28 @@ def _window_sizes(window_left: int) -> dict:
 
 @torch.library.custom_op("harts::fa4_varlen_fwd", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int,
-             max_k: int, scale: float, window_left: int, softcap: float,
-             sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+             max_k: int, scale: float, window_left: int, softcap: float, sinks: torch.Tensor | None,
+             causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     forward, _ = check_interface()
     out, lse, *_ = forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                           softmax_scale=scale, causal=True, softcap=softcap or None, **_window_sizes(window_left),
+                           softmax_scale=scale, causal=causal, softcap=softcap or None, **_window_sizes(window_left),
                            learnable_sink=sinks, return_lse=True)
     return out, lse
 
 
 @_forward.register_fake
-def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, softcap, sinks):
+def _(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, softcap, sinks, causal=True):
     return q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 @torch.library.custom_op("harts::fa4_varlen_bwd", mutates_args=())
 def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, scale: float,
-              window_left: int, softcap: float,
-              sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              window_left: int, softcap: float, sinks: torch.Tensor | None,
+              causal: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """dq, dk, dv and the sinks' gradient (empty without sinks: an op returns tensors)."""
     _, backward = check_interface()
-    grads = backward(q, k, v, out, dout.contiguous(), lse, softmax_scale=scale, causal=True, softcap=softcap,
+    grads = backward(q, k, v, out, dout.contiguous(), lse, softmax_scale=scale, causal=causal, softcap=softcap,
                      **_window_sizes(window_left), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
                      learnable_sink=sinks)
     dq, dk, dv = grads[:3]
@@ -82,24 +82,25 @@ def _backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 @_backward.register_fake
-def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, softcap, sinks):
+def _(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, window_left, softcap, sinks, causal=True):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, softcap, sinks = inputs
+    q, k, v, cu_q, cu_k, max_q, max_k, scale, window_left, softcap, sinks, *causal = inputs  # (given or default)
+    causal = causal[0] if causal else True
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
-    ctx.args = (max_q, max_k, scale, window_left, softcap)
+    ctx.args, ctx.causal = (max_q, max_k, scale, window_left, softcap), causal
 
 
 def _autograd_backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
     if dout is None:  # the output fed nothing that needs a gradient
         dout = torch.zeros_like(out)
-    dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, sinks)
-    return dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks
+    dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, cu_q, cu_k, *ctx.args, sinks, ctx.causal)
+    return dq, dk, dv, None, None, None, None, None, None, None, None if sinks is None else dsinks, None
 
 
 _forward.register_autograd(_autograd_backward, setup_context=_setup_context)
@@ -113,4 +114,4 @@ def fa4_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
     k/v ``[Tk, HKV, D]`` -> ``[Tq, HQ, D]``."""
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     return _forward(q, k, v, cu_q, cu_k, int(max_q), int(max_k), scale, -1 if window is None else window - 1,
-                    float(softcap or 0.0), sinks)[0]
+                    float(softcap or 0.0), sinks, True)[0]

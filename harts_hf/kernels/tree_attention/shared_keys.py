@@ -18,9 +18,10 @@ and each call's backward, given the merged ``out`` and ``lse``, is exactly its s
 
 Which segments: those whose split saves at least :data:`MIN_SAVED_ROWS` gathered key rows and whose saved key and
 value elements are at least :data:`COST_FACTOR` times the extra call's query elements (:func:`shared_segment_split`),
-so a prompt shared by a group is split off and a short turn under two runs is not. ``primitive="math"`` runs the same decomposition with
-explicit softmax per sequence (any device, fp32/fp64): the CPU tests check it; ``"flash"`` calls FlashAttention-2
-inside torch (``aten._flash_attention_forward`` / ``_backward``, bottom-right causal, GQA as is). Opt-in
+so a prompt shared by a group is split off and a short turn under two runs is not. ``primitive="math"`` runs the same
+decomposition with explicit softmax per sequence (any device, fp32/fp64): the CPU tests check it; ``"flash"`` calls
+FlashAttention-2 inside torch (``aten._flash_attention_forward`` / ``_backward``, bottom-right causal, GQA as is),
+``"fa4"`` FlashAttention-4 through harts_hf's dispatcher ops (:mod:`.fa4`). Opt-in
 (:data:`.varlen.SHARED_KEYS_IN_PLACE`) until it is measured on a GPU.
 """
 
@@ -137,7 +138,7 @@ def _math_scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return scores
 
 
-def _math_forward(q, k, v, cu_q, cu_k, causal: bool, scale: float):
+def _math_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[2])
     lse = torch.empty(q.shape[1], q.shape[0], dtype=_acc(q.dtype), device=q.device)
     groups = q.shape[1] // k.shape[1]
@@ -150,7 +151,7 @@ def _math_forward(q, k, v, cu_q, cu_k, causal: bool, scale: float):
     return out, lse
 
 
-def _math_backward(grad, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float):
+def _math_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     groups = q.shape[1] // k.shape[1]
     for i in range(len(cu_q) - 1):
@@ -165,30 +166,46 @@ def _math_backward(grad, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: flo
     return dq, dk, dv
 
 
+def _checked_lse(lse: torch.Tensor, q: torch.Tensor, kernel: str) -> torch.Tensor:
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise RuntimeError(f"tree attention (shared keys): {kernel} returned a log-sum-exp of shape "
+                           f"{tuple(lse.shape)}, expected (heads, rows) = {(q.shape[1], q.shape[0])}; set "
+                           "varlen.SHARED_KEYS_IN_PLACE = False")
+    return lse
+
+
 def _flash_window(causal: bool) -> dict:
     return dict(window_size_left=-1, window_size_right=0 if causal else -1)
 
 
-def _flash_forward(q, k, v, cu_q, cu_k, causal: bool, scale: float):
-    lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
-    out, lse, *_ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()), 0.0, causal, False, scale=scale,
-        **_flash_window(causal))
-    if lse.shape != (q.shape[1], q.shape[0]):
-        raise RuntimeError(f"tree attention (shared keys): flash varlen returned a log-sum-exp of shape {tuple(lse.shape)}, "
-                           f"expected (heads, rows) = {(q.shape[1], q.shape[0])}; set varlen.SHARED_KEYS_IN_PLACE = False")
-    return out, lse
+def _flash_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
+                                                           scale=scale, **_flash_window(causal))
+    return out, _checked_lse(lse, q, "flash varlen")
 
 
-def _flash_backward(grad, q, k, v, out, lse, cu_q, cu_k, causal: bool, scale: float):
-    lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
+def _flash_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
-    return torch.ops.aten._flash_attention_backward(
-        grad, q, k, v, out, lse, cu_q, cu_k, int(lengths_q.max()), int(lengths_k.max()), 0.0, causal, rng,
-        torch.empty(0, device=q.device), scale=scale, **_flash_window(causal))
+    return torch.ops.aten._flash_attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal,
+                                                    rng, torch.empty(0, device=q.device), scale=scale,
+                                                    **_flash_window(causal))
 
 
-_PRIMITIVES = {"math": (_math_forward, _math_backward), "flash": (_flash_forward, _flash_backward)}
+def _fa4_forward(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    from .fa4 import _forward
+
+    out, lse = _forward(q, k, v, cu_q, cu_k, max_q, max_k, scale, -1, 0.0, None, causal)
+    return out, _checked_lse(lse, q, "FlashAttention-4")
+
+
+def _fa4_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float):
+    from .fa4 import _backward
+
+    return _backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale, -1, 0.0, None, causal)[:3]
+
+
+_PRIMITIVES = {"math": (_math_forward, _math_backward), "flash": (_flash_forward, _flash_backward),
+               "fa4": (_fa4_forward, _fa4_backward)}
 
 
 def _block_rows(split: SegmentSplit, q_row_elements: int, k_row_elements: int,
@@ -225,14 +242,17 @@ class _SharedKeysAttention(torch.autograd.Function):
         for r0, r1 in groups:  # the rest: the runs' paths without the split segments, as the plain varlen call
             index = rest.key_index[cu_k[r0]: cu_k[r1]]
             o, lse = forward_call(q[cu_q[r0]: cu_q[r1]], k.index_select(0, index), v.index_select(0, index),
-                                  rest.cu_q[r0: r1 + 1] - cu_q[r0], rest.cu_k[r0: r1 + 1] - cu_k[r0], True, scale)
+                                  rest.cu_q[r0: r1 + 1] - cu_q[r0], rest.cu_k[r0: r1 + 1] - cu_k[r0], rest.max_q,
+                                  rest.max_k, True, scale)
             outs.append(o)
             lses.append(lse)
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        lse = lses[0] if len(lses) == 1 else torch.cat(lses, dim=1)
+        # new tensors: the blocks merge into them in place, and a checkpointing policy may keep the calls' outputs
+        out = outs[0].clone() if len(outs) == 1 else torch.cat(outs)
+        lse = lses[0].clone() if len(lses) == 1 else torch.cat(lses, dim=1)
         for q0, q1, k0, k1 in blocks:
             bounds_q, bounds_k = _bounds(q1 - q0, q.device), _bounds(k1 - k0, q.device)
-            o, block_lse = forward_call(q[q0:q1], k[k0:k1], v[k0:k1], bounds_q, bounds_k, False, scale)
+            o, block_lse = forward_call(q[q0:q1], k[k0:k1], v[k0:k1], bounds_q, bounds_k, q1 - q0, k1 - k0, False,
+                                        scale)
             _merge_into(out, lse, slice(q0, q1), o, block_lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.split, ctx.groups, ctx.blocks, ctx.scale, ctx.primitive = split, groups, blocks, scale, primitive
@@ -255,7 +275,7 @@ class _SharedKeysAttention(torch.autograd.Function):
             rows, index = slice(cu_q[r0], cu_q[r1]), rest.key_index[cu_k[r0]: cu_k[r1]]
             dqr, dkr, dvr = backward_call(grad[rows], q[rows], k.index_select(0, index), v.index_select(0, index),
                                           out[rows], lse[:, rows].contiguous(), rest.cu_q[r0: r1 + 1] - cu_q[r0],
-                                          rest.cu_k[r0: r1 + 1] - cu_k[r0], True, ctx.scale)
+                                          rest.cu_k[r0: r1 + 1] - cu_k[r0], rest.max_q, rest.max_k, True, ctx.scale)
             dq[rows] = dqr
             for start in range(0, index.shape[0], _GatherRows.BLOCK):  # fp32 sums, bounded transient copies
                 part = slice(start, start + _GatherRows.BLOCK)
@@ -265,7 +285,7 @@ class _SharedKeysAttention(torch.autograd.Function):
             rows = slice(q0, q1)
             dqb, dkb, dvb = backward_call(grad[rows], q[rows], k[k0:k1], v[k0:k1], out[rows],
                                           lse[:, rows].contiguous(), _bounds(q1 - q0, q.device),
-                                          _bounds(k1 - k0, q.device), False, ctx.scale)
+                                          _bounds(k1 - k0, q.device), q1 - q0, k1 - k0, False, ctx.scale)
             dq[rows] = (dq[rows].to(acc) + dqb.to(acc)).to(q.dtype)
             dk[k0:k1] += dkb.to(acc)
             dv[k0:k1] += dvb.to(acc)
@@ -279,7 +299,8 @@ def _bounds(rows: int, device) -> torch.Tensor:
 def tree_attention_shared_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SegmentSplit,
                                scaling: float | None = None, primitive: str = "flash") -> torch.Tensor:
     """q ``[U, HQ, D]``, k ``[U + C, HKV, D]``, v ``[U + C, HKV, Dv]`` (context rows last) -> ``[U, HQ, Dv]``;
-    ``split`` from :func:`shared_segment_split`. ``primitive``: ``"flash"`` (CUDA, half precision) or ``"math"``."""
+    ``split`` from :func:`shared_segment_split`. ``primitive``: ``"flash"`` or ``"fa4"`` (CUDA, half precision) or
+    ``"math"``."""
     from . import varlen
 
     if primitive not in _PRIMITIVES:

@@ -40,8 +40,8 @@ level with it; it is opt-in because it is a separate install (``harts_hf[fa4]``,
 
 SHARED_KEYS_IN_PLACE = False
 """Attend key segments shared by many runs (and any context rows) in place, in one unmasked call per segment merged
-through the log-sum-exp, instead of gathering a copy of them for every run (:mod:`.shared_keys`): torch's kernel
-only, no window, softcapping or sinks. Opt-in: exact on the CPU (explicit-softmax primitive), not yet measured on a
+through the log-sum-exp, instead of gathering a copy of them for every run (:mod:`.shared_keys`), on either kernel;
+not with a window, softcapping or sinks. Opt-in: exact on the CPU (explicit-softmax primitive), not yet measured on a
 GPU."""
 
 
@@ -226,13 +226,12 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
                          f"(varlen KERNEL is {KERNEL!r}, which runs {kernel!r}): pip install harts_hf[fa4] and set "
                          "KERNEL = 'fa4' (from harts_hf.kernels.tree_attention import varlen), or use backend='runs' (exact, slow)")
     features = dict(window=window, softcap=softcap, sinks=sinks)
-    if (SHARED_KEYS_IN_PLACE and kernel == "torch" and layout.parent is not None
-            and all(value is None for value in features.values())):
+    if SHARED_KEYS_IN_PLACE and layout.parent is not None and all(value is None for value in features.values()):
         from .shared_keys import shared_segment_split, tree_attention_shared_keys
 
         split = shared_segment_split(layout, q[0].numel() / (k[0].numel() + v[0].numel()))
         if split.blocks:
-            return tree_attention_shared_keys(q, k, v, split, scaling)
+            return tree_attention_shared_keys(q, k, v, split, scaling, "flash" if kernel == "torch" else "fa4")
     extra = gqa_keyword(varlen_attn) if q.shape[1] != k.shape[1] and kernel == "torch" else {}
     cu_q, cu_k = layout.host_cu()
     cache = layout.__dict__.setdefault("_call_groups", {})  # per layout, head shape and limit (as run_blocks caches)
