@@ -363,16 +363,18 @@ def test_varlen_kernel_field_sets_the_kernel(saved_model, tmp_path, monkeypatch)
 
 
 @pytest.mark.parametrize("field, module, name, start, choices", [
-    ("tree_autocast_experts", "token_modules", "AUTOCAST_EXPERTS", "cuda", ("never", "always")),
-    ("tree_mamba_scan_inputs", "mamba2", "SCAN_INPUTS", "fp32", ("half", "cuda", "fp32")),
+    ("tree_autocast_experts", "model_patches.token_modules", "AUTOCAST_EXPERTS", "cuda", ("never", "always")),
+    ("tree_mamba_scan_inputs", "model_patches.mamba2", "SCAN_INPUTS", "fp32", ("half", "cuda", "fp32")),
+    ("tree_shared_keys_in_place", "kernels.tree_attention.varlen", "SHARED_KEYS_IN_PLACE", False, (True, False)),
 ])
 def test_process_setting_fields_set_their_setting(saved_model, tmp_path, monkeypatch, field, module, name, start,
                                                   choices):
-    """tree_autocast_experts (where routed experts run in the autocast dtype) and tree_mamba_scan_inputs (the dtype
-    of Mamba-2's scan inputs) put their setting in force at construction (process-wide); None leaves it."""
+    """tree_autocast_experts (where routed experts run in the autocast dtype), tree_mamba_scan_inputs (the dtype
+    of Mamba-2's scan inputs) and tree_shared_keys_in_place (shared key segments attended in place) put their
+    setting in force at construction (process-wide); None leaves it."""
     import importlib
 
-    settings = importlib.import_module(f"harts_hf.model_patches.{module}")
+    settings = importlib.import_module(f"harts_hf.{module}")
     monkeypatch.setattr(settings, name, start)
     model = AutoModelForCausalLM.from_pretrained(saved_model)
     for choice, expected in ((None, start), *((c, c) for c in choices)):

@@ -32,6 +32,12 @@ MAMBA_SCAN_INPUTS_HELP = ("Mamba-2 mixers (Nemotron-H, Falcon-H1, Granite-4 hybr
                           "transformers' CUDA path hands them to mamba_ssm; states and sums stay fp32) or 'cuda' "
                           "('half' for CUDA inputs); process-wide (harts_hf.model_patches.mamba2.SCAN_INPUTS). None "
                           "leaves that setting as it is ('cuda' unless changed).")
+SHARED_KEYS_HELP = ("Tree attention on the varlen kernels (torch's, FlashAttention-4): attend key segments shared by "
+                    "many trajectories (a group's prompt) in place, one extra unmasked call each merged through the "
+                    "log-sum-exp, instead of gathering a copy of them for every trajectory below; exact, fewer "
+                    "bytes moved (most for MLA's wide heads), not yet measured on a GPU, so off by default; "
+                    "process-wide (harts_hf.kernels.tree_attention.varlen.SHARED_KEYS_IN_PLACE). None leaves that "
+                    "setting as it is.")
 STORED_LAYERS_HELP = ("With gradient_checkpointing: how many decoder layers keep their activations for the "
                       "backward instead of recomputing their forward (softmax-attention layers first, then the others "
                       "spread evenly). Less compute, more memory; the gradients are the same. 0: every layer is "
@@ -222,6 +228,7 @@ class TreeGRPOConfig(GRPOConfig):
         default=None, metadata={"help": AUTOCAST_EXPERTS_HELP, "choices": list(_AUTOCAST_EXPERTS)})
     tree_mamba_scan_inputs: str | None = field(
         default=None, metadata={"help": MAMBA_SCAN_INPUTS_HELP, "choices": list(_MAMBA_SCAN_INPUTS)})
+    tree_shared_keys_in_place: bool | None = field(default=None, metadata={"help": SHARED_KEYS_HELP})
     tree_head_chunk_size: int = field(
         default=4096,
         metadata={"help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."},
@@ -295,17 +302,19 @@ class TreeGRPOConfig(GRPOConfig):
 
 def check_process_settings(config) -> None:
     """``tree_varlen_kernel``, ``tree_autocast_experts`` and ``tree_mamba_scan_inputs`` are each one of their
-    choices (an error names the field, the value and the choices)."""
+    choices, ``tree_shared_keys_in_place`` a bool or None (an error names the field, the value and the choices)."""
     for name, choices in (("tree_varlen_kernel", _VARLEN_KERNELS), ("tree_autocast_experts", _AUTOCAST_EXPERTS),
                           ("tree_mamba_scan_inputs", _MAMBA_SCAN_INPUTS)):
         if getattr(config, name) not in choices:
             raise ValueError(f"{name} must be one of {choices}, got {getattr(config, name)!r}.")
+    if config.tree_shared_keys_in_place is not None:
+        check_bool(config.tree_shared_keys_in_place, "tree_shared_keys_in_place (or None)")
 
 
 def apply_process_settings(args) -> None:
     """Put ``tree_varlen_kernel`` (``varlen.KERNEL``), ``tree_autocast_experts``
-    (``token_modules.AUTOCAST_EXPERTS``) and ``tree_mamba_scan_inputs`` (``mamba2.SCAN_INPUTS``) in force,
-    process-wide; None leaves a setting as it is. 'fa4' without FlashAttention-4 installed fails here, naming the
+    (``token_modules.AUTOCAST_EXPERTS``), ``tree_mamba_scan_inputs`` (``mamba2.SCAN_INPUTS``) and
+    ``tree_shared_keys_in_place`` (``varlen.SHARED_KEYS_IN_PLACE``) in force, process-wide; None leaves a setting as it is. 'fa4' without FlashAttention-4 installed fails here, naming the
     fix."""
     from ..kernels.tree_attention import varlen
 
@@ -319,6 +328,8 @@ def apply_process_settings(args) -> None:
         token_modules.AUTOCAST_EXPERTS = args.tree_autocast_experts
     if args.tree_mamba_scan_inputs is not None:
         mamba2.SCAN_INPUTS = args.tree_mamba_scan_inputs
+    if args.tree_shared_keys_in_place is not None:
+        varlen.SHARED_KEYS_IN_PLACE = args.tree_shared_keys_in_place
 
 
 def check_dropout(model, name: str, logger, switch: str) -> None:

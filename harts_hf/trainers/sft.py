@@ -35,6 +35,7 @@ from .config import (
     MAMBA_SCAN_INPUTS_HELP,
     MATMUL_GIB_HELP,
     MATMUL_LAYERS_HELP,
+    SHARED_KEYS_HELP,
     STORED_LAYERS_HELP,
     VARLEN_KERNEL_HELP,
     apply_layer_counts,
@@ -69,6 +70,7 @@ class TreeSFTConfig(SFTConfig):
     tree_varlen_kernel: str | None = field(default=None, metadata={"help": VARLEN_KERNEL_HELP})
     tree_autocast_experts: str | None = field(default=None, metadata={"help": AUTOCAST_EXPERTS_HELP})
     tree_mamba_scan_inputs: str | None = field(default=None, metadata={"help": MAMBA_SCAN_INPUTS_HELP})
+    tree_shared_keys_in_place: bool | None = field(default=None, metadata={"help": SHARED_KEYS_HELP})
     tree_head_chunk_size: int = field(default=4096, metadata={
         "help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."})
     tree_keep_attention_outputs: bool = field(default=True, metadata={
