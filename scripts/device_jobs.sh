@@ -93,6 +93,13 @@ if [ ! -f "$JOBS/.queued" ]; then
   # in place of transformers' PyTorch one (causal-conv1d is not on the device); Liger travels as .device/liger.tar.xz
   [ "$h200" = 1 ] && job trl_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --grad-accum 16 --trainer trl --liger --trl-conv fla --out $J/trl_distinct
+  # on an H100: the same two trainers on `distinct` (TRL's micro-batches of 4 rows peaked at 45.4 GiB on the H200;
+  # the tree in planner pieces of 65,536 tokens, its forest alone peaks at 92.5 GiB in one piece), a pair of that card
+  [ "$h200" = 0 ] && job tree_distinct_h100 $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
+    --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --tree-token-budget 65536 --out $J/tree_distinct_h100
+  [ "$h200" = 0 ] && job trl_distinct_h100 $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
+    --rows-per-task 8 --steps 3 --warmup 1 --grad-accum 16 --trainer trl --liger --trl-conv fla \
+    --out $J/trl_distinct_h100
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
   [ "$h200" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
     --loop-sample -1 --out $J/swe_loop
