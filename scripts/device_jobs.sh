@@ -94,9 +94,10 @@ if [ ! -f "$JOBS/.queued" ]; then
   [ "$h200" = 1 ] && job trl_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --grad-accum 16 --trainer trl --liger --trl-conv fla --out $J/trl_distinct
   # on an H100: the same two trainers on `distinct` (TRL's micro-batches of 4 rows peaked at 45.4 GiB on the H200;
-  # the tree in planner pieces of 65,536 tokens, its forest alone peaks at 92.5 GiB in one piece), a pair of that card
+  # the tree in planner pieces of 32,768 tokens: at 65,536 the `swe` trainer ran out of memory in its second step on an
+  # H100, 2026-12-05, once AdamW's states existed), a pair of that card
   [ "$h200" = 0 ] && job tree_distinct_h100 $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
-    --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --tree-token-budget 65536 --out $J/tree_distinct_h100
+    --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --tree-token-budget 32768 --out $J/tree_distinct_h100
   [ "$h200" = 0 ] && job trl_distinct_h100 $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --grad-accum 16 --trainer trl --liger --trl-conv fla \
     --out $J/trl_distinct_h100
