@@ -30,6 +30,18 @@ FORESTS = {
 TOLERANCE = {torch.float64: dict(rtol=1e-9, atol=1e-10), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 
 
+def assert_same_as_dense_path(out, inputs, packed, scaling=0.3):
+    """``out`` (fp64) and the gradients of a random weighted sum of it equal the dense-mask path's on ``inputs``
+    (q, k, v); returns that path's output and the weights."""
+    expected = tree_attention(*inputs, packed.subtree_end, scaling=scaling, backend="sdpa")
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
+    weight = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad((out * weight).sum(), inputs),
+                    torch.autograd.grad((expected * weight).sum(), inputs)):
+        torch.testing.assert_close(a, b, **TOLERANCE[torch.float64])
+    return expected, weight
+
+
 def assert_paths_match(packed, tree_out, reference, inputs, dtype):
     """Compare per-path outputs and the gradients of a random weighted sum of them."""
     tree_paths = packed.gather_sequences(tree_out)
@@ -329,12 +341,7 @@ def test_shared_keys_in_place_through_the_fa4_dispatcher_ops(monkeypatch):
     k, v = (torch.randn(U, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
     split = shared_keys.shared_segment_split(build_varlen_layout(packed), 0.0, 1)
     out = shared_keys.tree_attention_shared_keys(q, k, v, split, scaling=0.3, primitive="fa4")
-    expected = tree_attention(q, k, v, packed.subtree_end, scaling=0.3, backend="sdpa")
-    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
-    weight = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad((out * weight).sum(), (q, k, v)),
-                    torch.autograd.grad((expected * weight).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, **TOLERANCE[torch.float64])
+    expected, weight = assert_same_as_dense_path(out, (q, k, v), packed)
     assert True in seen and False in seen
     # under checkpointing with the keep-attention policy the backward's rerun calls no attention forward again
     from torch.utils.checkpoint import checkpoint
@@ -452,12 +459,7 @@ def test_varlen_calls_are_cut_below_the_kernels_32_bit_offsets(monkeypatch):
     q = torch.randn(U, HQ, D, dtype=torch.float64, requires_grad=True)
     k, v = (torch.randn(U, HKV, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
     out = varlen.tree_attention_varlen(q, k, v, layout, scaling=0.3)
-    expected = tree_attention(q, k, v, packed.subtree_end, scaling=0.3, backend="sdpa")
-    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
-    weight = torch.randn_like(out)
-    for a, b in zip(torch.autograd.grad((out * weight).sum(), (q, k, v)),
-                    torch.autograd.grad((expected * weight).sum(), (q, k, v))):
-        torch.testing.assert_close(a, b, **TOLERANCE[torch.float64])
+    assert_same_as_dense_path(out, (q, k, v), packed)
 
 
 def test_conv_bulk_backend_choice():
