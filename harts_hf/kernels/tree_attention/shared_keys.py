@@ -313,4 +313,5 @@ def tree_attention_shared_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if key not in cache:
         cache[key] = (varlen.varlen_call_groups(cu_q, cu_k, *key), _block_rows(split, *key))
     groups, blocks = cache[key]
+    q, k, v = (x.contiguous() for x in (q, k, v))  # the kernels read rows as they lie (a copy only if they do not)
     return _SharedKeysAttention.apply(q, k, v, split, groups, blocks, scale, primitive)
