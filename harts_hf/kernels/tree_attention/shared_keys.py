@@ -234,7 +234,7 @@ def _merge_into(out, lse, rows: slice, out_b, lse_b):
 
 class _SharedKeysAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, split: SegmentSplit, groups, blocks, scale: float, primitive: str):
+    def forward(ctx, q, k, v, split: SegmentSplit, groups, blocks, bounds, scale: float, primitive: str):
         forward_call = _PRIMITIVES[primitive][0]
         rest = split.rest
         cu_q, cu_k = rest.host_cu()
@@ -249,13 +249,13 @@ class _SharedKeysAttention(torch.autograd.Function):
         # new tensors: the blocks merge into them in place, and a checkpointing policy may keep the calls' outputs
         out = outs[0].clone() if len(outs) == 1 else torch.cat(outs)
         lse = lses[0].clone() if len(lses) == 1 else torch.cat(lses, dim=1)
-        for q0, q1, k0, k1 in blocks:
-            bounds_q, bounds_k = _bounds(q1 - q0, q.device), _bounds(k1 - k0, q.device)
+        for (q0, q1, k0, k1), (bounds_q, bounds_k) in zip(blocks, bounds):
             o, block_lse = forward_call(q[q0:q1], k[k0:k1], v[k0:k1], bounds_q, bounds_k, q1 - q0, k1 - k0, False,
                                         scale)
             _merge_into(out, lse, slice(q0, q1), o, block_lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.split, ctx.groups, ctx.blocks, ctx.scale, ctx.primitive = split, groups, blocks, scale, primitive
+        ctx.split, ctx.groups, ctx.blocks, ctx.bounds = split, groups, blocks, bounds
+        ctx.scale, ctx.primitive = scale, primitive
         return out
 
     @staticmethod
@@ -281,19 +281,15 @@ class _SharedKeysAttention(torch.autograd.Function):
                 part = slice(start, start + _GatherRows.BLOCK)
                 dk.index_add_(0, index[part], dkr[part].to(acc))
                 dv.index_add_(0, index[part], dvr[part].to(acc))
-        for q0, q1, k0, k1 in ctx.blocks:
+        for (q0, q1, k0, k1), (bounds_q, bounds_k) in zip(ctx.blocks, ctx.bounds):
             rows = slice(q0, q1)
             dqb, dkb, dvb = backward_call(grad[rows], q[rows], k[k0:k1], v[k0:k1], out[rows],
-                                          lse[:, rows].contiguous(), _bounds(q1 - q0, q.device),
-                                          _bounds(k1 - k0, q.device), q1 - q0, k1 - k0, False, ctx.scale)
+                                          lse[:, rows].contiguous(), bounds_q, bounds_k, q1 - q0, k1 - k0, False,
+                                          ctx.scale)
             dq[rows] = (dq[rows].to(acc) + dqb.to(acc)).to(q.dtype)
             dk[k0:k1] += dkb.to(acc)
             dv[k0:k1] += dvb.to(acc)
-        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
-
-
-def _bounds(rows: int, device) -> torch.Tensor:
-    return torch.tensor([0, rows], dtype=torch.int32, device=device)
+        return dq, dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def tree_attention_shared_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, split: SegmentSplit,
@@ -308,10 +304,13 @@ def tree_attention_shared_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     limit = varlen.MAX_CALL_ELEMENTS
     cu_q, cu_k = split.rest.host_cu()
-    cache = split.__dict__.setdefault("_calls", {})
-    key = (q[0].numel(), k[0].numel(), limit)
+    cache = split.__dict__.setdefault("_calls", {})  # per head shape, limit and device: no host copies per call
+    key = (q[0].numel(), k[0].numel(), limit, str(q.device))
     if key not in cache:
-        cache[key] = (varlen.varlen_call_groups(cu_q, cu_k, *key), _block_rows(split, *key))
-    groups, blocks = cache[key]
+        blocks = _block_rows(split, *key[:3])
+        bounds = torch.tensor([[0, q1 - q0, 0, k1 - k0] for q0, q1, k0, k1 in blocks], dtype=torch.int32,
+                              device=q.device).reshape(-1, 2, 2).unbind(0)
+        cache[key] = (varlen.varlen_call_groups(cu_q, cu_k, *key[:3]), blocks, [tuple(b.unbind(0)) for b in bounds])
+    groups, blocks, bounds = cache[key]
     q, k, v = (x.contiguous() for x in (q, k, v))  # the kernels read rows as they lie (a copy only if they do not)
-    return _SharedKeysAttention.apply(q, k, v, split, groups, blocks, scale, primitive)
+    return _SharedKeysAttention.apply(q, k, v, split, groups, blocks, bounds, scale, primitive)
