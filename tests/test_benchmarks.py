@@ -724,3 +724,31 @@ def test_sft_benchmark_trains_the_same_rows_with_every_trainer(tmp_path):
         assert a["R_tok"] > 2 and a["tree"]["tree/R_tok"] == pytest.approx(a["R_tok"])
         assert is_finite_nonnegative(a["seconds"]) and is_finite_nonnegative(b["seconds"])
         assert a["flop_ratio"] > 2 and b["flop_ratio"] == 1.0
+
+
+def test_attention_kernels_checks_shared_keys_on_a_forest(monkeypatch):
+    """``attention_kernels.py --forest``'s check on the CPU (fp64), the CUDA kernels stood in for by per-sequence
+    attention (torch's varlen call) and the explicit-softmax primitive: every cost factor's split, its difference
+    from the plain call (rounding only) and each path's error against the fp32 per-run path."""
+    import torch.nn.attention.varlen as torch_varlen
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import attention_kernels
+
+    from harts_hf.kernels.tree_attention import shared_keys, varlen
+    from tests.test_kernels import _varlen_attn_by_sequence
+
+    monkeypatch.setattr(torch_varlen, "varlen_attn", _varlen_attn_by_sequence)
+    monkeypatch.setattr(varlen, "varlen_kernel", lambda device, choice=None: "torch")
+    monkeypatch.setitem(shared_keys._PRIMITIVES, "flash", shared_keys._PRIMITIVES["math"])
+    monkeypatch.setattr(attention_kernels, "HQ", 4)
+    monkeypatch.setattr(attention_kernels, "HKV", 4)
+    monkeypatch.setattr(attention_kernels, "D", 12)
+    monkeypatch.setattr(attention_kernels, "bench", lambda step: step() is None or 0.0)  # one untimed call
+    row = attention_kernels.check_forest("tau", 0.005, 8, factors=(0.5, 8.0))
+    assert not varlen.SHARED_KEYS_IN_PLACE and shared_keys.COST_FACTOR == 2.0  # restored
+    assert row["shared_keys_0.5"]["rest_rows"] < row["gathered_rows"] and row["shared_keys_0.5"]["blocks"] >= 1
+    for name in ("shared_keys_0.5", "shared_keys_8"):
+        assert all(error["max"] < 1e-12 for error in row[name]["vs_plain"].values())
+    for name in ("plain", "shared_keys_0.5"):
+        assert all(error["max"] < 1e-5 for error in row[name]["vs_fp32"].values())
