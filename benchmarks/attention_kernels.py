@@ -176,13 +176,14 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
             torch.cuda.reset_peak_memory_stats()
         row.setdefault(name, {}).update(seconds=bench(step), peak_gib=peak() / 2**30)
         results[name] = [step().detach()] + [x.grad.detach() for x in inputs]
-        print(workload, scale, name, row[name], flush=True)
-    varlen.SHARED_KEYS_IN_PLACE = False
-    shared_keys.COST_FACTOR = default_factor
-    for name in results:
         if name != "plain":
             row[name]["vs_plain"] = {part: _errors(a, b) for part, a, b in
                                      zip(("out", "dq", "dk", "dv"), results[name], results["plain"])}
+            if U > reference_tokens:  # no fp32 reference at this size: free its outputs now (80 GB cards)
+                del results[name]
+        print(workload, scale, name, row[name], flush=True)
+    varlen.SHARED_KEYS_IN_PLACE = False
+    shared_keys.COST_FACTOR = default_factor
     if U <= reference_tokens:
         inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
         out = tree_attention(*inputs, packed.subtree_end, backend="runs", layout=layout)
