@@ -129,12 +129,12 @@ def _errors(a: torch.Tensor, b: torch.Tensor) -> dict:
 
 def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0, 8.0),
                  reference_tokens: int = 20000) -> dict:
-    """The tree attention of a workload's forest (bf16 on CUDA, random q/k/v at ``--heads``, values ``value_dim`` wide and
-    zero-padded to the key width as harts_hf pads MLA's): the plain varlen call against shared key segments attended
-    in place (``varlen.SHARED_KEYS_IN_PLACE``) at each ``shared_keys.COST_FACTOR`` of ``factors``: fwd+bwd seconds
-    and peak of each, the split's gathered rows and blocks, each split's outputs' and input gradients' difference from
-    the plain call's, and, for forests of at most ``reference_tokens`` unique tokens, each path's error against an
-    fp32 run of the per-run SDPA path."""
+    """The tree attention of a workload's forest (bf16 on CUDA, random q/k/v at ``--heads``, values ``value_dim`` wide
+    and zero-padded to the key width as harts_hf pads MLA's): the plain varlen call against shared key segments attended
+    in place (``varlen.SHARED_KEYS_IN_PLACE``) at each ``shared_keys.COST_FACTOR`` of ``factors``: fwd+bwd seconds and
+    peak of each, the split's gathered rows and blocks, each split's outputs' and input gradients' difference from the
+    plain call's, and, for forests of at most ``reference_tokens`` unique tokens, each path's error against an fp32 run
+    of the per-run SDPA path."""
     from harts_hf.kernels.tree_attention import shared_keys, tree_attention, varlen
     from harts_hf.trees import PrefixForest
     from harts_hf.workloads import make_workload

@@ -104,9 +104,9 @@ transformers does under autocast, in the weights' dtype (fp32 here); every set b
 Mamba-2's scan gets its ``C``, ``B`` and ``dt x`` in the half precision the model runs in on CUDA (as transformers'
 CUDA path hands them to ``mamba_ssm``; harts_hf's default since 2026-12-06, ``SCAN_INPUTS = "cuda"``) in every set but
 ``fused_fp32_scan`` (fp32, as every set before 2026-12-06 ran it; ``fused_half_scan``, the half inputs before they
-were the default, now computes as ``fused`` on the GPU). ``fused_shared_keys`` (``fused_fa4_shared_keys``) attends key segments shared by
-many runs in place instead of gathering them per run (``tree_attention.varlen.SHARED_KEYS_IN_PLACE``; the packed path shares
-none)."""
+were the default, now computes as ``fused`` on the GPU). ``fused_shared_keys`` (``fused_fa4_shared_keys``) attends
+key segments shared by many runs in place instead of gathering them per run
+(``tree_attention.varlen.SHARED_KEYS_IN_PLACE``; the packed path shares none)."""
 
 
 def use_kernels(name: str) -> None:

@@ -312,10 +312,10 @@ def check_process_settings(config) -> None:
 
 
 def apply_process_settings(args) -> None:
-    """Put ``tree_varlen_kernel`` (``varlen.KERNEL``), ``tree_autocast_experts``
-    (``token_modules.AUTOCAST_EXPERTS``), ``tree_mamba_scan_inputs`` (``mamba2.SCAN_INPUTS``) and
-    ``tree_shared_keys_in_place`` (``varlen.SHARED_KEYS_IN_PLACE``) in force, process-wide; None leaves a setting as it is. 'fa4' without FlashAttention-4 installed fails here, naming the
-    fix."""
+    """Put ``tree_varlen_kernel`` (``varlen.KERNEL``), ``tree_autocast_experts`` (``token_modules.AUTOCAST_EXPERTS``),
+    ``tree_mamba_scan_inputs`` (``mamba2.SCAN_INPUTS``) and ``tree_shared_keys_in_place``
+    (``varlen.SHARED_KEYS_IN_PLACE``) in force, process-wide; None leaves a setting as it is. 'fa4' without
+    FlashAttention-4 installed fails here, naming the fix."""
     from ..kernels.tree_attention import varlen
 
     if args.tree_varlen_kernel == "fa4" and not varlen._fa4_importable():

@@ -283,7 +283,8 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
     def _plan(self, packed: PackedForest) -> Plan:
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer
         stretches without one, on the model's chunk grid)."""
-        return planner.plan(packed, token_budget=self.args.tree_token_budget, chunk_size=chunk_grid(unwrap_model(self.model)))
+        return planner.plan(packed, token_budget=self.args.tree_token_budget,
+                            chunk_size=chunk_grid(unwrap_model(self.model)))
 
     def _label_values(self, masks, logprobs, entropies, is_top1):
         """The label tokens' log-probs, entropies and argmax flags (flat, rows in order) from per-row values."""

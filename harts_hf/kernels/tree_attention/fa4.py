@@ -7,8 +7,9 @@ policy can keep (:mod:`harts_hf.model_patches.checkpointing`), like torch's own 
 same two functions FlashAttention-4's autograd function calls (``_flash_attn_fwd`` / ``_flash_attn_bwd`` of
 ``flash_attn.cute.interface``, 4.0.0b36); :func:`check_interface` checks their signatures before first use.
 
-Bottom-right causal (``causal=False``: no mask, for :mod:`.shared_keys`' unmasked blocks); ``window_left`` < 0 means no window (FlashAttention-4 spells it ``None``), ``softcap``
-0 no logit softcapping, and ``sinks`` (``[HQ]`` attention-sink logits, GPT-OSS's) is optional.
+Bottom-right causal (``causal=False``: no mask, for :mod:`.shared_keys`' unmasked blocks); ``window_left`` < 0 means no
+window (FlashAttention-4 spells it ``None``), ``softcap`` 0 no logit softcapping, and ``sinks`` (``[HQ]`` attention-sink
+logits, GPT-OSS's) is optional.
 """
 
 from __future__ import annotations

@@ -215,8 +215,8 @@ def _block_rows(split: SegmentSplit, q_row_elements: int, k_row_elements: int,
 
     for _, _, k_start, k_end in split.blocks:
         if (k_end - k_start + PAD_ROWS) * k_row_elements > limit:
-            raise ValueError(f"tree attention: a shared segment of {k_end - k_start} rows is more than one flash varlen "
-                             f"call can address ({limit} elements per tensor); split the forest into pieces "
+            raise ValueError(f"tree attention: a shared segment of {k_end - k_start} rows is more than one flash "
+                             f"varlen call can address ({limit} elements per tensor); split the forest into pieces "
                              "(TreeGRPOConfig.tree_token_budget / harts_hf.planner.plan(token_budget=...))")
     step = max(limit // q_row_elements - PAD_ROWS, 1)
     return [(start, min(start + step, q_end), k_start, k_end) for q_start, q_end, k_start, k_end in split.blocks
@@ -300,7 +300,8 @@ def tree_attention_shared_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     from . import varlen
 
     if primitive not in _PRIMITIVES:
-        raise ValueError(f"tree_attention_shared_keys: primitive must be one of {tuple(_PRIMITIVES)}, got {primitive!r}")
+        raise ValueError(f"tree_attention_shared_keys: primitive must be one of {tuple(_PRIMITIVES)}, "
+                         f"got {primitive!r}")
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     limit = varlen.MAX_CALL_ELEMENTS
     cu_q, cu_k = split.rest.host_cu()

@@ -18,7 +18,8 @@ import torch
 
 from ...trees import PackedForest
 
-__all__ = ["KERNEL", "SHARED_KEYS_IN_PLACE", "VarlenLayout", "build_varlen_layout", "gather_rows", "tree_attention_varlen",
+__all__ = ["KERNEL", "SHARED_KEYS_IN_PLACE", "VarlenLayout", "build_varlen_layout", "gather_rows",
+           "tree_attention_varlen",
            "varlen_available", "varlen_call_groups", "varlen_kernel"]
 
 MAX_CALL_ELEMENTS = (1 << 31) - 1
