@@ -115,6 +115,7 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(unwrap_model(self.model))
         apply_layer_counts(unwrap_model(self.model), args, logger)
+        self._chunk_grid = chunk_grid(unwrap_model(self.model))  # where the planner may cut inside a run
 
     # ------------------------------------------------------------------ log-probs
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -199,7 +200,7 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer runs, on the
         model's chunk grid), on ``replicas`` replicas (with several, a tree's pieces may sit on different replicas)."""
         return planner.plan(layout.forest.pack(), token_budget=self.args.tree_token_budget, num_replicas=replicas,
-                            cost_model=self._cost_model, chunk_size=chunk_grid(unwrap_model(self.model)))
+                            cost_model=self._cost_model, chunk_size=self._chunk_grid)
 
     def _execute_options(self) -> dict:
         return dict(temperature=self.temperature, gdn_backend=self.args.tree_gdn_backend,

@@ -181,6 +181,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
             if args.tree_keep_attention_outputs:
                 keep_attention_outputs(base)
         apply_layer_counts(base, args, logger)
+        self._chunk_grid = chunk_grid(base)  # where the planner may cut inside a run
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """SFTTrainer's hook, changed: with ``use_tree`` the microbatch's rows are one prefix forest, computed in one
@@ -283,8 +284,7 @@ class TreeSFTTrainer(PiecePadding, SFTTrainer):
     def _plan(self, packed: PackedForest) -> Plan:
         """Pieces of at most ``tree_token_budget`` unique tokens, cut at branch points (and inside longer
         stretches without one, on the model's chunk grid)."""
-        return planner.plan(packed, token_budget=self.args.tree_token_budget,
-                            chunk_size=chunk_grid(unwrap_model(self.model)))
+        return planner.plan(packed, token_budget=self.args.tree_token_budget, chunk_size=self._chunk_grid)
 
     def _label_values(self, masks, logprobs, entropies, is_top1):
         """The label tokens' log-probs, entropies and argmax flags (flat, rows in order) from per-row values."""

@@ -234,16 +234,13 @@ def _merge_into(out, lse, rows: slice, out_b, lse_b):
 
 class _SharedKeysAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, split: SegmentSplit, groups, blocks, bounds, scale: float, primitive: str):
+    def forward(ctx, q, k, v, split: SegmentSplit, calls, blocks, bounds, scale: float, primitive: str):
         forward_call = _PRIMITIVES[primitive][0]
         rest = split.rest
-        cu_q, cu_k = rest.host_cu()
         outs, lses = [], []
-        for r0, r1 in groups:  # the rest: the runs' paths without the split segments, as the plain varlen call
-            index = rest.key_index[cu_k[r0]: cu_k[r1]]
-            o, lse = forward_call(q[cu_q[r0]: cu_q[r1]], k.index_select(0, index), v.index_select(0, index),
-                                  rest.cu_q[r0: r1 + 1] - cu_q[r0], rest.cu_k[r0: r1 + 1] - cu_k[r0], rest.max_q,
-                                  rest.max_k, True, scale)
+        for rows, index, cu_q, cu_k in calls:  # the rest: the runs' paths without the split segments
+            o, lse = forward_call(q[rows], k.index_select(0, index), v.index_select(0, index), cu_q, cu_k,
+                                  rest.max_q, rest.max_k, True, scale)
             outs.append(o)
             lses.append(lse)
         # new tensors: the blocks merge into them in place, and a checkpointing policy may keep the calls' outputs
@@ -254,33 +251,29 @@ class _SharedKeysAttention(torch.autograd.Function):
                                         scale)
             _merge_into(out, lse, slice(q0, q1), o, block_lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.split, ctx.groups, ctx.blocks, ctx.bounds = split, groups, blocks, bounds
+        ctx.split, ctx.calls, ctx.blocks, ctx.bounds = split, calls, blocks, bounds
         ctx.scale, ctx.primitive = scale, primitive
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        from .varlen import _GatherRows
+        from .varlen import add_rows
 
         q, k, v, out, lse = ctx.saved_tensors
         backward_call = _PRIMITIVES[ctx.primitive][1]
         grad = grad.contiguous()
         rest = ctx.split.rest
-        cu_q, cu_k = rest.host_cu()
         acc = _acc(k.dtype)
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         dq = torch.empty_like(q)
-        for r0, r1 in ctx.groups:
-            rows, index = slice(cu_q[r0], cu_q[r1]), rest.key_index[cu_k[r0]: cu_k[r1]]
+        for rows, index, cu_q, cu_k in ctx.calls:
             dqr, dkr, dvr = backward_call(grad[rows], q[rows], k.index_select(0, index), v.index_select(0, index),
-                                          out[rows], lse[:, rows].contiguous(), rest.cu_q[r0: r1 + 1] - cu_q[r0],
-                                          rest.cu_k[r0: r1 + 1] - cu_k[r0], rest.max_q, rest.max_k, True, ctx.scale)
+                                          out[rows], lse[:, rows].contiguous(), cu_q, cu_k, rest.max_q, rest.max_k,
+                                          True, ctx.scale)
             dq[rows] = dqr
-            for start in range(0, index.shape[0], _GatherRows.BLOCK):  # fp32 sums, bounded transient copies
-                part = slice(start, start + _GatherRows.BLOCK)
-                dk.index_add_(0, index[part], dkr[part].to(acc))
-                dv.index_add_(0, index[part], dvr[part].to(acc))
+            add_rows(dk, index, dkr)  # fp32 sums of the gathered rows' gradients
+            add_rows(dv, index, dvr)
         for (q0, q1, k0, k1), (bounds_q, bounds_k) in zip(ctx.blocks, ctx.bounds):
             rows = slice(q0, q1)
             dqb, dkb, dvb = backward_call(grad[rows], q[rows], k[k0:k1], v[k0:k1], out[rows],
@@ -304,14 +297,17 @@ def tree_attention_shared_keys(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                          f"got {primitive!r}")
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     limit = varlen.MAX_CALL_ELEMENTS
-    cu_q, cu_k = split.rest.host_cu()
     cache = split.__dict__.setdefault("_calls", {})  # per head shape, limit and device: no host copies per call
     key = (q[0].numel(), k[0].numel(), limit, str(q.device))
     if key not in cache:
+        rest, (cu_q, cu_k) = split.rest, split.rest.host_cu()
+        calls = [(slice(cu_q[r0], cu_q[r1]), rest.key_index[cu_k[r0]: cu_k[r1]],  # each call's rows and grid
+                  rest.cu_q[r0: r1 + 1] - cu_q[r0], rest.cu_k[r0: r1 + 1] - cu_k[r0])
+                 for r0, r1 in varlen.varlen_call_groups(cu_q, cu_k, *key[:3])]
         blocks = _block_rows(split, *key[:3])
         bounds = torch.tensor([[0, q1 - q0, 0, k1 - k0] for q0, q1, k0, k1 in blocks], dtype=torch.int32,
                               device=q.device).reshape(-1, 2, 2).unbind(0)
-        cache[key] = (varlen.varlen_call_groups(cu_q, cu_k, *key[:3]), blocks, [tuple(b.unbind(0)) for b in bounds])
-    groups, blocks, bounds = cache[key]
+        cache[key] = (calls, blocks, [tuple(b.unbind(0)) for b in bounds])
+    calls, blocks, bounds = cache[key]
     q, k, v = (x.contiguous() for x in (q, k, v))  # the kernels read rows as they lie (a copy only if they do not)
-    return _SharedKeysAttention.apply(q, k, v, split, groups, blocks, bounds, scale, primitive)
+    return _SharedKeysAttention.apply(q, k, v, split, calls, blocks, bounds, scale, primitive)

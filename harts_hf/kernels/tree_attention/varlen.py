@@ -118,12 +118,17 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
-        acc = torch.promote_types(grad.dtype, torch.float32)
-        total = torch.zeros(ctx.shape, dtype=acc, device=grad.device)
-        for start in range(0, index.shape[0], _GatherRows.BLOCK):
-            rows = slice(start, start + _GatherRows.BLOCK)
-            total.index_add_(0, index[rows], grad[rows].to(acc))
-        return total.to(ctx.dtype), None
+        total = torch.zeros(ctx.shape, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
+        return add_rows(total, index, grad).to(ctx.dtype), None
+
+
+def add_rows(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``total.index_add_(0, index, rows)`` in ``total``'s (fp32) dtype, converting :attr:`_GatherRows.BLOCK` rows at a
+    time (bounds the transient copy); returns ``total``."""
+    for start in range(0, index.shape[0], _GatherRows.BLOCK):
+        part = slice(start, start + _GatherRows.BLOCK)
+        total.index_add_(0, index[part], rows[part].to(total.dtype))
+    return total
 
 
 def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
