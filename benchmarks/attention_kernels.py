@@ -17,8 +17,10 @@ per-trajectory baseline's shape) for the per-pair rate to compare with. ``--head
 
 ``--forest WORKLOAD SCALE`` (repeatable) checks and times the tree attention of a workload's whole forest: the plain
 varlen call (every run's root-to-run keys gathered) against key segments shared by many runs attended in place
-(``tree_attention.varlen.SHARED_KEYS_IN_PLACE``), with their differences and, on small forests, each one's error
-against fp32 (``check_forest``). MLA's shape: ``--heads 32 32 192 --value-dim 128``.
+(``tree_attention.varlen.SHARED_KEYS_IN_PLACE``) and against FlexAttention on the packed rows (nothing gathered),
+with their differences and, on small forests, each one's error against fp32 (``check_forest``). MLA's shape:
+``--heads 32 32 192 --value-dim 128``; ``--factors`` sets the shared-keys cost factors tried (none: FlexAttention
+only).
 """
 
 from __future__ import annotations
@@ -127,14 +129,62 @@ def _errors(a: torch.Tensor, b: torch.Tensor) -> dict:
             (("p50", picks.quantile(0.5)), ("p99", picks.quantile(0.99)), ("max", diff.max()))}
 
 
+def _same_width(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` cut to the narrower one's last dimension (FlexAttention's values are not padded)."""
+    width = min(a.shape[-1], b.shape[-1])
+    return a[..., :width], b[..., :width]
+
+
+def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool) -> None:
+    """FlexAttention on the packed rows (:mod:`harts_hf.kernels.tree_attention.flex`, nothing gathered; values at
+    their own width): the block tables' build time, fwd+bwd seconds (compiled; the first call's compilation left
+    out), peak, and its outputs' and gradients' difference from the plain call's, into ``row["flex"]``."""
+    import time
+
+    from harts_hf.kernels.tree_attention.flex import flex_block_tables, tree_attention_flex
+
+    torch.cuda.synchronize()
+    begin = time.perf_counter()
+    tables = flex_block_tables(packed.subtree_end)
+    torch.cuda.synchronize()
+    entry = dict(tables_seconds=time.perf_counter() - begin,
+                 blocks=int(tables["kv_num_blocks"].sum()), full_blocks=int(tables["full_kv_num_blocks"].sum()),
+                 all_blocks=(tables["rows"] // 128) ** 2)
+    inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+    def step():
+        for x in inputs:
+            x.grad = None
+        out = tree_attention_flex(*inputs, packed.subtree_end, tables=tables)
+        (out.float() * weight).sum().backward()
+        return out
+
+    try:
+        begin = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        entry["first_call_seconds"] = time.perf_counter() - begin
+        torch.cuda.reset_peak_memory_stats()
+        entry.update(seconds=bench(step), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+        got = [step().detach()] + [x.grad.detach() for x in inputs]
+        entry["vs_plain"] = {part: _errors(*_same_width(a, b)) for part, a, b in
+                             zip(("out", "dq", "dk", "dv"), got, results["plain"])}
+        if keep:
+            results["flex"] = got
+    except Exception as error:  # a shape FlexAttention refuses on this card: say which and why
+        entry["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+    row["flex"] = entry
+    print(row["workload"], row["scale"], "flex", entry, flush=True)
+
+
 def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0, 8.0),
-                 reference_tokens: int = 20000) -> dict:
+                 reference_tokens: int = 20000, flex: bool = True) -> dict:
     """The tree attention of a workload's forest (bf16 on CUDA, random q/k/v at ``--heads``, values ``value_dim`` wide
     and zero-padded to the key width as harts_hf pads MLA's): the plain varlen call against shared key segments attended
     in place (``varlen.SHARED_KEYS_IN_PLACE``) at each ``shared_keys.COST_FACTOR`` of ``factors``: fwd+bwd seconds and
     peak of each, the split's gathered rows and blocks, each split's outputs' and input gradients' difference from the
     plain call's, and, for forests of at most ``reference_tokens`` unique tokens, each path's error against an fp32 run
-    of the per-run SDPA path."""
+    of the per-run SDPA path; on CUDA with ``flex``, FlexAttention on the packed rows likewise (:func:`check_flex`)."""
     from harts_hf.kernels.tree_attention import shared_keys, tree_attention, varlen
     from harts_hf.trees import PrefixForest
     from harts_hf.workloads import make_workload
@@ -184,13 +234,15 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
         print(workload, scale, name, row[name], flush=True)
     varlen.SHARED_KEYS_IN_PLACE = False
     shared_keys.COST_FACTOR = default_factor
+    if flex and device.type == "cuda":
+        check_flex(row, results, packed, q, k, v[..., :value_dim], weight[..., :value_dim], U <= reference_tokens)
     if U <= reference_tokens:
         inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
         out = tree_attention(*inputs, packed.subtree_end, backend="runs", layout=layout)
         (out * weight.float()).sum().backward()
         exact = [out.detach()] + [x.grad for x in inputs]
         for name in results:
-            row[name]["vs_fp32"] = {part: _errors(a, b) for part, a, b in
+            row[name]["vs_fp32"] = {part: _errors(*_same_width(a, b)) for part, a, b in
                                     zip(("out", "dq", "dk", "dv"), results[name], exact)}
     print(json.dumps(row), flush=True)
     return row
@@ -209,6 +261,9 @@ def main():
                              "(see check_forest); repeatable")
     parser.add_argument("--value-dim", type=int, default=None,
                         help="with --forest: the values' real width (MLA's 128 under keys of 192); default D")
+    parser.add_argument("--factors", type=float, nargs="*", default=[0.5, 2.0, 8.0],
+                        help="with --forest: the shared-keys cost factors to try (none: the plain call and "
+                             "FlexAttention only)")
     parser.add_argument("--causal", type=int, nargs="+", default=[16384, 49152])
     parser.add_argument("--cross", type=int, nargs=2, action="append", metavar=("Q", "K"),
                         help="query and key lengths of a maskless block (default: 8192 43008 and 1024 43008)")
@@ -224,7 +279,7 @@ def main():
                "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(), "rows": []}
     if args.forest:
         for workload, scale in args.forest:
-            results["rows"].append(check_forest(workload, float(scale), args.value_dim or D))
+            results["rows"].append(check_forest(workload, float(scale), args.value_dim or D, tuple(args.factors)))
             (out / "attention_kernels.json").write_text(json.dumps(results, indent=1))
             torch.cuda.empty_cache()
         return
