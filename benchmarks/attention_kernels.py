@@ -135,13 +135,18 @@ def _same_width(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return a[..., :width], b[..., :width]
 
 
-def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool) -> None:
+def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool, dynamic: bool) -> None:
     """FlexAttention on the packed rows (:mod:`harts_hf.kernels.tree_attention.flex`, nothing gathered; values at
-    their own width): the block tables' build time, fwd+bwd seconds (compiled; the first call's compilation left
-    out), peak, and its outputs' and gradients' difference from the plain call's, into ``row["flex"]``."""
+    their own width), compiled for this length or (``dynamic``) for any: the block tables' build time, the first
+    call's seconds (compilation: a second forest shows what a new length costs), fwd+bwd seconds after it, peak, and
+    its outputs' and gradients' difference from the plain call's, into ``row["flex"]`` / ``row["flex_dynamic"]``."""
     import time
 
+    from harts_hf.kernels.tree_attention import flex
     from harts_hf.kernels.tree_attention.flex import flex_block_tables, tree_attention_flex
+
+    name = "flex_dynamic" if dynamic else "flex"
+    flex.DYNAMIC = dynamic
 
     torch.cuda.synchronize()
     begin = time.perf_counter()
@@ -170,11 +175,11 @@ def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool) ->
         entry["vs_plain"] = {part: _errors(*_same_width(a, b)) for part, a, b in
                              zip(("out", "dq", "dk", "dv"), got, results["plain"])}
         if keep:
-            results["flex"] = got
+            results[name] = got
     except Exception as error:  # a shape FlexAttention refuses on this card: say which and why
         entry["error"] = f"{type(error).__name__}: {str(error)[:400]}"
-    row["flex"] = entry
-    print(row["workload"], row["scale"], "flex", entry, flush=True)
+    row[name] = entry
+    print(row["workload"], row["scale"], name, entry, flush=True)
 
 
 def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0, 8.0),
@@ -235,7 +240,9 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
     varlen.SHARED_KEYS_IN_PLACE = False
     shared_keys.COST_FACTOR = default_factor
     if flex and device.type == "cuda":
-        check_flex(row, results, packed, q, k, v[..., :value_dim], weight[..., :value_dim], U <= reference_tokens)
+        for dynamic in (False, True):
+            check_flex(row, results, packed, q, k, v[..., :value_dim], weight[..., :value_dim], U <= reference_tokens,
+                       dynamic)
     if U <= reference_tokens:
         inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
         out = tree_attention(*inputs, packed.subtree_end, backend="runs", layout=layout)

@@ -88,11 +88,16 @@ def _block_mask(tables: dict, block: int):
                                     seq_lengths=(tables["rows"], tables["keys"]))
 
 
+DYNAMIC = True
+"""Compile FlexAttention for symbolic lengths (one compilation for every forest size) rather than once per padded
+length (a training step brings new forests)."""
+
+
 @functools.cache
-def _compiled_flex():
+def _compiled_flex(dynamic: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=dynamic)
 
 
 def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor,
@@ -119,7 +124,7 @@ def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtr
     as_heads = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  [L, H, D] -> [1, H, L, D]
     if compiled is None:
         compiled = q.is_cuda
-    call = _compiled_flex() if compiled else flex_attention
+    call = _compiled_flex(DYNAMIC) if compiled else flex_attention
     out = call(as_heads(_pad_rows(q, rows)), as_heads(keys_all), as_heads(values_all),
                block_mask=_block_mask(tables, BLOCK), scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     return out[0, :, :num_tokens].transpose(0, 1)
