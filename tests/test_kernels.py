@@ -921,3 +921,54 @@ def test_cuda_graph_settings_are_checked(monkeypatch):
         monkeypatch.setattr(cuda_graphs, "MAX_TOKENS", bad)
         with pytest.raises(error, match=r"cuda_graphs.MAX_TOKENS \(0 turns graphs off\) must be an integer >= 0"):
             cuda_graphs.replay_or_run(object(), ("body",), 8, _graph_body, (torch.ones(2), torch.ones(2), None))
+
+
+@pytest.mark.parametrize("name", list(FORESTS) + ["two_trees"])
+@pytest.mark.parametrize("context", [0, 5, 130])
+def test_flex_attention_block_mask_and_forward_match_the_tree_mask(name, context):
+    """FlexAttention on the packed rows (:mod:`.flex`): its block tables hold every visible (query, key) pair of
+    ``k <= q < subtree_end[k]`` (context keys: every query) in a listed block, only visible pairs in the blocks marked
+    full (FlexAttention skips the mask there), and the per-key intervals equal the tree mask on every pair; the
+    forward (FlexAttention's eager reference on the CPU, which has no FlexAttention backward) equals the dense-mask
+    path in fp64, values narrower than keys. Its gradients are FlexAttention's own backward on these blocks, checked
+    against the varlen path on the GPU (benchmarks/attention_kernels.py --forest)."""
+    from harts_hf.kernels.tree_attention import flex
+    from harts_hf.kernels.tree_attention.ops import tree_attention_mask
+
+    if not flex.flex_available():
+        pytest.fail("this torch has no FlexAttention (torch >= 2.5 does): harts_hf requires torch >= 2.11")
+    sequences = FORESTS["fan_out"] + FORESTS["random_a"] if name == "two_trees" else FORESTS[name]
+    packed = PrefixForest.from_sequences(sequences).pack()
+    U, HQ, HKV, D, DV = packed.num_tokens, 4, 2, 8, 6
+    tables = flex.flex_block_tables(packed.subtree_end, context)
+    rows, keys, block = tables["rows"], tables["keys"], flex.BLOCK
+    assert rows % block == 0 and keys % block == 0 and rows >= U and keys - rows >= context
+    query, key = torch.arange(rows)[:, None], torch.arange(keys)[None, :]
+    visible = (tables["start"].long()[key] <= query) & (query < tables["end"].long()[key])
+    tree_mask = tree_attention_mask(packed.subtree_end, context)
+    assert torch.equal(visible[:U, :U], tree_mask[:, :U])
+    assert torch.equal(visible[:U, rows: rows + context], tree_mask[:, U:])
+    assert not visible[:U, U:rows].any() and not visible[:, rows + context:].any()
+
+    def dense(num, indices):
+        out = torch.zeros(rows // block, keys // block, dtype=torch.bool)
+        for i in range(rows // block):
+            out[i, indices[0, 0, i, : num[0, 0, i]].long()] = True
+        return out
+
+    partial = dense(tables["kv_num_blocks"], tables["kv_indices"])
+    full = dense(tables["full_kv_num_blocks"], tables["full_kv_indices"])
+    tiles = visible.view(rows // block, block, keys // block, block)
+    assert not (partial & full).any()
+    assert not (tiles.any(3).any(1) & ~(partial | full)).any()  # every visible pair in a listed block
+    assert tiles.all(3).all(1)[full].all()  # full blocks: every pair visible
+    torch.manual_seed(0)
+    q, k = torch.randn(U, HQ, D, dtype=torch.float64), torch.randn(U, HKV, D, dtype=torch.float64)
+    v = torch.randn(U, HKV, DV, dtype=torch.float64)
+    ck, cv = torch.randn(context, HKV, D, dtype=torch.float64), torch.randn(context, HKV, DV, dtype=torch.float64)
+    extra = dict(context_k=ck, context_v=cv) if context else {}
+    out = flex.tree_attention_flex(q, k, v, packed.subtree_end, scaling=0.3, tables=tables, **extra)
+    pad = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], D - DV)], dim=-1)  # noqa: E731  (one head dim)
+    expected = tree_attention(q, k, pad(v), packed.subtree_end, scaling=0.3, backend="sdpa",
+                              **(dict(context_k=ck, context_v=pad(cv)) if context else {}))[..., :DV]
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
