@@ -86,6 +86,7 @@ KERNEL_SETS = {
     "fused_fp32_scan": dict(_FUSED, scan="fp32"),
     "fused_shared_keys": dict(_FUSED, shared_keys=True),
     "fused_fa4_shared_keys": dict(_FUSED, varlen="fa4", shared_keys=True),
+    "fused_flex": dict(_FUSED, varlen="flex"),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -106,7 +107,9 @@ CUDA path hands them to ``mamba_ssm``; harts_hf's default since 2026-12-06, ``SC
 ``fused_fp32_scan`` (fp32, as every set before 2026-12-06 ran it; ``fused_half_scan``, the half inputs before they
 were the default, now computes as ``fused`` on the GPU). ``fused_shared_keys`` (``fused_fa4_shared_keys``) attends
 key segments shared by many runs in place instead of gathering them per run
-(``tree_attention.varlen.SHARED_KEYS_IN_PLACE``; the packed path shares none)."""
+(``tree_attention.varlen.SHARED_KEYS_IN_PLACE``; the packed path shares none). ``fused_flex`` runs the tree attention
+through FlexAttention on the packed rows (``varlen.KERNEL = "flex"``: nothing gathered; the packed path, which gathers
+nothing, keeps torch's flash varlen)."""
 
 
 def use_kernels(name: str) -> None:

@@ -966,9 +966,28 @@ def test_flex_attention_block_mask_and_forward_match_the_tree_mask(name, context
     q, k = torch.randn(U, HQ, D, dtype=torch.float64), torch.randn(U, HKV, D, dtype=torch.float64)
     v = torch.randn(U, HKV, DV, dtype=torch.float64)
     ck, cv = torch.randn(context, HKV, D, dtype=torch.float64), torch.randn(context, HKV, DV, dtype=torch.float64)
-    extra = dict(context_k=ck, context_v=cv) if context else {}
-    out = flex.tree_attention_flex(q, k, v, packed.subtree_end, scaling=0.3, tables=tables, **extra)
+    out = flex.tree_attention_flex(q, torch.cat([k, ck]), torch.cat([v, cv]), packed.subtree_end, context, scaling=0.3,
+                                   tables=tables)
     pad = lambda x: torch.cat([x, x.new_zeros(*x.shape[:2], D - DV)], dim=-1)  # noqa: E731  (one head dim)
     expected = tree_attention(q, k, pad(v), packed.subtree_end, scaling=0.3, backend="sdpa",
                               **(dict(context_k=ck, context_v=pad(cv)) if context else {}))[..., :DV]
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float64])
+
+
+def test_flex_kernel_routes_only_forests_whose_runs_gather_keys(monkeypatch):
+    """``varlen.KERNEL = "flex"`` sends the varlen path to FlexAttention where the runs would gather key rows beyond
+    their own (shared prefixes, context rows), and leaves a forest of separate sequences (the packed per-trajectory
+    path) on torch's flash varlen; the trainers' ``tree_varlen_kernel`` takes ``"flex"``."""
+    from harts_hf.kernels.tree_attention import ops, varlen
+    from harts_hf.trainers.config import _VARLEN_KERNELS
+
+    monkeypatch.setattr(varlen, "KERNEL", "flex")
+    shared = PrefixForest.from_sequences([[1, 2, 3, 4], [1, 2, 5]]).pack()
+    separate = PrefixForest.from_sequences([[1, 2, 3, 4], [6, 2, 5]]).pack()
+    q = lambda packed: torch.zeros(packed.num_tokens, 2, 4)  # noqa: E731
+    assert ops._flex_varlen(q(shared), build_varlen_layout(shared))
+    assert not ops._flex_varlen(q(separate), build_varlen_layout(separate))
+    assert ops._flex_varlen(q(separate), build_varlen_layout(separate, context_tokens=3))
+    monkeypatch.setattr(varlen, "KERNEL", "torch")
+    assert not ops._flex_varlen(q(shared), build_varlen_layout(shared))
+    assert "flex" in _VARLEN_KERNELS

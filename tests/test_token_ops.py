@@ -230,7 +230,7 @@ def test_logprob_entropy_reference_and_backends():
 def test_varlen_kernel_choice():
     from harts_hf.kernels.tree_attention import varlen
 
-    with pytest.raises(ValueError, match="varlen KERNEL must be 'auto', 'torch' or 'fa4', got 'fa3'"):
+    with pytest.raises(ValueError, match="varlen KERNEL must be 'auto', 'torch', 'fa4' or 'flex', got 'fa3'"):
         varlen.varlen_kernel(torch.device("cpu"), "fa3")
     assert varlen.varlen_kernel(torch.device("cpu"), "torch") == "torch"
 

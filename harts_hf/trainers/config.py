@@ -14,12 +14,13 @@ __all__ = ["TreeGRPOConfig"]
 
 _GDN_BACKENDS = ("auto", "torch", "fla")
 _ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
-_VARLEN_KERNELS = (None, "torch", "fa4", "auto")
+_VARLEN_KERNELS = (None, "torch", "fa4", "flex", "auto")
 _AUTOCAST_EXPERTS = (None, *token_modules._AUTOCAST_EXPERTS)
 _MAMBA_SCAN_INPUTS = (None, *mamba2._SCAN_INPUTS)
 VARLEN_KERNEL_HELP = ("The tree attention's varlen kernel on CUDA: 'torch' (torch's flash varlen), 'fa4' "
                       "(FlashAttention-4, pip install harts_hf[fa4]; the fastest measured, BENCHMARKS.md), 'auto' (fa4 "
-                      "where installed on Hopper / Blackwell, else torch); process-wide "
+                      "where installed on Hopper / Blackwell, else torch), 'flex' (torch's FlexAttention on the "
+                      "packed rows where runs share keys: nothing gathered per run); process-wide "
                       "(harts_hf.kernels.tree_attention.varlen.KERNEL). None leaves that setting as it is "
                       "('torch' unless changed).")
 AUTOCAST_EXPERTS_HELP = ("Under autocast, where MoE routed experts on transformers' grouped_mm run in the autocast "

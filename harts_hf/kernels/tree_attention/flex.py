@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-__all__ = ["BLOCK", "flex_available", "flex_block_tables", "tree_attention_flex"]
+__all__ = ["BLOCK", "DYNAMIC", "flex_available", "flex_block_tables", "layout_tables", "tree_attention_flex"]
 
 BLOCK = 128
 """FlexAttention's block (query and key rows per tile of its block mask)."""
@@ -101,26 +101,27 @@ def _compiled_flex(dynamic: bool):
 
 
 def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_end: torch.Tensor,
-                        context_k: torch.Tensor | None = None, context_v: torch.Tensor | None = None,
-                        scaling: float | None = None, tables: dict | None = None, compiled: bool | None = None
-                        ) -> torch.Tensor:
-    """q ``[U, HQ, D]``, k ``[U, HKV, D]``, v ``[U, HKV, DV]`` (``HQ`` a multiple of ``HKV``; ``DV`` may differ from
-    ``D``), ``context_k``/``context_v`` ``[C, HKV, *]`` (keys every query sees) -> ``[U, HQ, DV]``.
+                        context_tokens: int = 0, scaling: float | None = None, tables: dict | None = None,
+                        compiled: bool | None = None) -> torch.Tensor:
+    """q ``[U, HQ, D]``, k ``[U + C, HKV, D]``, v ``[U + C, HKV, DV]`` (``HQ`` a multiple of ``HKV``; ``DV`` may differ
+    from ``D``; the last ``C = context_tokens`` rows are keys every query sees) -> ``[U, HQ, DV]``.
 
-    ``tables``: :func:`flex_block_tables` of this forest (build once per forest and reuse across layers).
+    ``tables``: :func:`flex_block_tables` of this forest and ``C`` (build once per forest and reuse across layers).
     ``compiled``: run FlexAttention's fused kernels through ``torch.compile`` (default: on CUDA); eager runs its
     reference (a dense score matrix: small inputs only, as on the CPU in the tests)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     num_tokens = q.shape[0]
-    context_tokens = 0 if context_k is None else context_k.shape[0]
+    if k.shape[0] != num_tokens + context_tokens or v.shape[0] != k.shape[0]:
+        raise ValueError(f"tree_attention_flex: k and v need U + C = {num_tokens} + {context_tokens} rows, got "
+                         f"{k.shape[0]} and {v.shape[0]}")
     if tables is None:
         tables = flex_block_tables(subtree_end, context_tokens)
     rows, keys = tables["rows"], tables["keys"]
-    keys_all, values_all = _pad_rows(k, rows), _pad_rows(v, rows)
+    keys_all, values_all = _pad_rows(k[:num_tokens], rows), _pad_rows(v[:num_tokens], rows)
     if context_tokens:
-        keys_all = torch.cat([keys_all, _pad_rows(context_k, keys - rows)])
-        values_all = torch.cat([values_all, _pad_rows(context_v, keys - rows)])
+        keys_all = torch.cat([keys_all, _pad_rows(k[num_tokens:], keys - rows)])
+        values_all = torch.cat([values_all, _pad_rows(v[num_tokens:], keys - rows)])
     as_heads = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  [L, H, D] -> [1, H, L, D]
     if compiled is None:
         compiled = q.is_cuda
@@ -128,3 +129,13 @@ def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtr
     out = call(as_heads(_pad_rows(q, rows)), as_heads(keys_all), as_heads(values_all),
                block_mask=_block_mask(tables, BLOCK), scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     return out[0, :, :num_tokens].transpose(0, 1)
+
+
+def layout_tables(layout, subtree_end: torch.Tensor) -> dict:
+    """:func:`flex_block_tables` of a :class:`.varlen.VarlenLayout`'s forest and context rows, built once per layout
+    (every attention layer of a forward, and the backward's reruns, share them)."""
+    cache = layout.__dict__.setdefault("_flex_tables", {})
+    key = subtree_end.device
+    if key not in cache:
+        cache[key] = flex_block_tables(subtree_end, layout.context_tokens)
+    return cache[key]

@@ -164,6 +164,11 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
     if backend in ("varlen", "cudnn"):
         if layout is None or not q.is_cuda:
             raise ValueError(f"tree_attention: backend={backend!r} needs CUDA tensors and a VarlenLayout (layout=...)")
+        if backend == "varlen" and window is None and not explicit and _flex_varlen(q, layout):
+            from .flex import layout_tables, tree_attention_flex
+
+            return tree_attention_flex(q, k, v, subtree_end, layout.context_tokens, scaling,
+                                       tables=layout_tables(layout, subtree_end))
         (q, k, v), value_dim = common_head_dim(q, k, v), v.shape[-1]
         scaling = D ** -0.5 if scaling is None else scaling
         if backend == "cudnn":
@@ -207,6 +212,14 @@ def _fa4_varlen(q: torch.Tensor, layout) -> bool:
     from .varlen import varlen_kernel
 
     return varlen_kernel(q.device) == "fa4"
+
+
+def _flex_varlen(q: torch.Tensor, layout) -> bool:
+    """Whether the varlen path runs FlexAttention on the packed rows: ``varlen.KERNEL`` is ``"flex"`` and the layout's
+    runs gather any key row beyond their own (a forest of separate sequences gathers none: torch's flash varlen)."""
+    from .varlen import varlen_kernel
+
+    return varlen_kernel(q.device) == "flex" and layout.key_index.numel() > q.shape[0]
 
 
 def _attention_by_runs(q, k, v, layout, scaling, window: int | None = None, softcap: float | None = None,

@@ -33,8 +33,9 @@ KERNEL = "torch"
 """The varlen kernel: ``"torch"`` (torch's ``varlen_attn``, FlashAttention-2 inside torch; the default), ``"fa4"``
 (FlashAttention-4's CuTe-DSL kernels, package ``flash-attn-4``, module ``flash_attn.cute``: wgmma kernels on Hopper,
 head dims up to 256, GQA, varlen, bottom-right causal; called through harts_hf's dispatcher ops, :mod:`.fa4`, so
-checkpointing can keep its outputs) or ``"auto"``: fa4 where it imports on a GPU of compute capability 9.x or 10.x,
-else torch. Measured on the H200 (BENCHMARKS.md, 2026-12-02): fa4 takes full-size `tau`'s tree step from 5.91 to
+checkpointing can keep its outputs), ``"flex"`` (torch's FlexAttention on the packed rows, :mod:`.flex`: no key or
+value row gathered per run, for forests whose runs would gather any; torch's kernel for the rest, and with a window,
+softcapping or sinks) or ``"auto"``: fa4 where it imports on a GPU of compute capability 9.x or 10.x, else torch. Measured on the H200 (BENCHMARKS.md, 2026-12-02): fa4 takes full-size `tau`'s tree step from 5.91 to
 5.32 s, the packed baseline's calls of changing lengths compiled nothing noticeable, and the no-sharing control ran
 level with it; it is opt-in because it is a separate install (``harts_hf[fa4]``, a beta release)."""
 
@@ -162,10 +163,10 @@ def _fa4_interface_ok() -> bool:
 
 
 def varlen_kernel(device: torch.device, choice: str | None = None) -> str:
-    """``"torch"`` or ``"fa4"`` on ``device`` under ``choice`` (default :data:`KERNEL`)."""
+    """``"torch"``, ``"fa4"`` or ``"flex"`` on ``device`` under ``choice`` (default :data:`KERNEL`)."""
     choice = KERNEL if choice is None else choice
-    if choice not in ("auto", "torch", "fa4"):
-        raise ValueError(f"tree attention: varlen KERNEL must be 'auto', 'torch' or 'fa4', got {choice!r}")
+    if choice not in ("auto", "torch", "fa4", "flex"):
+        raise ValueError(f"tree attention: varlen KERNEL must be 'auto', 'torch', 'fa4' or 'flex', got {choice!r}")
     if choice == "auto":
         usable = _fa4_importable() and torch.cuda.get_device_capability(device)[0] in (9, 10) and _fa4_interface_ok()
         return "fa4" if usable else "torch"
@@ -227,6 +228,7 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     from torch.nn.attention.varlen import varlen_attn
 
     kernel = varlen_kernel(q.device)
+    kernel = "torch" if kernel == "flex" else kernel  # FlexAttention's cases are routed before (ops.tree_attention)
     if (softcap is not None or sinks is not None) and kernel != "fa4":
         raise ValueError("tree attention: softcapping / sinks on the varlen path need FlashAttention-4 "
                          f"(varlen KERNEL is {KERNEL!r}, which runs {kernel!r}): pip install harts_hf[fa4] and set "
