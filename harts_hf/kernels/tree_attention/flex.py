@@ -125,9 +125,17 @@ def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtr
     as_heads = lambda x: x.transpose(0, 1).unsqueeze(0)  # noqa: E731  [L, H, D] -> [1, H, L, D]
     if compiled is None:
         compiled = q.is_cuda
-    call = _compiled_flex(DYNAMIC) if compiled else flex_attention
-    out = call(as_heads(_pad_rows(q, rows)), as_heads(keys_all), as_heads(values_all),
-               block_mask=_block_mask(tables, BLOCK), scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    inputs = (as_heads(_pad_rows(q, rows)), as_heads(keys_all), as_heads(values_all))
+    options = dict(block_mask=_block_mask(tables, BLOCK), scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+    if not compiled:
+        return flex_attention(*inputs, **options)[0, :, :num_tokens].transpose(0, 1)
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    # torch.compile skips frames while a Python dispatch mode is active (and FlexAttention would then run its dense
+    # reference): the keep-attention checkpointing policy's mode is active in attention modules, so the compiled call
+    # runs outside it, unseen by the policy in the forward and in the rerun alike (recomputed, not kept)
+    with _disable_current_modes():
+        out = _compiled_flex(DYNAMIC)(*inputs, **options)
     return out[0, :, :num_tokens].transpose(0, 1)
 
 
