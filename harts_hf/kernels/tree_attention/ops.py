@@ -160,7 +160,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
                           "(exact, not fast) unless FlashAttention-4 runs the varlen path: pip install "
                           "harts_hf[fa4] and set tree_varlen_kernel='fa4' (or varlen.KERNEL = 'fa4')")
     if backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        backend = "varlen" if window is not None else cuda_backend(layout)
+        backend = "varlen" if window is not None or _flex_varlen(q, layout) else cuda_backend(layout)
     if backend in ("varlen", "cudnn"):
         if layout is None or not q.is_cuda:
             raise ValueError(f"tree_attention: backend={backend!r} needs CUDA tensors and a VarlenLayout (layout=...)")
