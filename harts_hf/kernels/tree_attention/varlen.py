@@ -36,8 +36,9 @@ head dims up to 256, GQA, varlen, bottom-right causal; called through harts_hf's
 checkpointing can keep its outputs), ``"flex"`` (torch's FlexAttention on the packed rows, :mod:`.flex`: no key or
 value row gathered per run, for forests whose runs would gather any; torch's kernel for the rest, and with a window,
 softcapping or sinks) or ``"auto"``: fa4 where it imports on a GPU of compute capability 9.x or 10.x, else torch.
-Measured on the H200 (BENCHMARKS.md, 2026-12-02): fa4 takes full-size `tau`'s tree step from 5.91 to 5.32 s, the packed baseline's calls of changing lengths compiled nothing noticeable, and the no-sharing control ran
-level with it; it is opt-in because it is a separate install (``harts_hf[fa4]``, a beta release)."""
+Measured on the H200 (BENCHMARKS.md, 2026-12-02): fa4 takes full-size `tau`'s tree step from 5.91 to 5.32 s, the
+packed baseline's calls of changing lengths compiled nothing noticeable, and the no-sharing control ran level with it;
+it is opt-in because it is a separate install (``harts_hf[fa4]``, a beta release)."""
 
 
 SHARED_KEYS_IN_PLACE = False
