@@ -991,3 +991,34 @@ def test_flex_kernel_routes_only_forests_whose_runs_gather_keys(monkeypatch):
     monkeypatch.setattr(varlen, "KERNEL", "torch")
     assert not ops._flex_varlen(q(shared), build_varlen_layout(shared))
     assert "flex" in _VARLEN_KERNELS
+
+
+def test_flex_attention_compiles_once_across_forest_sizes_and_autocast_states():
+    """FlexAttention's compiled call (here inductor's CPU code, forward only: the CPU has no FlexAttention backward)
+    equals its eager reference and compiles ONE graph for forests of six sizes under autocast on and off (autocast is a
+    guard: the forward under it against a rerun without it recompiled to dynamo's limit on the GPU, 2026-12-06)."""
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    from harts_hf.kernels.tree_attention import flex
+
+    rng = random.Random(3)
+    base = [rng.randrange(50) for _ in range(300)]
+    cases = []
+    for i in range(6):
+        packed = PrefixForest.from_sequences([base[: rng.choice([0, 64, 129, 256])] + [rng.randrange(50) for _ in range(
+            rng.randrange(1, 100 + 150 * i))] for _ in range(8)]).pack()
+        U = packed.num_tokens
+        inputs = (torch.randn(U, 4, 32, dtype=torch.bfloat16), torch.randn(U, 2, 32, dtype=torch.bfloat16),
+                  torch.randn(U, 2, 16, dtype=torch.bfloat16), packed.subtree_end)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cases.append((inputs, flex.tree_attention_flex(*inputs, compiled=False)))  # (eager compiles too)
+    torch._dynamo.reset()
+    counters.clear()
+    for i, (inputs, expected) in enumerate(cases):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=i % 2 == 0), torch.no_grad():
+            out = flex.tree_attention_flex(*inputs, compiled=True)
+        torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

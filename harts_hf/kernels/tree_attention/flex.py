@@ -133,8 +133,12 @@ def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtr
 
     # torch.compile skips frames while a Python dispatch mode is active (and FlexAttention would then run its dense
     # reference): the keep-attention checkpointing policy's mode is active in attention modules, so the compiled call
-    # runs outside it, unseen by the policy in the forward and in the rerun alike (recomputed, not kept)
-    with _disable_current_modes():
+    # runs outside it, unseen by the policy in the forward and in the rerun alike (recomputed, not kept). Autocast is
+    # off inside (the inputs are in its dtype already): its state is a guard, and the forward under autocast against
+    # the rerun without it recompiled up to dynamo's limit, past which FlexAttention ran its dense reference (564 GiB
+    # asked for on full-size `tau`, H100, 2026-12-06); reaching the limit now raises instead.
+    with _disable_current_modes(), torch.autocast(q.device.type, enabled=False), \
+            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         out = _compiled_flex(DYNAMIC)(*inputs, **options)
     return out[0, :, :num_tokens].transpose(0, 1)
 
