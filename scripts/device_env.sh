@@ -98,8 +98,11 @@ job_alone() { python3 scripts/device_worker.py submit --own-process "$JOBS" "$@"
 job_tf524() {  # a child process with transformers 5.24 first (bailing_hybrid; carry .device/tf.tar.xz once)
   python3 scripts/device_worker.py submit --own-process --env "PYTHONPATH=$TF524:$PYTHONPATH" "$JOBS" "$@"
 }
-jobs_wait() {  # until the queue is empty, the worker is gone, or 25 s before the call's 600 s (T0: the call's start)
-  python3 scripts/device_worker.py wait "$JOBS" --seconds $((575 - ($(date +%s) - ${T0:-$(date +%s)})))
+# until the queue is empty, the worker is gone, or 25 s before the call's limit (T0: the call's start; LIMIT: its
+# timeout_s, default 600: a call run with a shorter timeout_s must set it, else the call is killed before it packs
+# $OUT, and everything it ran is lost, as a 230 s call was on 2026-12-06)
+jobs_wait() {
+  python3 scripts/device_worker.py wait "$JOBS" --seconds $((${LIMIT:-600} - 25 - ($(date +%s) - ${T0:-$(date +%s)})))
 }
 finish() {
   # this machine's autotuning choices so far, for scripts/autotune/ (copy $W/autotune/<card>.json there)
