@@ -37,21 +37,16 @@ if [ ! -f "$JOBS/.queued" ]; then
   # (run on an H100, 2026-12-06 11:02-11:40 UTC, and taken off: Nemotron-H `swe` both paths at bf16 scan inputs,
   # Ling-3 `swe` tree at 16,384, Kimi `tau` both paths at 32,768 and its profile, Ling-3's experts A/B on `tau` at
   # 16,384, the headline's `tau` / `grpo` / `distinct` on an H100)
-  # issues 25/26/22, any card, first: shared key segments attended in place (varlen.SHARED_KEYS_IN_PLACE, 4146015).
-  # The attention alone on whole forests, plain call against the split at three cost factors, with its bf16 error
-  # against fp32 on the small forest: MLA's heads (Kimi / Ling-3), then the 2B preset's and Nemotron-H's
-  job shared_keys_mla benchmarks/attention_kernels.py --forest tau 0.05 --forest tau 1.0 --forest swe 0.2 \
-    --heads 32 32 192 --value-dim 128 --out $J/shared_keys_mla
-  job shared_keys_gqa benchmarks/attention_kernels.py --forest tau 0.05 --forest tau 1.0 --forest swe 0.2 \
-    --out $J/shared_keys_gqa
-  job shared_keys_nemotron benchmarks/attention_kernels.py --forest tau 1.0 --forest swe 0.2 --heads 16 8 128 \
-    --out $J/shared_keys_nemotron
-  # then whole fwd+bwd, the tree under both settings in one process (the packed rows of 2026-12-06 for the
-  # fraction): Kimi `tau` (its profile: 0.54 s of gathers), Nemotron-H `tau`
-  job_tf524 kimi_tau_shared $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi \
-    --no-history --kernels fused fused_shared_keys --keep-attention on --repeats 2 --out $J/kimi_tau_shared
-  job nemotron_tau_shared $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 --no-history \
-    --kernels fused fused_shared_keys --keep-attention on --repeats 2 --out $J/nemotron_tau_shared
+  # (run on an H100, 2026-12-06 13:51-14:26 UTC, and taken off: shared keys in place and FlexAttention, the attention
+  # alone on whole forests at three head shapes; Kimi `tau` with each and Nemotron-H `tau` with shared keys; the
+  # `distinct` trainers, tree and TRL with Liger, two timed steps on an H100)
+  # issues 26/22, any card, first: FlexAttention in whole steps where it won alone (Nemotron-H's heads of 128: 1.6x
+  # the plain call compiled per length, 1.3x compiled once), and the 2B preset's `tau` again since its compiled call
+  # runs with autocast off (5cfc4f8: the run of 2026-12-06 recompiled to dynamo's limit and fell to the dense path)
+  job nemotron_tau_flex $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 --no-history \
+    --kernels fused fused_flex --keep-attention on --repeats 2 --out $J/nemotron_tau_flex
+  job tau_flex $probe --workload tau --scale 1.0 --budget 0 --no-history --kernels fused fused_flex \
+    --keep-attention on --repeats 2 --out $J/tau_flex
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on FlashAttention-4, the headline's kernel, where its stack travelled (device_env.sh:
@@ -82,6 +77,11 @@ if [ ! -f "$JOBS/.queued" ]; then
     --no-history --kernels fused fused_fp32_experts --keep-attention on --repeats 2 --out $J/ling3_tau_experts
   [ "$h200" = 1 ] && job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 \
     --budget $kimi "${same[@]}" --repeats 2 --packed-groups $kimi --packed-warmup each --out $J/kimi_tau
+  # issue 25: the Kimi tree in one piece (what an H200 holds) with shared key segments attended in place (MLA's
+  # attention alone on full-size `tau`: 0.87x the plain call's time, H100, 2026-12-06; in 32,768-token pieces the
+  # whole step gained nothing)
+  [ "$h200" = 1 ] && job_tf524 kimi_tau_shared $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 \
+    --budget 0 --no-history --kernels fused_shared_keys --keep-attention on --repeats 2 --out $J/kimi_tau_shared
   # issues 22/23: the Qwen3-Next full-size `swe` tree with and without the source's second forward, one process
   [ "$h200" = 1 ] && job swe_tree_keep $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
     --repeats 2 --no-recompute --out $J/swe_tree_keep
@@ -93,14 +93,6 @@ if [ ! -f "$JOBS/.queued" ]; then
   # in place of transformers' PyTorch one (causal-conv1d is not on the device); Liger travels as .device/liger.tar.xz
   [ "$h200" = 1 ] && job trl_distinct $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
     --rows-per-task 8 --steps 3 --warmup 1 --grad-accum 16 --trainer trl --liger --trl-conv fla --out $J/trl_distinct
-  # on an H100: the same two trainers on `distinct` (TRL's micro-batches of 4 rows peaked at 45.4 GiB on the H200;
-  # the tree in planner pieces of 32,768 tokens: at 65,536 the `swe` trainer ran out of memory in its second step on an
-  # H100, 2026-12-05, once AdamW's states existed), a pair of that card
-  [ "$h200" = 0 ] && job tree_distinct_h100 $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
-    --rows-per-task 8 --steps 3 --warmup 1 --trainer tree --tree-token-budget 32768 --out $J/tree_distinct_h100
-  [ "$h200" = 0 ] && job trl_distinct_h100 $trainer --preset 2b --workload distinct --scale 1.0 --tasks-per-step 8 \
-    --rows-per-task 8 --steps 3 --warmup 1 --grad-accum 16 --trainer trl --liger --trl-conv fla \
-    --out $J/trl_distinct_h100
   # issue 23: the per-trajectory loop over every full-size `swe` trajectory (each alone, second of two runs)
   [ "$h200" = 1 ] && job swe_loop $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" --loop-only \
     --loop-sample -1 --out $J/swe_loop
