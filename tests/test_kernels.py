@@ -1022,3 +1022,22 @@ def test_flex_attention_compiles_once_across_forest_sizes_and_autocast_states():
             out = flex.tree_attention_flex(*inputs, compiled=True)
         torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_flex_attention_at_the_recompile_limit_raises_naming_the_switch():
+    """Past torch.compile's recompile limit FlexAttention would run its dense reference (a [heads, U, U] score matrix:
+    564 GiB asked for on full-size `tau`, 2026-12-06): the call raises instead, naming ``tree_varlen_kernel``."""
+    from harts_hf.kernels.tree_attention import flex
+
+    packed = PrefixForest.from_sequences(FORESTS["random_a"]).pack()
+    U = packed.num_tokens
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
+        for dtype in (torch.bfloat16, torch.float32):  # a dtype is a guard: the second call recompiles
+            inputs = [torch.randn(U, 2, 16, dtype=dtype) for _ in range(3)]
+            if dtype == torch.bfloat16:
+                flex.tree_attention_flex(*inputs, packed.subtree_end, compiled=True)
+                continue
+            with pytest.raises(RuntimeError, match="tree_varlen_kernel='torch'"):
+                flex.tree_attention_flex(*inputs, packed.subtree_end, compiled=True)
+    torch._dynamo.reset()

@@ -129,17 +129,25 @@ def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtr
     options = dict(block_mask=_block_mask(tables, BLOCK), scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
     if not compiled:
         return flex_attention(*inputs, **options)[0, :, :num_tokens].transpose(0, 1)
-    from torch.utils._python_dispatch import _disable_current_modes
-
     # torch.compile skips frames while a Python dispatch mode is active (and FlexAttention would then run its dense
     # reference): the keep-attention checkpointing policy's mode is active in attention modules, so the compiled call
     # runs outside it, unseen by the policy in the forward and in the rerun alike (recomputed, not kept). Autocast is
     # off inside (the inputs are in its dtype already): its state is a guard, and the forward under autocast against
     # the rerun without it recompiled up to dynamo's limit, past which FlexAttention ran its dense reference (564 GiB
     # asked for on full-size `tau`, H100, 2026-12-06); reaching the limit now raises instead.
-    with _disable_current_modes(), torch.autocast(q.device.type, enabled=False), \
-            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        out = _compiled_flex(DYNAMIC)(*inputs, **options)
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    try:
+        with _disable_current_modes(), torch.autocast(q.device.type, enabled=False), \
+                torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            out = _compiled_flex(DYNAMIC)(*inputs, **options)
+    except FailOnRecompileLimitHit as error:
+        raise RuntimeError(
+            "tree attention (varlen KERNEL 'flex'): FlexAttention's compiled call reached torch.compile's recompile "
+            "limit, past which it would run its dense reference (a [heads, U, U] score matrix). Set "
+            "tree_varlen_kernel='torch' (or varlen.KERNEL = 'torch'), or report the shapes that recompile "
+            "(TORCH_LOGS=recompiles)") from error
     return out[0, :, :num_tokens].transpose(0, 1)
 
 
