@@ -7,6 +7,11 @@ visible pairs, follows from each key block's smallest and largest ``start`` and 
 the tables directly (no ``[U, U]`` mask), and FlexAttention's kernels skip the empty blocks and leave the full ones
 unmasked. Keys and values are never copied per run, so their gradients need no scatter-add; values may be narrower than
 keys (MLA). Rows are padded to a multiple of the block (a padded query sees only itself; a padded context key nothing).
+
+Opt-in (``varlen.KERNEL = "flex"``, ``tree_varlen_kernel="flex"``). Measured on an H100 (BENCHMARKS.md, 2026-12-06),
+one layer's attention fwd+bwd on whole forests against the gathering varlen call: 0.63-0.92x its time at Nemotron-H's
+heads of 128, 0.91-1.40x at MLA's 192, 1.7-2.0x at the 2B preset's 256 (compiled per length, then once for any), at
+0.3-0.7x its peak memory. The keep-attention checkpointing policy does not keep FlexAttention's outputs: the rerun recomputes them.
 """
 
 from __future__ import annotations
@@ -76,16 +81,20 @@ def flex_block_tables(subtree_end: torch.Tensor, context_tokens: int = 0, block:
 
 
 def _block_mask(tables: dict, block: int):
+    """FlexAttention's ``BlockMask`` of ``tables``, built once per tables (every layer of a forest shares it)."""
     from torch.nn.attention.flex_attention import BlockMask
 
+    if "_block_mask" in tables:
+        return tables["_block_mask"]
     start, end = tables["start"], tables["end"]
 
     def visible(b, h, q_idx, kv_idx):
         return (start[kv_idx] <= q_idx) & (q_idx < end[kv_idx])
 
-    return BlockMask.from_kv_blocks(tables["kv_num_blocks"], tables["kv_indices"], tables["full_kv_num_blocks"],
-                                    tables["full_kv_indices"], BLOCK_SIZE=block, mask_mod=visible,
-                                    seq_lengths=(tables["rows"], tables["keys"]))
+    tables["_block_mask"] = BlockMask.from_kv_blocks(
+        tables["kv_num_blocks"], tables["kv_indices"], tables["full_kv_num_blocks"], tables["full_kv_indices"],
+        BLOCK_SIZE=block, mask_mod=visible, seq_lengths=(tables["rows"], tables["keys"]))
+    return tables["_block_mask"]
 
 
 DYNAMIC = True
