@@ -19,8 +19,8 @@ per-trajectory baseline's shape) for the per-pair rate to compare with. ``--head
 varlen call (every run's root-to-run keys gathered) against key segments shared by many runs attended in place
 (``tree_attention.varlen.SHARED_KEYS_IN_PLACE``) and against FlexAttention on the packed rows (nothing gathered),
 with their differences and, on small forests, each one's error against fp32 (``check_forest``). MLA's shape:
-``--heads 32 32 192 --value-dim 128``; ``--factors`` sets the shared-keys cost factors tried (none: FlexAttention
-only).
+``--heads 32 32 192 --value-dim 128``; ``--factors`` sets the shared-keys cost factors tried (none: the plain call and
+FlexAttention only).
 """
 
 from __future__ import annotations
@@ -145,16 +145,15 @@ def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool, dy
     from harts_hf.kernels.tree_attention import flex
     from harts_hf.kernels.tree_attention.flex import flex_block_tables, tree_attention_flex
 
-    name = "flex_dynamic" if dynamic else "flex"
+    name, default = "flex_dynamic" if dynamic else "flex", flex.DYNAMIC
     flex.DYNAMIC = dynamic
-
     torch.cuda.synchronize()
     begin = time.perf_counter()
     tables = flex_block_tables(packed.subtree_end)
     torch.cuda.synchronize()
     entry = dict(tables_seconds=time.perf_counter() - begin,
                  blocks=int(tables["kv_num_blocks"].sum()), full_blocks=int(tables["full_kv_num_blocks"].sum()),
-                 all_blocks=(tables["rows"] // 128) ** 2)
+                 all_blocks=(tables["rows"] // flex.BLOCK) ** 2)
     inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
 
     def step():
@@ -178,6 +177,7 @@ def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool, dy
             results[name] = got
     except Exception as error:  # a shape FlexAttention refuses on this card: say which and why
         entry["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+    flex.DYNAMIC = default
     row[name] = entry
     print(row["workload"], row["scale"], name, entry, flush=True)
 

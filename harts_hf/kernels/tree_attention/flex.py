@@ -1,17 +1,19 @@
 """Tree attention through torch's FlexAttention: the packed rows attend in place, nothing gathered.
 
-In DFS order key ``k`` is visible to query ``q`` iff ``k <= q < subtree_end[k]``: every key is visible to one interval of
-queries. Context keys (ancestors outside the forest, appended after the packed rows) are visible to every query. So the
-mask is ``start[k] <= q < end[k]`` for two per-key tables, and which 128 x 128 blocks hold any visible pair, or only
-visible pairs, follows from each key block's smallest and largest ``start`` and ``end``: the block mask is built from
-the tables directly (no ``[U, U]`` mask), and FlexAttention's kernels skip the empty blocks and leave the full ones
-unmasked. Keys and values are never copied per run, so their gradients need no scatter-add; values may be narrower than
-keys (MLA). Rows are padded to a multiple of the block (a padded query sees only itself; a padded context key nothing).
+In DFS order key ``k`` is visible to query ``q`` iff ``k <= q < subtree_end[k]``: every key is visible to one interval
+of queries. Context keys (ancestors outside the forest, appended after the packed rows) are visible to every query. So
+the mask is ``start[k] <= q < end[k]`` for two per-key tables, and which 128 x 128 blocks hold any visible pair, or
+only visible pairs, follows from each key block's smallest and largest ``start`` and ``end``: the block mask is built
+from the tables directly (no ``[U, U]`` mask), and FlexAttention's kernels skip the empty blocks and leave the full
+ones unmasked. Keys and values are never copied per run, so their gradients need no scatter-add; values may be narrower
+than keys (MLA). Rows are padded to a multiple of the block (a padded query sees only itself; a padded context key
+nothing).
 
 Opt-in (``varlen.KERNEL = "flex"``, ``tree_varlen_kernel="flex"``). Measured on an H100 (BENCHMARKS.md, 2026-12-06),
 one layer's attention fwd+bwd on whole forests against the gathering varlen call: 0.63-0.92x its time at Nemotron-H's
 heads of 128, 0.91-1.40x at MLA's 192, 1.7-2.0x at the 2B preset's 256 (compiled per length, then once for any), at
-0.3-0.7x its peak memory. The keep-attention checkpointing policy does not keep FlexAttention's outputs: the rerun recomputes them.
+0.3-0.7x its peak memory. The keep-attention checkpointing policy does not keep FlexAttention's outputs: the rerun
+recomputes them.
 """
 
 from __future__ import annotations
