@@ -387,6 +387,7 @@ def main() -> None:
     worst = max(worst, check_model_backends("nemotron_h", "Nemotron-H"))
     worst = max(worst, check_model())
     worst = max(worst, check_token_ops())
+    worst = max(worst, check_gather_rows())
     check_half_scan_inputs()
     assert worst < 1e-5, f"fla nodes differ from the fp32 torch backend by {worst:.1e}"
     print(f"OK: worst relative error against the torch backend {worst:.1e}; round-batched == fused bit for bit; "
@@ -724,6 +725,46 @@ def check_relu_squared_kernel() -> float:
                 ((got_b.float() - want_f).abs() <= want_f.abs() * 2 ** -7).all()), shape
     print(f"harts_hf's Triton squared ReLU vs fp64 reference (1-12,291 elements): worst output / gradient error "
           f"{worst:.1e}; bf16 within one bf16 step of the fp32 reference")
+    return worst
+
+
+def check_gather_rows() -> float:
+    """harts_hf's Triton sum of gathered rows' gradients (``varlen.GATHER_SUM = "rows"``) against an fp64 scatter-add:
+    the key index of a forest with forks and context rows (rows with many copies, rows with one, rows with none),
+    widths below, at and past one program's column block; fp32 through ``gather_rows``' backward, and bf16 within one
+    bf16 step of the fp32 sum (the interpreter rounds toward zero)."""
+    import torch
+
+    from harts_hf.kernels.tree_attention import varlen
+    from harts_hf.trees import PrefixForest
+    from tests.forests import chunk_edge_sequences
+
+    packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
+    layout = varlen.build_varlen_layout(packed, context_tokens=3)
+    index = layout.key_index
+    num_rows = packed.num_tokens + 3 + 2  # two rows no run gathers
+    worst = 0.0
+    generator = torch.Generator().manual_seed(0)
+    default = varlen.GATHER_SUM
+    try:
+        for heads, dim in ((2, 8), (4, 256), (3, 700)):
+            x = torch.randn(num_rows, heads, dim, generator=generator, requires_grad=True)
+            g = torch.randn(index.shape[0], heads, dim, generator=generator)
+            want = torch.zeros(num_rows, heads, dim, dtype=torch.float64).index_add_(0, index, g.double())
+            varlen.GATHER_SUM = "rows"
+            (got,) = torch.autograd.grad(varlen.gather_rows(x, index), x, g)
+            error = rel(got.double(), want)
+            assert got.dtype == torch.float32 and error < 1e-6 and not got[-2:].any(), (heads, dim, error)
+            worst = max(worst, error)
+            gb = g.bfloat16()
+            got_b = varlen.sum_gathered_rows(gb, index, num_rows, torch.bfloat16)
+            want_f = torch.zeros(num_rows, heads, dim).index_add_(0, index, gb.float())
+            assert got_b.dtype == torch.bfloat16 and bool(
+                ((got_b.float() - want_f).abs() <= want_f.abs() * 2 ** -7 + 1e-30).all()), (heads, dim)
+    finally:
+        varlen.GATHER_SUM = default
+    print(f"harts_hf's Triton sum of gathered rows vs an fp64 scatter-add ({index.shape[0]} copies of {num_rows} rows, "
+          f"up to {int(torch.bincount(index).max())} each): worst error {worst:.1e}; bf16 within one bf16 step")
     return worst
 
 

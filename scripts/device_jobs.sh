@@ -40,7 +40,14 @@ if [ ! -f "$JOBS/.queued" ]; then
   # (run on an H100, 2026-12-06 13:51-14:26 UTC, and taken off: shared keys in place and FlexAttention, the attention
   # alone on whole forests at three head shapes; Kimi `tau` with each and Nemotron-H `tau` with shared keys; the
   # `distinct` trainers, tree and TRL with Liger, two timed steps on an H100)
-  # issues 26/22, any card, first: FlexAttention in whole steps where it won alone (Nemotron-H's heads of 128: 1.6x
+  # issues 25/22, any card, first: the gathered keys' and values' gradients summed by harts_hf's Triton kernel
+  # (varlen.GATHER_SUM = "rows") against fp32 index_add_: Kimi's profile put 0.34 s of its `tau` tree in that backward
+  # (MLA's rows of 24.6 KB, 96 copies of the prompt), then the 2B preset's `tau`
+  job_tf524 kimi_tau_row_sum $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi \
+    --no-history --kernels fused fused_row_sum --keep-attention on --repeats 2 --out $J/kimi_tau_row_sum
+  job tau_row_sum $probe --workload tau --scale 1.0 --budget 0 --no-history --kernels fused fused_row_sum \
+    --keep-attention on --repeats 2 --out $J/tau_row_sum
+  # issues 26/22, any card: FlexAttention in whole steps where it won alone (Nemotron-H's heads of 128: 1.6x
   # the plain call compiled per length, 1.3x compiled once), and the 2B preset's `tau` again since its compiled call
   # runs with autocast off (5cfc4f8: the run of 2026-12-06 recompiled to dynamo's limit and fell to the dense path)
   job nemotron_tau_flex $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 --no-history \

@@ -1041,3 +1041,20 @@ def test_flex_attention_at_the_recompile_limit_raises_naming_the_switch():
             with pytest.raises(RuntimeError, match="tree_varlen_kernel='torch'"):
                 flex.tree_attention_flex(*inputs, packed.subtree_end, compiled=True)
     torch._dynamo.reset()
+
+
+def test_gather_sum_setting(monkeypatch):
+    """``varlen.GATHER_SUM``: a bad value raises naming it; ``"rows"`` (the Triton kernel on CUDA, checked under
+    Triton's interpreter in scripts/check_fla_nodes_on_cpu.py) gives CPU tensors the fp32 ``index_add`` sums, rounded
+    once, as the default does."""
+    from harts_hf.kernels.tree_attention import varlen
+
+    index = torch.tensor([0, 2, 0, 0, 3])
+    grad = torch.randn(5, 2, 3, dtype=torch.bfloat16)
+    expected = torch.zeros(5, 2, 3).index_add_(0, index, grad.float()).bfloat16()
+    for setting in ("index_add", "rows"):
+        monkeypatch.setattr(varlen, "GATHER_SUM", setting)
+        torch.testing.assert_close(varlen.sum_gathered_rows(grad, index, 5, torch.bfloat16), expected, rtol=0, atol=0)
+    monkeypatch.setattr(varlen, "GATHER_SUM", "atomic")
+    with pytest.raises(ValueError, match="GATHER_SUM must be 'index_add' or 'rows', got 'atomic'"):
+        varlen.sum_gathered_rows(grad, index, 5, torch.bfloat16)

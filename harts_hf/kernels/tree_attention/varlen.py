@@ -18,9 +18,8 @@ import torch
 
 from ...trees import PackedForest
 
-__all__ = ["KERNEL", "SHARED_KEYS_IN_PLACE", "VarlenLayout", "build_varlen_layout", "gather_rows",
-           "tree_attention_varlen",
-           "varlen_available", "varlen_call_groups", "varlen_kernel"]
+__all__ = ["GATHER_SUM", "KERNEL", "SHARED_KEYS_IN_PLACE", "VarlenLayout", "build_varlen_layout", "gather_rows",
+           "sum_gathered_rows", "tree_attention_varlen", "varlen_available", "varlen_call_groups", "varlen_kernel"]
 
 MAX_CALL_ELEMENTS = (1 << 31) - 1
 """Most elements of the query or key tensor in one ``varlen_attn`` call, counting the 128 padding rows per sequence
@@ -105,6 +104,45 @@ def build_varlen_layout(packed: PackedForest, context_tokens: int = 0) -> Varlen
                         (cu_q.tolist(), cu_k.tolist()), parent, packed.subtree_end.cpu().numpy())
 
 
+GATHER_SUM = "index_add"
+"""How the backward of a row gather (the keys and values each run gathers) sums the copies' gradients into their rows:
+``"index_add"`` (the default: gradient rows converted to fp32 in blocks, ``index_add_`` into an fp32 buffer, rounded
+once) or ``"rows"`` (on CUDA, :mod:`._triton_rows`: each row's copies listed by a sort of the index, summed in fp32
+registers by one program per row and column block, written once in the input's dtype: no atomics, no fp32 buffer;
+CPU tensors take ``"index_add"``, except under Triton's interpreter, where the kernel is checked). Both round each
+row's fp32 sum once. ``"rows"`` is opt-in until measured on a GPU."""
+
+
+def sum_gathered_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[num_rows, ...]`` in ``dtype``: row ``u`` the fp32 sum of ``grad[j]`` over ``index[j] == u``, rounded once
+    (the backward of ``x.index_select(0, index)``), by :data:`GATHER_SUM`'s method."""
+    if GATHER_SUM not in ("index_add", "rows"):
+        raise ValueError(f"tree attention: varlen GATHER_SUM must be 'index_add' or 'rows', got {GATHER_SUM!r}")
+    shape = (num_rows, *grad.shape[1:])
+    if GATHER_SUM == "index_add" or not (grad.is_cuda or _interpreting()):  # the CPU: index_add (no Triton)
+        total = torch.zeros(shape, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
+        return add_rows(total, index, grad).to(dtype)
+    from ._triton_rows import sum_rows_kernel
+
+    order = torch.argsort(index, stable=True)
+    offsets = torch.zeros(num_rows + 1, dtype=torch.int64, device=grad.device)
+    torch.cumsum(torch.bincount(index, minlength=num_rows), 0, out=offsets[1:])
+    width = grad[0].numel()
+    out = torch.empty(shape, dtype=dtype, device=grad.device)
+
+    block = min(1024, 1 << max(width - 1, 1).bit_length())
+    grid = (num_rows, -(-width // block))
+    if num_rows:
+        sum_rows_kernel[grid](grad.contiguous(), order, offsets, out, width, BW=block)
+    return out
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 class _GatherRows(torch.autograd.Function):
     """``x.index_select(0, index)`` whose backward sums the gathered rows' gradients in fp32 and rounds once (the
     plain backward accumulates them in ``x``'s dtype: a shared prefix's key gradient gathers one term per run)."""
@@ -120,8 +158,7 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
-        total = torch.zeros(ctx.shape, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
-        return add_rows(total, index, grad).to(ctx.dtype), None
+        return sum_gathered_rows(grad, index, ctx.shape[0], ctx.dtype), None
 
 
 def add_rows(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
