@@ -186,7 +186,9 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
                  reference_tokens: int = 20000, flex: bool = True) -> dict:
     """The tree attention of a workload's forest (bf16 on CUDA, random q/k/v at ``--heads``, values ``value_dim`` wide
     and zero-padded to the key width as harts_hf pads MLA's): the plain varlen call against shared key segments attended
-    in place (``varlen.SHARED_KEYS_IN_PLACE``) at each ``shared_keys.COST_FACTOR`` of ``factors``: fwd+bwd seconds and
+    in place (``varlen.SHARED_KEYS_IN_PLACE``) at each ``shared_keys.COST_FACTOR`` of ``factors`` and against the plain
+    call with its gathers' gradients summed by the Triton kernel (``varlen.GATHER_SUM = "rows"``, on CUDA; the CPU runs
+    index_add under both names): fwd+bwd seconds and
     peak of each, the split's gathered rows and blocks, each split's outputs' and input gradients' difference from the
     plain call's, and, for forests of at most ``reference_tokens`` unique tokens, each path's error against an fp32 run
     of the per-run SDPA path; on CUDA with ``flex``, FlexAttention on the packed rows likewise (:func:`check_flex`)."""
@@ -210,10 +212,11 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
     row = dict(kind="forest", workload=workload, scale=scale, unique_tokens=U, heads=[HQ, HKV, D], value_dim=value_dim,
                gathered_rows=layout.key_index.numel())
     results = {}
-    for factor in (None, *factors):
-        name = "plain" if factor is None else f"shared_keys_{factor:g}"
-        varlen.SHARED_KEYS_IN_PLACE = factor is not None
-        if factor is not None:
+    for factor in (None, "row_sum", *factors):
+        name = "plain" if factor is None else "plain_row_sum" if factor == "row_sum" else f"shared_keys_{factor:g}"
+        varlen.SHARED_KEYS_IN_PLACE = factor not in (None, "row_sum")
+        varlen.GATHER_SUM = "rows" if factor == "row_sum" and device.type == "cuda" else "index_add"
+        if varlen.SHARED_KEYS_IN_PLACE:
             shared_keys.COST_FACTOR = factor
             split = shared_keys.shared_segment_split(layout, (HQ * D) / (2 * HKV * D))
             row[name] = dict(rest_rows=split.rest.key_index.numel(), blocks=len(split.blocks),
@@ -237,7 +240,7 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
             if U > reference_tokens:  # no fp32 reference at this size: free its outputs now (80 GB cards)
                 del results[name]
         print(workload, scale, name, row[name], flush=True)
-    varlen.SHARED_KEYS_IN_PLACE = False
+    varlen.SHARED_KEYS_IN_PLACE, varlen.GATHER_SUM = False, "index_add"
     shared_keys.COST_FACTOR = default_factor
     if flex and device.type == "cuda":
         for dynamic in (False, True):

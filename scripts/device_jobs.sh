@@ -42,7 +42,11 @@ if [ ! -f "$JOBS/.queued" ]; then
   # `distinct` trainers, tree and TRL with Liger, two timed steps on an H100)
   # issues 25/22, any card, first: the gathered keys' and values' gradients summed by harts_hf's Triton kernel
   # (varlen.GATHER_SUM = "rows") against fp32 index_add_: Kimi's profile put 0.34 s of its `tau` tree in that backward
-  # (MLA's rows of 24.6 KB, 96 copies of the prompt), then the 2B preset's `tau`
+  # (MLA's rows of 24.6 KB, 96 copies of the prompt): the attention alone (plain call with each, FlexAttention beside),
+  # then whole steps of Kimi's and the 2B preset's `tau`
+  job row_sum_mla benchmarks/attention_kernels.py --forest tau 1.0 --forest swe 0.2 --heads 32 32 192 --value-dim 128 \
+    --factors --out $J/row_sum_mla
+  job row_sum_gqa benchmarks/attention_kernels.py --forest tau 1.0 --forest swe 0.2 --factors --out $J/row_sum_gqa
   job_tf524 kimi_tau_row_sum $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi \
     --no-history --kernels fused fused_row_sum --keep-attention on --repeats 2 --out $J/kimi_tau_row_sum
   job tau_row_sum $probe --workload tau --scale 1.0 --budget 0 --no-history --kernels fused fused_row_sum \
