@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -109,8 +110,8 @@ GATHER_SUM = "index_add"
 ``"index_add"`` (the default: gradient rows converted to fp32 in blocks, ``index_add_`` into an fp32 buffer, rounded
 once) or ``"rows"`` (on CUDA, :mod:`._triton_rows`: each row's copies listed by a sort of the index, summed in fp32
 registers by one program per row and column block, written once in the input's dtype: no atomics, no fp32 buffer;
-CPU tensors take ``"index_add"``, except under Triton's interpreter, where the kernel is checked). Both round each
-row's fp32 sum once. ``"rows"`` is opt-in until measured on a GPU."""
+CPU and fp64 tensors take ``"index_add"``, except CPU ones under Triton's interpreter, where the kernel is checked).
+Both round each row's fp32 sum once. ``"rows"`` is opt-in until measured on a GPU."""
 
 
 def sum_gathered_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -119,7 +120,8 @@ def sum_gathered_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dt
     if GATHER_SUM not in ("index_add", "rows"):
         raise ValueError(f"tree attention: varlen GATHER_SUM must be 'index_add' or 'rows', got {GATHER_SUM!r}")
     shape = (num_rows, *grad.shape[1:])
-    if GATHER_SUM == "index_add" or not (grad.is_cuda or _interpreting()):  # the CPU: index_add (no Triton)
+    triton_ok = (grad.is_cuda or _interpreting()) and grad.dtype != torch.float64  # the kernel sums in fp32
+    if GATHER_SUM == "index_add" or not triton_ok:
         total = torch.zeros(shape, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
         return add_rows(total, index, grad).to(dtype)
     from ._triton_rows import sum_rows_kernel
@@ -129,7 +131,6 @@ def sum_gathered_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dt
     torch.cumsum(torch.bincount(index, minlength=num_rows), 0, out=offsets[1:])
     width = grad[0].numel()
     out = torch.empty(shape, dtype=dtype, device=grad.device)
-
     block = min(1024, 1 << max(width - 1, 1).bit_length())
     grid = (num_rows, -(-width // block))
     if num_rows:
@@ -138,8 +139,6 @@ def sum_gathered_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dt
 
 
 def _interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
