@@ -761,6 +761,7 @@ def check_gather_rows() -> float:
             want_f = torch.zeros(num_rows, heads, dim).index_add_(0, index, gb.float())
             assert got_b.dtype == torch.bfloat16 and bool(
                 ((got_b.float() - want_f).abs() <= want_f.abs() * 2 ** -7 + 1e-30).all()), (heads, dim)
+        assert varlen._copies_of_rows(index, num_rows)[0] is varlen._COPIES.get(index)[1]  # listed once, reused
     finally:
         varlen.GATHER_SUM = default
     print(f"harts_hf's Triton sum of gathered rows vs an fp64 scatter-add ({index.shape[0]} copies of {num_rows} rows, "

@@ -1046,7 +1046,8 @@ def test_flex_attention_at_the_recompile_limit_raises_naming_the_switch():
 def test_gather_sum_setting(monkeypatch):
     """``varlen.GATHER_SUM``: a bad value raises naming it; ``"rows"`` (the Triton kernel on CUDA, checked under
     Triton's interpreter in scripts/check_fla_nodes_on_cpu.py) gives CPU tensors the fp32 ``index_add`` sums, rounded
-    once, as the default does."""
+    once, as the default does; the kernel's lists of each row's copies are right and kept per index tensor (listed
+    again for another row count or after an in-place change)."""
     from harts_hf.kernels.tree_attention import varlen
 
     index = torch.tensor([0, 2, 0, 0, 3])
@@ -1055,6 +1056,11 @@ def test_gather_sum_setting(monkeypatch):
     for setting in ("index_add", "rows"):
         monkeypatch.setattr(varlen, "GATHER_SUM", setting)
         torch.testing.assert_close(varlen.sum_gathered_rows(grad, index, 5, torch.bfloat16), expected, rtol=0, atol=0)
+    order, offsets = varlen._copies_of_rows(index, 5)  # the kernel's lists of copies, kept per index tensor
+    assert order.tolist() == [0, 2, 3, 1, 4] and offsets.tolist() == [0, 3, 3, 4, 5, 5]
+    assert varlen._copies_of_rows(index, 5)[0] is order and varlen._copies_of_rows(index, 6)[0] is not order
+    index[1] = 3  # changed in place: listed again
+    assert varlen._copies_of_rows(index, 6)[1].tolist() == [0, 3, 3, 3, 5, 5, 5]
     monkeypatch.setattr(varlen, "GATHER_SUM", "atomic")
     with pytest.raises(ValueError, match="GATHER_SUM must be 'index_add' or 'rows', got 'atomic'"):
         varlen.sum_gathered_rows(grad, index, 5, torch.bfloat16)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from ...trees import PackedForest
 
@@ -126,9 +127,7 @@ def sum_gathered_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dt
         return add_rows(total, index, grad).to(dtype)
     from ._triton_rows import sum_rows_kernel
 
-    order = torch.argsort(index, stable=True)
-    offsets = torch.zeros(num_rows + 1, dtype=torch.int64, device=grad.device)
-    torch.cumsum(torch.bincount(index, minlength=num_rows), 0, out=offsets[1:])
+    order, offsets = _copies_of_rows(index, num_rows)
     width = grad[0].numel()
     out = torch.empty(shape, dtype=dtype, device=grad.device)
     block = min(1024, 1 << max(width - 1, 1).bit_length())
@@ -136,6 +135,23 @@ def sum_gathered_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dt
     if num_rows:
         sum_rows_kernel[grid](grad.contiguous(), order, offsets, out, width, BW=block)
     return out
+
+
+_COPIES = WeakTensorKeyDictionary()  # index tensor -> (rows, order, offsets, its version)
+
+
+def _copies_of_rows(index: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each row's copies are in ``index``: ``order`` (positions sorted by row, stable) and ``offsets``
+    (``[num_rows + 1]``: row ``u``'s copies are ``order[offsets[u]:offsets[u + 1]]``), kept per index tensor while it
+    lives (a layout's key index is gathered for keys and values in every attention layer's backward)."""
+    cached = _COPIES.get(index)
+    if cached is not None and cached[0] == num_rows and cached[3] == index._version:
+        return cached[1], cached[2]
+    order = torch.argsort(index, stable=True)
+    offsets = torch.zeros(num_rows + 1, dtype=torch.int64, device=index.device)
+    torch.cumsum(torch.bincount(index, minlength=num_rows), 0, out=offsets[1:])
+    _COPIES[index] = (num_rows, order, offsets, index._version)
+    return order, offsets
 
 
 def _interpreting() -> bool:
