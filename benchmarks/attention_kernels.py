@@ -143,13 +143,12 @@ def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool, dy
     import time
 
     from harts_hf.kernels.tree_attention import flex
-    from harts_hf.kernels.tree_attention.flex import flex_block_tables, tree_attention_flex
 
     name, default = "flex_dynamic" if dynamic else "flex", flex.DYNAMIC
     flex.DYNAMIC = dynamic
     torch.cuda.synchronize()
     begin = time.perf_counter()
-    tables = flex_block_tables(packed.subtree_end)
+    tables = flex.flex_block_tables(packed.subtree_end)
     torch.cuda.synchronize()
     entry = dict(tables_seconds=time.perf_counter() - begin,
                  blocks=int(tables["kv_num_blocks"].sum()), full_blocks=int(tables["full_kv_num_blocks"].sum()),
@@ -159,7 +158,7 @@ def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool, dy
     def step():
         for x in inputs:
             x.grad = None
-        out = tree_attention_flex(*inputs, packed.subtree_end, tables=tables)
+        out = flex.tree_attention_flex(*inputs, packed.subtree_end, tables=tables)
         (out.float() * weight).sum().backward()
         return out
 

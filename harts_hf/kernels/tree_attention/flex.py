@@ -22,19 +22,10 @@ import functools
 
 import torch
 
-__all__ = ["BLOCK", "DYNAMIC", "flex_available", "flex_block_tables", "layout_tables", "tree_attention_flex"]
+__all__ = ["BLOCK", "DYNAMIC", "flex_block_tables", "layout_tables", "tree_attention_flex"]
 
 BLOCK = 128
 """FlexAttention's block (query and key rows per tile of its block mask)."""
-
-
-def flex_available() -> bool:
-    """Whether this torch has FlexAttention (``torch.nn.attention.flex_attention``, torch >= 2.5)."""
-    try:
-        from torch.nn.attention.flex_attention import BlockMask, flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -165,8 +156,6 @@ def tree_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtr
 def layout_tables(layout, subtree_end: torch.Tensor) -> dict:
     """:func:`flex_block_tables` of a :class:`.varlen.VarlenLayout`'s forest and context rows, built once per layout
     (every attention layer of a forward, and the backward's reruns, share them)."""
-    cache = layout.__dict__.setdefault("_flex_tables", {})
-    key = subtree_end.device
-    if key not in cache:
-        cache[key] = flex_block_tables(subtree_end, layout.context_tokens)
-    return cache[key]
+    if "_flex_tables" not in layout.__dict__:
+        layout.__dict__["_flex_tables"] = flex_block_tables(subtree_end, layout.context_tokens)
+    return layout.__dict__["_flex_tables"]
