@@ -186,8 +186,9 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
     """The tree attention of a workload's forest (bf16 on CUDA, random q/k/v at ``--heads``, values ``value_dim`` wide
     and zero-padded to the key width as harts_hf pads MLA's): the plain varlen call against shared key segments attended
     in place (``varlen.SHARED_KEYS_IN_PLACE``) at each ``shared_keys.COST_FACTOR`` of ``factors`` and against the plain
-    call with its gathers' gradients summed by the Triton kernel (``varlen.GATHER_SUM = "rows"``, on CUDA; the CPU runs
-    index_add under both names): fwd+bwd seconds and
+    call with its gathers' gradients summed by fp32 ``index_add_`` (``plain_index_add``; ``plain`` and the others take
+    the default, ``varlen.GATHER_SUM = "rows"``: the Triton kernel on CUDA, ``index_add_`` on the CPU; runs before
+    2026-12-06 named ``index_add_`` ``plain`` and the kernel ``plain_row_sum``): fwd+bwd seconds and
     peak of each, the split's gathered rows and blocks, each split's outputs' and input gradients' difference from the
     plain call's, and, for forests of at most ``reference_tokens`` unique tokens, each path's error against an fp32 run
     of the per-run SDPA path; on CUDA with ``flex``, FlexAttention on the packed rows likewise (:func:`check_flex`)."""
@@ -211,10 +212,11 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
     row = dict(kind="forest", workload=workload, scale=scale, unique_tokens=U, heads=[HQ, HKV, D], value_dim=value_dim,
                gathered_rows=layout.key_index.numel())
     results = {}
-    for factor in (None, "row_sum", *factors):
-        name = "plain" if factor is None else "plain_row_sum" if factor == "row_sum" else f"shared_keys_{factor:g}"
-        varlen.SHARED_KEYS_IN_PLACE = factor not in (None, "row_sum")
-        varlen.GATHER_SUM = "rows" if factor == "row_sum" and device.type == "cuda" else "index_add"
+    default_sum = varlen.GATHER_SUM
+    for factor in (None, "index_add", *factors):
+        name = "plain" if factor is None else "plain_index_add" if factor == "index_add" else f"shared_keys_{factor:g}"
+        varlen.SHARED_KEYS_IN_PLACE = factor not in (None, "index_add")
+        varlen.GATHER_SUM = "index_add" if factor == "index_add" else default_sum
         if varlen.SHARED_KEYS_IN_PLACE:
             shared_keys.COST_FACTOR = factor
             split = shared_keys.shared_segment_split(layout, (HQ * D) / (2 * HKV * D))
@@ -239,7 +241,7 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
             if U > reference_tokens:  # no fp32 reference at this size: free its outputs now (80 GB cards)
                 del results[name]
         print(workload, scale, name, row[name], flush=True)
-    varlen.SHARED_KEYS_IN_PLACE, varlen.GATHER_SUM = False, "index_add"
+    varlen.SHARED_KEYS_IN_PLACE, varlen.GATHER_SUM = False, default_sum
     shared_keys.COST_FACTOR = default_factor
     if flex and device.type == "cuda":
         for dynamic in (False, True):
@@ -273,6 +275,7 @@ def main():
     parser.add_argument("--factors", type=float, nargs="*", default=[0.5, 2.0, 8.0],
                         help="with --forest: the shared-keys cost factors to try (none: the plain call and "
                              "FlexAttention only)")
+    parser.add_argument("--no-flex", action="store_true", help="with --forest: no FlexAttention rows")
     parser.add_argument("--causal", type=int, nargs="+", default=[16384, 49152])
     parser.add_argument("--cross", type=int, nargs=2, action="append", metavar=("Q", "K"),
                         help="query and key lengths of a maskless block (default: 8192 43008 and 1024 43008)")
@@ -288,7 +291,8 @@ def main():
                "cudnn_sdp_enabled": torch.backends.cuda.cudnn_sdp_enabled(), "rows": []}
     if args.forest:
         for workload, scale in args.forest:
-            results["rows"].append(check_forest(workload, float(scale), args.value_dim or D, tuple(args.factors)))
+            results["rows"].append(check_forest(workload, float(scale), args.value_dim or D, tuple(args.factors),
+                                                flex=not args.no_flex))
             (out / "attention_kernels.json").write_text(json.dumps(results, indent=1))
             torch.cuda.empty_cache()
         return

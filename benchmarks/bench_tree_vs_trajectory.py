@@ -67,7 +67,7 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
-              graph_tokens=0, experts="cuda", scan="cuda", shared_keys=False, gather_sum="index_add")
+              graph_tokens=0, experts="cuda", scan="cuda", shared_keys=False, gather_sum="rows")
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
@@ -88,6 +88,7 @@ KERNEL_SETS = {
     "fused_fa4_shared_keys": dict(_FUSED, varlen="fa4", shared_keys=True),
     "fused_flex": dict(_FUSED, varlen="flex"),
     "fused_row_sum": dict(_FUSED, gather_sum="rows"),
+    "fused_index_add": dict(_FUSED, gather_sum="index_add"),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -110,8 +111,10 @@ were the default, now computes as ``fused`` on the GPU). ``fused_shared_keys`` (
 key segments shared by many runs in place instead of gathering them per run
 (``tree_attention.varlen.SHARED_KEYS_IN_PLACE``; the packed path shares none). ``fused_flex`` runs the tree attention
 through FlexAttention on the packed rows (``varlen.KERNEL = "flex"``: nothing gathered; the packed path, which gathers
-nothing, keeps torch's flash varlen). ``fused_row_sum`` sums the gradients of the keys and values gathered per run
-with harts_hf's Triton kernel (``varlen.GATHER_SUM = "rows"``: no atomics, no fp32 buffer) in both paths."""
+nothing, keeps torch's flash varlen). Every set sums the gradients of the keys and values gathered per run with
+harts_hf's Triton kernel (``varlen.GATHER_SUM = "rows"``: no atomics, no fp32 buffer; the default since 2026-12-06,
+when ``fused_row_sum`` named it and the other sets ran ``index_add_``) but ``fused_index_add`` (fp32 ``index_add_``, as
+every set before then)."""
 
 
 def use_kernels(name: str) -> None:

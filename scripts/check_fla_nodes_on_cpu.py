@@ -731,7 +731,8 @@ def check_relu_squared_kernel() -> float:
 def check_gather_rows() -> float:
     """harts_hf's Triton sum of gathered rows' gradients (``varlen.GATHER_SUM = "rows"``) against an fp64 scatter-add:
     the key index of a forest with forks and context rows (rows with many copies, rows with one, rows with none),
-    widths below, at and past one program's column block; fp32 through ``gather_rows``' backward, and bf16 within one
+    widths below, at and past one program's column block, strided gradients (a padded head's slice, transposed
+    heads, 2-d and 4-d rows) read in place; fp32 through ``gather_rows``' backward, and bf16 within one
     bf16 step of the fp32 sum (the interpreter rounds toward zero)."""
     import torch
 
@@ -761,6 +762,16 @@ def check_gather_rows() -> float:
             want_f = torch.zeros(num_rows, heads, dim).index_add_(0, index, gb.float())
             assert got_b.dtype == torch.bfloat16 and bool(
                 ((got_b.float() - want_f).abs() <= want_f.abs() * 2 ** -7 + 1e-30).all()), (heads, dim)
+        # strided gradients read in place: a value head padded to the key width and sliced back (flash's dv), heads
+        # and dims transposed, rows of one dimension, and a 4-d gradient (its middle dimensions merged)
+        wide = torch.randn(index.shape[0], 4, 40, generator=generator)
+        views = (wide[..., :24], wide.transpose(1, 2), wide[:, 1], wide.view(index.shape[0], 2, 2, 40)[:, :, :, 3:30])
+        for g in views:
+            want = torch.zeros(num_rows, *g.shape[1:], dtype=torch.float64).index_add_(0, index, g.double())
+            got = varlen.sum_gathered_rows(g, index, num_rows, torch.float32)
+            error = rel(got.double(), want)
+            assert got.shape == want.shape and error < 1e-6, (tuple(g.shape), g.stride(), error)
+            worst = max(worst, error)
         assert varlen._copies_of_rows(index, num_rows)[0] is varlen._COPIES.get(index)[1]  # listed once, reused
     finally:
         varlen.GATHER_SUM = default

@@ -747,6 +747,8 @@ def test_attention_kernels_checks_shared_keys_on_a_forest(monkeypatch):
     monkeypatch.setattr(attention_kernels, "bench", lambda step: step() is None or 0.0)  # one untimed call
     row = attention_kernels.check_forest("tau", 0.005, 8, factors=(0.5, 8.0))
     assert not varlen.SHARED_KEYS_IN_PLACE and shared_keys.COST_FACTOR == 2.0  # restored
+    assert varlen.GATHER_SUM == "rows"
+    assert all(error["max"] == 0 for error in row["plain_index_add"]["vs_plain"].values())  # the CPU sums alike
     assert row["shared_keys_0.5"]["rest_rows"] < row["gathered_rows"] and row["shared_keys_0.5"]["blocks"] >= 1
     for name in ("shared_keys_0.5", "shared_keys_8"):
         assert all(error["max"] < 1e-12 for error in row[name]["vs_plain"].values())

@@ -106,13 +106,15 @@ def build_varlen_layout(packed: PackedForest, context_tokens: int = 0) -> Varlen
                         (cu_q.tolist(), cu_k.tolist()), parent, packed.subtree_end.cpu().numpy())
 
 
-GATHER_SUM = "index_add"
+GATHER_SUM = "rows"
 """How the backward of a row gather (the keys and values each run gathers) sums the copies' gradients into their rows:
-``"index_add"`` (the default: gradient rows converted to fp32 in blocks, ``index_add_`` into an fp32 buffer, rounded
-once) or ``"rows"`` (on CUDA, :mod:`._triton_rows`: each row's copies listed by a sort of the index, summed in fp32
-registers by one program per row and column block, written once in the input's dtype: no atomics, no fp32 buffer;
-CPU and fp64 tensors take ``"index_add"``, except CPU ones under Triton's interpreter, where the kernel is checked).
-Both round each row's fp32 sum once. ``"rows"`` is opt-in until measured on a GPU."""
+``"rows"`` (the default; on CUDA, :mod:`._triton_rows`: each row's copies listed by a sort of the index, summed in
+fp32 registers by one program per row and column block, written once in the input's dtype: no atomics, no fp32
+buffer, a fixed order; CPU and fp64 tensors take ``"index_add"``, except CPU ones under Triton's interpreter, where the
+kernel is checked) or ``"index_add"`` (gradient rows converted to fp32 in blocks, ``index_add_`` into an fp32 buffer,
+rounded once; the default before 2026-12-06). Both round each row's fp32 sum once. On an H100 (BENCHMARKS.md) ``"rows"``
+took MLA's attention fwd+bwd on full-size `tau` from 0.439 s to 0.329 s and Kimi's `tau` step from 5.76 s to 5.44 s,
+with the same gradients; the 2B preset's two key heads gain little."""
 
 
 def sum_gathered_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
@@ -133,8 +135,20 @@ def sum_gathered_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dt
     block = min(1024, 1 << max(width - 1, 1).bit_length())
     grid = (num_rows, -(-width // block))
     if num_rows:
-        sum_rows_kernel[grid](grad.contiguous(), order, offsets, out, width, BW=block)
+        rows = _as_rows_heads_dims(grad)
+        sum_rows_kernel[grid](rows, order, offsets, out, width, rows.shape[2], *rows.stride(), BW=block)
     return out
+
+
+def _as_rows_heads_dims(grad: torch.Tensor) -> torch.Tensor:
+    """``grad`` as a ``[rows, heads, dim]`` view with its own strides (flash's gradient of a value head padded to the
+    key width is a slice: read in place), copied only where no such view exists."""
+    if grad.dim() == 3:
+        return grad
+    if grad.dim() == 2:
+        return grad.unsqueeze(1)
+    flat = grad.reshape(grad.shape[0], -1, grad.shape[-1])  # a view where the middle dimensions merge
+    return flat
 
 
 _COPIES = WeakTensorKeyDictionary()  # index tensor -> (rows, order, offsets, its version)
@@ -298,16 +312,18 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     cache = layout.__dict__.setdefault("_call_groups", {})  # per layout, head shape and limit (as run_blocks caches)
     key = (q[0].numel(), k[0].numel(), MAX_CALL_ELEMENTS)
     if key not in cache:
-        cache[key] = varlen_call_groups(cu_q, cu_k, *key)
+        # each call's key index and offsets made once per layout (the index tensor is also what the gathers' backward
+        # keys its lists of copies on: one tensor for keys and values of every layer)
+        cache[key] = [(cu_q[r0], cu_q[r1], layout.key_index[cu_k[r0]: cu_k[r1]],
+                       layout.cu_q[r0: r1 + 1] - cu_q[r0], layout.cu_k[r0: r1 + 1] - cu_k[r0])
+                      for r0, r1 in varlen_call_groups(cu_q, cu_k, *key)]
     groups = cache[key]
     if len(groups) == 1:
         keys, values = gather_rows(k, layout.key_index), gather_rows(v, layout.key_index)
         return _varlen_call(kernel, q, keys, values, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k, scaling,
                             extra, **features)
     outputs = []
-    for r0, r1 in groups:
-        index = layout.key_index[cu_k[r0]: cu_k[r1]]
-        offsets_q, offsets_k = layout.cu_q[r0: r1 + 1] - cu_q[r0], layout.cu_k[r0: r1 + 1] - cu_k[r0]
-        outputs.append(_varlen_call(kernel, q[cu_q[r0]: cu_q[r1]], gather_rows(k, index), gather_rows(v, index),
+    for q0, q1, index, offsets_q, offsets_k in groups:
+        outputs.append(_varlen_call(kernel, q[q0: q1], gather_rows(k, index), gather_rows(v, index),
                                     offsets_q, offsets_k, layout.max_q, layout.max_k, scaling, extra, **features))
     return torch.cat(outputs)
