@@ -40,24 +40,17 @@ if [ ! -f "$JOBS/.queued" ]; then
   # (run on an H100, 2026-12-06 13:51-14:26 UTC, and taken off: shared keys in place and FlexAttention, the attention
   # alone on whole forests at three head shapes; Kimi `tau` with each and Nemotron-H `tau` with shared keys; the
   # `distinct` trainers, tree and TRL with Liger, two timed steps on an H100)
-  # issues 25/22, any card, first: the gathered keys' and values' gradients summed by harts_hf's Triton kernel
-  # (varlen.GATHER_SUM = "rows") against fp32 index_add_: Kimi's profile put 0.34 s of its `tau` tree in that backward
-  # (MLA's rows of 24.6 KB, 96 copies of the prompt): the attention alone (plain call with each, FlexAttention beside),
-  # then whole steps of Kimi's and the 2B preset's `tau`
-  job row_sum_mla benchmarks/attention_kernels.py --forest tau 1.0 --forest swe 0.2 --heads 32 32 192 --value-dim 128 \
-    --factors --out $J/row_sum_mla
-  job row_sum_gqa benchmarks/attention_kernels.py --forest tau 1.0 --forest swe 0.2 --factors --out $J/row_sum_gqa
-  job_tf524 kimi_tau_row_sum $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi \
-    --no-history --kernels fused fused_row_sum --keep-attention on --repeats 2 --out $J/kimi_tau_row_sum
-  job tau_row_sum $probe --workload tau --scale 1.0 --budget 0 --no-history --kernels fused fused_row_sum \
-    --keep-attention on --repeats 2 --out $J/tau_row_sum
-  # issues 26/22, any card: FlexAttention in whole steps where it won alone (Nemotron-H's heads of 128: 1.6x
-  # the plain call compiled per length, 1.3x compiled once), and the 2B preset's `tau` again since its compiled call
-  # runs with autocast off (5cfc4f8: the run of 2026-12-06 recompiled to dynamo's limit and fell to the dense path)
-  job nemotron_tau_flex $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 --no-history \
-    --kernels fused fused_flex --keep-attention on --repeats 2 --out $J/nemotron_tau_flex
-  job tau_flex $probe --workload tau --scale 1.0 --budget 0 --no-history --kernels fused fused_flex \
-    --keep-attention on --repeats 2 --out $J/tau_flex
+  # (run on H100s, 2026-12-06 17:04-17:31 UTC, and taken off: the Triton sum of the gathered rows' gradients against
+  # index_add_, attention alone and Kimi / 2B `tau` steps (now the default); FlexAttention in Nemotron-H and 2B `tau`)
+  # issues 25/26, any card, first: the fractions with the row sum the default, both paths in one process each (Kimi's
+  # 0.853 of 2026-12-06 divides a tree and a packed time from two machines); on an H100 Kimi in 32,768-token pieces,
+  # Nemotron-H's `swe` in 65,536 (its H100 rows of 2026-12-06)
+  if [ "$h200" = 0 ]; then
+    job_tf524 kimi_tau_both $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi \
+      "${same[@]}" --repeats 2 --packed-groups $kimi --packed-warmup each --out $J/kimi_tau_both
+    job nemotron_swe_both $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
+      --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_swe_both
+  fi
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on FlashAttention-4, the headline's kernel, where its stack travelled (device_env.sh:
