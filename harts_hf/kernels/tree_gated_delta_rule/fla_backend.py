@@ -113,7 +113,12 @@ def _state_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, k, w, u, g, ini
             bank.index_copy_(0, batch.save_ids[r], final[batch.save_slots[r]])
         hs.append(h)
         v_news.append(v_new)
-    return torch.cat(hs, 1), torch.cat(v_news, 1)
+    return _joined(hs), _joined(v_news)
+
+
+def _joined(parts: list) -> torch.Tensor:
+    """The rounds' parts along the token / chunk dimension (one part as it is: a concatenation would copy it)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 def _state_gradient_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, qe, ke, w, g, do, dv, initials, d_bank,
@@ -131,7 +136,7 @@ def _state_gradient_pass(stages, batch: RoundBatch, plan: GatedDeltaPlan, qe, ke
             dht=dht, scale=scale, cu_seqlens=batch.round_cu[r], chunk_size=plan.chunk_size,
             chunk_indices=batch.round_chunk_indices[r], chunk_offsets=batch.round_chunk_offsets[r])
         d_bank.index_add_(0, batch.initial_ids[r], dh0)
-    return torch.cat(dh_parts, 1), torch.cat(dv_parts, 1)
+    return _joined(dh_parts), _joined(dv_parts)
 
 
 def _state_bank(batch: RoundBatch, initial_state, HV: int, K: int, V: int, device) -> torch.Tensor:
