@@ -732,8 +732,8 @@ def check_gather_rows() -> float:
     """harts_hf's Triton sum of gathered rows' gradients (``varlen.GATHER_SUM = "rows"``) against an fp64 scatter-add:
     the key index of a forest with forks and context rows (rows with many copies, rows with one, rows with none),
     widths below, at and past one program's column block, strided gradients (a padded head's slice, transposed
-    heads, 2-d and 4-d rows) read in place; fp32 through ``gather_rows``' backward, and bf16 within one
-    bf16 step of the fp32 sum (the interpreter rounds toward zero)."""
+    heads, 2-d and 4-d rows) read in place, sums added into an fp32 total; fp32 through ``gather_rows``' backward,
+    and bf16 within one bf16 step of the fp32 sum (the interpreter rounds toward zero)."""
     import torch
 
     from harts_hf.kernels.tree_attention import varlen
@@ -772,6 +772,14 @@ def check_gather_rows() -> float:
             error = rel(got.double(), want)
             assert got.shape == want.shape and error < 1e-6, (tuple(g.shape), g.stride(), error)
             worst = max(worst, error)
+        # added into an fp32 total (the shared-keys path's per-call sums): the same kernel, each row plus its value
+        g = torch.randn(index.shape[0], 3, 40, generator=generator)
+        start = torch.randn(num_rows, 3, 40, generator=generator)
+        want = start.double().index_add_(0, index, g.double())
+        got = varlen.add_rows(start.clone(), index, g)
+        error = rel(got.double(), want)
+        assert error < 1e-6, error
+        worst = max(worst, error)
         assert varlen._copies_of_rows(index, num_rows)[0] is varlen._COPIES.get(index)[1]  # listed once, reused
     finally:
         varlen.GATHER_SUM = default

@@ -15,9 +15,10 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["W", "s0"])  # D, s1, s2 specialized: a unit stride keeps loads vectorized
-def sum_rows_kernel(grad, order, offsets, out, W, D, s0, s1, s2, BW: tl.constexpr):
+def sum_rows_kernel(grad, order, offsets, out, W, D, s0, s1, s2, BW: tl.constexpr, ACCUMULATE: tl.constexpr):
     """``grad`` read as ``[rows, W // D, D]`` with element strides ``s0, s1, s2`` (a padded head's gradient is a
-    strided view: read in place, not copied); ``out`` contiguous ``[num_rows, W]``."""
+    strided view: read in place, not copied); ``out`` contiguous ``[num_rows, W]``, written (``ACCUMULATE``: added
+    to; each program owns its row, so no atomics)."""
     row = tl.program_id(0).to(tl.int64)
     columns = tl.program_id(1) * BW + tl.arange(0, BW)
     inside = columns < W
@@ -28,4 +29,6 @@ def sum_rows_kernel(grad, order, offsets, out, W, D, s0, s1, s2, BW: tl.constexp
     for j in range(start, end):
         source = tl.load(order + j)
         total += tl.load(grad + source * s0 + within, mask=inside, other=0.0).to(tl.float32)
+    if ACCUMULATE:
+        total += tl.load(out + row * W + columns, mask=inside, other=0.0).to(tl.float32)
     tl.store(out + row * W + columns, total.to(out.dtype.element_ty), mask=inside)

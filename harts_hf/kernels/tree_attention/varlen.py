@@ -114,30 +114,42 @@ buffer, a fixed order; CPU and fp64 tensors take ``"index_add"``, except CPU one
 kernel is checked) or ``"index_add"`` (gradient rows converted to fp32 in blocks, ``index_add_`` into an fp32 buffer,
 rounded once; the default before 2026-12-06). Both round each row's fp32 sum once. On an H100 (BENCHMARKS.md) ``"rows"``
 took MLA's attention fwd+bwd on full-size `tau` from 0.439 s to 0.329 s and Kimi's `tau` step from 5.76 s to 5.44 s,
-with the same gradients; the 2B preset's two key heads gain little."""
+with the same gradients; the 2B preset's two key heads gain little. The shared-keys path
+(:data:`SHARED_KEYS_IN_PLACE`) adds its calls' sums into fp32 totals through the same kernel (:func:`add_rows`)."""
 
 
 def sum_gathered_rows(grad: torch.Tensor, index: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
     """``[num_rows, ...]`` in ``dtype``: row ``u`` the fp32 sum of ``grad[j]`` over ``index[j] == u``, rounded once
     (the backward of ``x.index_select(0, index)``), by :data:`GATHER_SUM`'s method."""
-    if GATHER_SUM not in ("index_add", "rows"):
-        raise ValueError(f"tree attention: varlen GATHER_SUM must be 'index_add' or 'rows', got {GATHER_SUM!r}")
     shape = (num_rows, *grad.shape[1:])
-    triton_ok = (grad.is_cuda or _interpreting()) and grad.dtype != torch.float64  # the kernel sums in fp32
-    if GATHER_SUM == "index_add" or not triton_ok:
+    if not _takes_kernel(grad):
         total = torch.zeros(shape, dtype=torch.promote_types(grad.dtype, torch.float32), device=grad.device)
         return add_rows(total, index, grad).to(dtype)
+    out = torch.empty(shape, dtype=dtype, device=grad.device)
+    _sum_rows(out, index, grad, accumulate=False)
+    return out
+
+
+def _takes_kernel(grad: torch.Tensor) -> bool:
+    """Whether :data:`GATHER_SUM` sends ``grad``'s sum to the Triton kernel (CUDA, or Triton's interpreter; not
+    fp64: the kernel sums in fp32)."""
+    if GATHER_SUM not in ("index_add", "rows"):
+        raise ValueError(f"tree attention: varlen GATHER_SUM must be 'index_add' or 'rows', got {GATHER_SUM!r}")
+    return GATHER_SUM == "rows" and (grad.is_cuda or _interpreting()) and grad.dtype != torch.float64
+
+
+def _sum_rows(out: torch.Tensor, index: torch.Tensor, grad: torch.Tensor, accumulate: bool) -> None:
+    """The Triton kernel: row ``u`` of ``out`` (contiguous) the fp32 sum of ``grad[j]`` over ``index[j] == u``
+    (``accumulate``: plus its value), one program per row and column block."""
     from ._triton_rows import sum_rows_kernel
 
-    order, offsets = _copies_of_rows(index, num_rows)
+    order, offsets = _copies_of_rows(index, out.shape[0])
     width = grad[0].numel()
-    out = torch.empty(shape, dtype=dtype, device=grad.device)
     block = min(1024, 1 << max(width - 1, 1).bit_length())
-    grid = (num_rows, -(-width // block))
-    if num_rows:
+    if out.shape[0]:
         rows = _as_rows_heads_dims(grad)
-        sum_rows_kernel[grid](rows, order, offsets, out, width, rows.shape[2], *rows.stride(), BW=block)
-    return out
+        sum_rows_kernel[(out.shape[0], -(-width // block))](rows, order, offsets, out, width, rows.shape[2],
+                                                             *rows.stride(), BW=block, ACCUMULATE=accumulate)
 
 
 def _as_rows_heads_dims(grad: torch.Tensor) -> torch.Tensor:
@@ -147,8 +159,7 @@ def _as_rows_heads_dims(grad: torch.Tensor) -> torch.Tensor:
         return grad
     if grad.dim() == 2:
         return grad.unsqueeze(1)
-    flat = grad.reshape(grad.shape[0], -1, grad.shape[-1])  # a view where the middle dimensions merge
-    return flat
+    return grad.reshape(grad.shape[0], -1, grad.shape[-1])  # a view where the middle dimensions merge
 
 
 _COPIES = WeakTensorKeyDictionary()  # index tensor -> (rows, order, offsets, its version)
@@ -191,8 +202,12 @@ class _GatherRows(torch.autograd.Function):
 
 
 def add_rows(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``total.index_add_(0, index, rows)`` in ``total``'s (fp32) dtype, converting :attr:`_GatherRows.BLOCK` rows at a
-    time (bounds the transient copy); returns ``total``."""
+    """``total.index_add_(0, index, rows)`` in ``total``'s (fp32) dtype: by the Triton kernel where
+    :data:`GATHER_SUM` sends it there (``total`` contiguous fp32), else converting :attr:`_GatherRows.BLOCK` rows at a time
+    (bounds the transient copy); returns ``total``."""
+    if total.dtype == torch.float32 and total.is_contiguous() and _takes_kernel(rows):
+        _sum_rows(total, index, rows, accumulate=True)
+        return total
     for start in range(0, index.shape[0], _GatherRows.BLOCK):
         part = slice(start, start + _GatherRows.BLOCK)
         total.index_add_(0, index[part], rows[part].to(total.dtype))
