@@ -50,6 +50,10 @@ if [ ! -f "$JOBS/.queued" ]; then
       "${same[@]}" --repeats 2 --packed-groups $kimi --packed-warmup each --out $J/kimi_tau_both
     job nemotron_swe_both $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
       --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_swe_both
+    # where Kimi's tree in 4 pieces loses against itself in one (H100, 2026-12-06: 5.71 s timed in pieces, 5.33
+    # device s profiled whole): the pieces' run under torch.profiler
+    job_tf524 kimi_tau_pieces_profile $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 \
+      --budget $kimi "${same[@]}" --repeats 1 --profile tree --out $J/kimi_tau_pieces_profile
   fi
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
