@@ -112,9 +112,9 @@ GATHER_SUM = "rows"
 fp32 registers by one program per row and column block, written once in the input's dtype: no atomics, no fp32
 buffer, a fixed order; CPU and fp64 tensors take ``"index_add"``, except CPU ones under Triton's interpreter, where the
 kernel is checked) or ``"index_add"`` (gradient rows converted to fp32 in blocks, ``index_add_`` into an fp32 buffer,
-rounded once; the default before 2026-12-06). Both round each row's fp32 sum once. On an H100 (BENCHMARKS.md) ``"rows"``
-took MLA's attention fwd+bwd on full-size `tau` from 0.439 s to 0.329 s and Kimi's `tau` step from 5.76 s to 5.44 s,
-with the same gradients; the 2B preset's two key heads gain little. The shared-keys path
+rounded once; the default before 2026-12-06). Both round each row's fp32 sum once. On an H100 (BENCHMARKS.md)
+``"rows"`` took MLA's attention fwd+bwd on full-size `tau` from 0.44 s to 0.33-0.34 s and Kimi's `tau` step from
+5.76-5.78 s to 5.44-5.46 s, with the same gradients; the 2B preset's two key heads gain little. The shared-keys path
 (:data:`SHARED_KEYS_IN_PLACE`) adds its calls' sums into fp32 totals through the same kernel (:func:`add_rows`)."""
 
 
@@ -203,8 +203,8 @@ class _GatherRows(torch.autograd.Function):
 
 def add_rows(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``total.index_add_(0, index, rows)`` in ``total``'s (fp32) dtype: by the Triton kernel where
-    :data:`GATHER_SUM` sends it there (``total`` contiguous fp32), else converting :attr:`_GatherRows.BLOCK` rows at a time
-    (bounds the transient copy); returns ``total``."""
+    :data:`GATHER_SUM` sends it there (``total`` contiguous fp32), else converting :attr:`_GatherRows.BLOCK` rows at a
+    time (bounds the transient copy); returns ``total``."""
     if total.dtype == torch.float32 and total.is_contiguous() and _takes_kernel(rows):
         _sum_rows(total, index, rows, accumulate=True)
         return total
