@@ -100,10 +100,18 @@ class RoundBatch:
         ``dtype`` (default ``grad``'s): the result's; a low-precision result is summed in fp32 at the replayed rows
         only and rounded once there, so no fp32 copy of the whole gradient is made."""
         work = grad.dtype if dtype is None else torch.promote_types(grad.dtype, dtype)
-        # the identity layout has no replayed position: the gradient is already in row order
-        total = (grad[:self.own_position.shape[0]] if self.identity else grad.index_select(0, self.own_position)).to(work)
-        if rows > total.shape[0]:
-            total = torch.cat([total, total.new_zeros(rows - total.shape[0], *total.shape[1:])])
+        U = self.own_position.shape[0]
+        if rows == U:  # the identity layout has no replayed position: the gradient is already in row order
+            total = (grad[:U] if self.identity else grad.index_select(0, self.own_position)).to(work)
+        else:  # context rows below the tokens' (a planner piece): written in place, not concatenated (a full copy)
+            total = torch.empty(rows, *grad.shape[1:], dtype=work, device=grad.device)
+            if self.identity:
+                total[:U].copy_(grad[:U])
+            elif work == grad.dtype:
+                torch.index_select(grad, 0, self.own_position, out=total[:U])
+            else:
+                total[:U].copy_(grad.index_select(0, self.own_position))
+            total[U:].zero_()
         if self.replay_position.numel():
             replayed = grad.index_select(0, self.replay_position)
             if work.itemsize >= 4:
