@@ -755,6 +755,29 @@ def test_round_batch_of_unshared_sequences_is_the_identity(handed_in):
     assert not round_batch(build_gated_delta_plan(shared, final_states_only=True)).identity
 
 
+def test_round_batch_reads_a_pieces_context_rows_in_place():
+    """A planner piece below a branch point replays context rows: the executed layout gathered from the tokens' rows
+    and the context rows apart equals the one gathered from them concatenated, and each row's gradient (its own
+    position plus its replays, context rows included) equals a scatter-add over every executed position."""
+    from harts_hf.kernels.tree_gated_delta_rule.round_batch import round_batch
+
+    common = [1 + i % 5 for i in range(70)]
+    whole = PrefixForest.from_sequences([common + [7] * 80, common + [8] * 9 + [9] * 60, common + [6] * 5]).pack()
+    starts = whole.cu_seqlens[:-1].tolist()
+    piece = whole.select([s for s, first in enumerate(starts) if int(whole.position_ids[first]) >= 70])
+    plan = build_gated_delta_plan(piece, final_states_only=True)
+    batch, U, R = round_batch(plan), piece.num_tokens, plan.context_tokens
+    assert R == 6 and batch.context_position.numel() >= R and not batch.identity
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(U + R, 2, 4, generator=generator)
+    assert torch.equal(batch.executed(rows[:U], rows[U:]), batch.executed(rows))
+    grad = torch.randn(batch.token_index.shape[0], 2, 4, dtype=torch.float64, generator=generator)
+    want = torch.zeros(U + R, 2, 4, dtype=torch.float64).index_add_(0, batch.token_index, grad)
+    for dtype, tolerance in ((None, 1e-12), (torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        got = batch.sum_by_token(grad if dtype is None else grad.to(dtype), U + R, dtype)
+        assert got.shape == want.shape and (got.double() - want).abs().max() <= tolerance * want.abs().max()
+
+
 def test_state_pass_choice(monkeypatch):
     """``STATE_PASS='auto'`` picks the serial pass where the H200 measured it faster (swe, tau at small and full
     size, grpo) and fla's per-round pass on a single sequence (one round: exactly fla's kernel, the per-trajectory

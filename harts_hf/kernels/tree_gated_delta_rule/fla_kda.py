@@ -37,13 +37,18 @@ def import_fla_op(module: str, name: str, what: str):
 
 
 def tree_kda_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float, use_qk_l2norm_in_kernel: bool,
-                 initial_state: torch.Tensor | None = None, output_requested_states: bool = False):
-    """Same contract as :func:`~.ops.tree_gated_delta_rule` with ``g [U + R, HV, K]`` (rows: packed, then the
-    plan's context rows; ``initial_state``: the state under :data:`CONTEXT_STATE`)."""
+                 initial_state: torch.Tensor | None = None, output_requested_states: bool = False,
+                 context: tuple | None = None):
+    """Same contract as :func:`~.ops.tree_gated_delta_rule` with ``g [U, HV, K]``: the ``U`` packed rows, and
+    ``context`` (or None) the plan's context rows ``(q, k, v, g, beta)``, read in place by the round-batched node
+    (concatenated below the packed rows otherwise); ``initial_state``: the state under :data:`CONTEXT_STATE`."""
     fla_backend._check(q, plan)
     if BATCH_ROUNDS:
-        result = _TreeKdaBatched.apply(q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel)
+        result = _TreeKdaBatched.apply(q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel,
+                                       *(context or ()))
         return fla_backend.node_result(result, plan, output_requested_states)
+    if context is not None:
+        q, k, v, g, beta = (torch.cat([x, c.to(x.dtype)]) for x, c in zip((q, k, v, g, beta), context))
     chunk_kda = import_fla_op("fla.ops.kda", "chunk_kda", "per-channel gates (Kimi Delta Attention)")
 
     def call(round_, inputs, initial):
@@ -104,37 +109,47 @@ class _TreeKdaBatched(torch.autograd.Function):
     is None). The backward recomputes w / u and the chunk states, as fla's own backward does."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel):
+    def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel, *context):
         st, l2norm_fwd = _kda_stages(), fla_backend._import_fla()[3]
         batch = round_batch(plan, q.device)
         HV, K, V = v.shape[1], k.shape[2], v.shape[2]
-        q_rstd = k_rstd = None
+        cq, ck, cv, cg, cb = context or (None,) * 5  # a piece's context rows, read in place
+        q_rstd = k_rstd = cq_rstd = ck_rstd = None
         if use_qk_l2norm_in_kernel:
             q, q_rstd = fla_backend._l2norm(l2norm_fwd, q)
             k, k_rstd = fla_backend._l2norm(l2norm_fwd, k)
+            if context:
+                cq, cq_rstd = fla_backend._l2norm(l2norm_fwd, cq)
+                ck, ck_rstd = fla_backend._l2norm(l2norm_fwd, ck)
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
-        qe, ke, ve, be = (batch.executed(x) for x in (q, k, v, beta))
-        g_cumsum = st["cumsum"](batch.executed(g).float(), scale=st["rcp_ln2"], **grid)
+        qe, ke, ve, be = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv), (beta, cb)))
+        g_cumsum = st["cumsum"](batch.executed(g, cg).float(), scale=st["rcp_ln2"], **grid)
         w, u, _, kg, Aqk, Akk = st["fwd_intra_kda"](q=qe, k=ke, v=ve, gk=g_cumsum, beta=be, scale=scale, **grid)
         bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
         h, v_new = fla_backend._state_pass(st, batch, plan, kg, w, u, g_cumsum, [], bank, gate="gk")
         o = st["fwd_o_gk"](q=qe, v=v_new, g=g_cumsum, A=Aqk, h=h, scale=scale, **grid)
-        ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, Aqk, Akk,
+        saved_context = (cq, ck, cv, cb, cq_rstd, ck_rstd) if context else ()
+        ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, Aqk, Akk, *saved_context,
                               *(() if initial_state is None else (initial_state,)))
         ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
         ctx.g_dtype, ctx.initial_dtype = g.dtype, None if initial_state is None else initial_state.dtype
+        ctx.context_g_dtype = cg.dtype if context else None
         return batch.own_outputs(o[0]).to(v.dtype), bank[batch.requested_ids]
 
     @staticmethod
     def backward(ctx, d_out, d_requested):
         st, l2norm_bwd = _kda_stages(), fla_backend._import_fla()[4]
-        q, k, v, beta, q_rstd, k_rstd, g_cumsum, Aqk, Akk, *initial = ctx.saved_tensors
+        q, k, v, beta, q_rstd, k_rstd, g_cumsum, Aqk, Akk, *rest = ctx.saved_tensors
+        has_context = ctx.context_g_dtype is not None
+        saved_context, initial = (rest[:6], rest[6:]) if has_context else ((), rest)
+        cq, ck, cv, cb = saved_context[:4] if has_context else (None,) * 4
         plan, scale = ctx.plan, ctx.scale
         batch = round_batch(plan, q.device)
-        rows, HV, V = v.shape
+        U, HV, V = v.shape
+        rows = U + (cv.shape[0] if has_context else 0)
         H, K = k.shape[1], k.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
-        qe, ke, ve, be = (batch.executed(x) for x in (q, k, v, beta))
+        qe, ke, ve, be = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv), (beta, cb)))
         w, u, qg, kg = st["recompute_w_u_kda"](q=qe, k=ke, v=ve, beta=be, A=Akk, gk=g_cumsum,
                                                cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
         bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)
@@ -154,5 +169,11 @@ class _TreeKdaBatched(torch.autograd.Function):
         dg = st["cumsum"](dg, reverse=True, **grid)
         grads = tuple(batch.sum_by_token(grad[0].float(), rows) for grad in (dq, dk, dv, dg, db))
         d_state = {} if batch.context_id is None else {CONTEXT_STATE: d_bank[batch.context_id]}
-        return (*fla_backend.input_grads(ctx.use_qk_l2norm_in_kernel, ctx.g_dtype, ctx.initial_dtype, l2norm_bwd,
-                                         (q, k, v, beta, q_rstd, k_rstd), grads, d_state), None, None, None)
+        own = fla_backend.input_grads(ctx.use_qk_l2norm_in_kernel, ctx.g_dtype, ctx.initial_dtype, l2norm_bwd,
+                                      (q, k, v, beta, q_rstd, k_rstd), [grad[:U] for grad in grads], d_state)
+        if not has_context:
+            return (*own, None, None, None)
+        # the context rows' parts (views of the same buffers), through their own L2 norm
+        context_grads = fla_backend.input_grads(ctx.use_qk_l2norm_in_kernel, ctx.context_g_dtype, None, l2norm_bwd,
+                                                saved_context, [grad[U:] for grad in grads], {})[:5]
+        return (*own, None, None, None, *context_grads)

@@ -37,14 +37,21 @@ BATCH_ROUNDS = True
 
 
 def tree_simple_gla_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float,
-                        initial_state: torch.Tensor | None = None, output_requested_states: bool = False):
-    """Same contract as :func:`~.ops.tree_gated_delta_rule` with ``delta=False`` and ``g [U + R, HV]`` (rows: packed,
-    then the plan's context rows; ``initial_state``: the state under :data:`CONTEXT_STATE`)."""
+                        initial_state: torch.Tensor | None = None, output_requested_states: bool = False,
+                        context: tuple | None = None):
+    """Same contract as :func:`~.ops.tree_gated_delta_rule` with ``delta=False`` and ``g [U, HV]``: the ``U`` packed
+    rows, and ``context`` (or None) the plan's context rows ``(q, k, v, g, beta)``, read in place by the round-batched
+    node (concatenated below the packed rows otherwise); ``initial_state``: the state under :data:`CONTEXT_STATE`."""
     fla_backend._check(q, plan)
     v = v * beta.unsqueeze(-1).to(v.dtype)
+    if context is not None:
+        cq, ck, cv, cg, cbeta = context
+        context = (cq, ck, cv * cbeta.unsqueeze(-1).to(cv.dtype), cg)
     if BATCH_ROUNDS:
-        result = _TreeSimpleGlaBatched.apply(q, k, v, g, initial_state, plan, scale)
+        result = _TreeSimpleGlaBatched.apply(q, k, v, g, initial_state, plan, scale, *(context or ()))
         return fla_backend.node_result(result, plan, output_requested_states)
+    if context is not None:
+        q, k, v, g = (torch.cat([x, c.to(x.dtype)]) for x, c in zip((q, k, v, g), context))
     q, k = (_per_value_head(x, v.shape[1] // k.shape[1], dim=1) for x in (q, k))  # fla's public function wants them
     chunk_simple_gla = import_fla_op("fla.ops.simple_gla", "chunk_simple_gla", "gated linear attention (Mamba-2)")
 
@@ -125,32 +132,36 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
     None). The backward recomputes the chunk states in fp32 (as fla's own backward does), the hand-offs included."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, initial_state, plan, scale):
+    def forward(ctx, q, k, v, g, initial_state, plan, scale, *context):
         st = _stages()
         batch = round_batch(plan, q.device)
         HV, K, V = v.shape[1], k.shape[2], v.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
-        qe, ke, ve = (batch.executed(x) for x in (q, k, v))
-        g_cumsum = st["cumsum"](batch.executed(g).float(), scale=st["rcp_ln2"], **grid)
+        cq, ck, cv, cg = context or (None,) * 4  # a piece's context rows (q, k, v with beta applied, g), read in place
+        qe, ke, ve = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv)))
+        g_cumsum = st["cumsum"](batch.executed(g, cg).float(), scale=st["rcp_ln2"], **grid)
         bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
         h = _state_pass(st, batch, plan.chunk_size, _per_value_head(ke, HV // k.shape[1]), ve, g_cumsum, bank,
                         k.dtype)
         o = st["fwd_o"](q=qe, k=ke, v=ve, g=g_cumsum, g_gamma=None, h=h, scale=scale, **grid)
-        ctx.save_for_backward(q, k, v, g_cumsum, *(() if initial_state is None else (initial_state,)))
-        ctx.plan, ctx.scale, ctx.g_dtype = plan, scale, g.dtype
+        ctx.save_for_backward(q, k, v, g_cumsum, *context, *(() if initial_state is None else (initial_state,)))
+        ctx.plan, ctx.scale, ctx.g_dtype, ctx.num_context = plan, scale, g.dtype, len(context)
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
         return batch.own_outputs(o[0]).to(v.dtype), bank[batch.requested_ids]
 
     @staticmethod
     def backward(ctx, d_out, d_requested):
         st = _stages()
-        q, k, v, g_cumsum, *initial = ctx.saved_tensors
+        q, k, v, g_cumsum, *rest = ctx.saved_tensors
+        context, initial = rest[:ctx.num_context], rest[ctx.num_context:]
+        cq, ck, cv, cg = context or (None,) * 4
         plan, scale = ctx.plan, ctx.scale
         batch = round_batch(plan, q.device)
-        rows, HV, V = v.shape
+        U, HV, V = v.shape
+        rows = U + (cv.shape[0] if context else 0)
         K = k.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
-        qe, ke, ve = (batch.executed(x) for x in (q, k, v))
+        qe, ke, ve = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv)))
         groups = HV // k.shape[1]
         bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)
         h = _state_pass(st, batch, plan.chunk_size, _per_value_head(ke, groups), ve, g_cumsum, bank, torch.float32)
@@ -171,8 +182,9 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
         del dq, dk, dv, dg, h, dh, do, qe, ke, ve
         for i, dtype in enumerate((q.dtype, k.dtype, v.dtype, ctx.g_dtype)):
             grads[i] = batch.sum_by_token(grads[i][0], rows, dtype)
-        dq, dk, dv, dg = grads
         d_initial = None
         if ctx.initial_dtype is not None and batch.context_id is not None:
             d_initial = d_bank[batch.context_id].to(ctx.initial_dtype)
-        return dq, dk, dv, dg, d_initial, None, None
+        own = [grad[:U] for grad in grads]  # the packed rows' and the context rows' parts: views of one buffer each
+        context_grads = [grad[U:].to(c.dtype) for grad, c in zip(grads, context)]
+        return (*own, d_initial, None, None, *context_grads)

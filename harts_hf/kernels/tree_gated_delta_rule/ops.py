@@ -80,7 +80,6 @@ def tree_gated_delta_rule(
                                     for c, x in zip(context, (q, k, v, g, beta))):
             raise ValueError("tree_gated_delta_rule: context must be (q, k, v, g, beta) with R rows each, shaped as "
                              f"the packed inputs; got {[tuple(c.shape) for c in context]}")
-        q, k, v, g, beta = (torch.cat([x, c.to(x.dtype)]) for x, c in zip((q, k, v, g, beta), context))
     if initial_state is not None and initial_state.shape != (HV, K, v.shape[-1]):
         raise ValueError(f"tree_gated_delta_rule: initial_state must be [HV={HV}, K={K}, V={v.shape[-1]}], got "
                          f"{tuple(initial_state.shape)}")
@@ -91,16 +90,19 @@ def tree_gated_delta_rule(
     if not delta and g.dim() == 3:
         raise ValueError("tree_gated_delta_rule: delta=False takes one gate per head, g [U, HV]")
     backend = resolve_backend(backend, q, "tree_gated_delta_rule")
-    if backend == "fla" and not delta:  # gated linear attention (Mamba-2)
+    if backend == "fla" and not delta:  # gated linear attention (Mamba-2); context rows read in place
         from .fla_simple_gla import tree_simple_gla_fla
 
         return tree_simple_gla_fla(q, k, v, g, beta, plan, scale=scale, initial_state=initial_state,
-                                   output_requested_states=output_requested_states)
-    if backend == "fla" and g.dim() == 3:  # per-channel gates (KDA)
+                                   output_requested_states=output_requested_states, context=context)
+    if backend == "fla" and g.dim() == 3:  # per-channel gates (KDA); context rows read in place
         from .fla_kda import tree_kda_fla
 
         return tree_kda_fla(q, k, v, g, beta, plan, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                            initial_state=initial_state, output_requested_states=output_requested_states)
+                            initial_state=initial_state, output_requested_states=output_requested_states,
+                            context=context)
+    if context is not None:  # the other paths take the context rows below the packed ones
+        q, k, v, g, beta = (torch.cat([x, c.to(x.dtype)]) for x, c in zip((q, k, v, g, beta), context))
     if backend == "fla":
         from .fla_backend import tree_gated_delta_rule_fla
 

@@ -56,6 +56,12 @@ class RoundBatch:
     identity: bool = False
     """Every token executed once, at its own row (a forest of unshared sequences, as the packed per-trajectory path
     runs): the gathers into and out of the executed layout are then views."""
+    own_index: torch.Tensor | None = None
+    """``token_index`` with the positions that read a context row (index ``>= U``) sent to row 0: with
+    ``context_position`` / ``context_row`` (those positions, and their rows among the context rows), the executed
+    layout gathered from the tokens' rows and the context rows apart (:meth:`executed`), never concatenated."""
+    context_position: torch.Tensor | None = None
+    context_row: torch.Tensor | None = None
 
     def to(self, device) -> RoundBatch:
         move = lambda items: [t.to(device) for t in items]  # noqa: E731
@@ -65,10 +71,16 @@ class RoundBatch:
                           self.num_states, move(self.initial_ids), move(self.save_ids), move(self.save_slots),
                           self.requested_ids.to(device), self.context_id, *move(
                               [self.own_position, self.position_token, self.replay_position, self.replay_token,
-                               self.replay_rows, self.replay_slot]), self.identity)
+                               self.replay_rows, self.replay_slot]), self.identity,
+                          *move([self.own_index, self.context_position, self.context_row]))
 
-    def executed(self, x: torch.Tensor) -> torch.Tensor:
-        """``[1, E, ...]``: the rows of ``x [rows, ...]`` at every executed position."""
+    def executed(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """``[1, E, ...]``: the rows of ``x [rows, ...]`` at every executed position; with ``context``, ``x`` holds the
+        ``U`` tokens' rows and ``context`` the plan's context rows (a planner piece's replay rows, read in place)."""
+        if context is not None:
+            out = x.index_select(0, self.own_index)
+            out.index_copy_(0, self.context_position, context.index_select(0, self.context_row).to(x.dtype))
+            return out.unsqueeze(0)
         if self.identity:
             return x[:self.own_position.shape[0]].contiguous().unsqueeze(0)
         return x[self.token_index].unsqueeze(0)
@@ -171,6 +183,9 @@ def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
     replay_position = torch.nonzero(replayed)[:, 0]
     replay_token = token_index[replay_position]
     replay_rows, replay_slot = torch.unique(replay_token, return_inverse=True)
+    context_position = torch.nonzero(token_index >= plan.num_tokens)[:, 0]
+    own_index = token_index.clone()
+    own_index[context_position] = 0
     batch = RoundBatch(token_index, torch.cat(cu), torch.cat(chunk_indices), output_position, output_token, tokens,
                        chunks, round_cu, round_chunk_indices, round_chunk_offsets, len(row_of),
                        [rows(r.initial_state) for r in cpu], [rows([key for _, _, key in r.saved_states]) for r in cpu],
@@ -179,6 +194,8 @@ def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
                        replay_position, replay_token, replay_rows, replay_slot,
                        identity=token_index.numel() == plan.num_tokens
                        and torch.equal(token_index, torch.arange(plan.num_tokens))
-                       and torch.equal(own_position, token_index))
+                       and torch.equal(own_position, token_index),
+                       own_index=own_index, context_position=context_position,
+                       context_row=token_index[context_position] - plan.num_tokens)
     cache[str(device)] = batch = batch.to(device)
     return batch
