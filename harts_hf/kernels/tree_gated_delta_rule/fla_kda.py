@@ -103,10 +103,11 @@ def _kda_stages() -> dict:
 
 
 class _TreeKdaBatched(torch.autograd.Function):
-    """All rounds of the plan as one autograd node; fp32 states stay inside it. Rows of ``q, k [rows, H, K]``,
-    ``v [rows, HV, V]``, ``g [rows, HV, K]``, ``beta [rows, HV]``: the ``U`` packed tokens, then the plan's context
-    rows. Returns ``o [U, HV, V]`` and the plan's requested states stacked ``[R, HV, K, V]`` (zeros where a request
-    is None). The backward recomputes w / u and the chunk states, as fla's own backward does."""
+    """All rounds of the plan as one autograd node; fp32 states stay inside it. ``q, k [U, H, K]``, ``v [U, HV, V]``,
+    ``g [U, HV, K]``, ``beta [U, HV]``: the ``U`` packed tokens; ``*context``: none, or the plan's context rows as the
+    same five tensors (a planner piece's replay rows, gathered into the executed layout in place). Returns ``o [U, HV,
+    V]`` and the plan's requested states stacked ``[R, HV, K, V]`` (zeros where a request is None). The backward
+    recomputes w / u and the chunk states, as fla's own backward does."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel, *context):

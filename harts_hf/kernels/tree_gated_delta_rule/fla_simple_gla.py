@@ -126,10 +126,11 @@ def _state_gradient_pass(st, batch, chunk_size: int, q, g, do, d_bank, scale: fl
 
 
 class _TreeSimpleGlaBatched(torch.autograd.Function):
-    """All rounds of the plan as one autograd node; fp32 states stay inside it. Rows of ``q, k [rows, H, K]`` (H
-    divides HV), ``v [rows, HV, V]`` (beta applied), ``g [rows, HV]``: the ``U`` packed tokens, then the plan's
-    context rows. Returns ``o [U, HV, V]`` and the plan's requested states stacked ``[R, HV, K, V]`` (zeros where a request is
-    None). The backward recomputes the chunk states in fp32 (as fla's own backward does), the hand-offs included."""
+    """All rounds of the plan as one autograd node; fp32 states stay inside it. ``q, k [U, H, K]`` (H divides HV),
+    ``v [U, HV, V]`` (beta applied), ``g [U, HV]``: the ``U`` packed tokens; ``*context``: none, or the plan's context
+    rows as the same four tensors (read in place). Returns ``o [U, HV, V]`` and the plan's requested states stacked
+    ``[R, HV, K, V]`` (zeros where a request is None). The backward recomputes the chunk states in fp32 (as fla's own
+    backward does), the hand-offs included."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, initial_state, plan, scale, *context):
