@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
 import os
 from dataclasses import dataclass
 
@@ -144,7 +145,7 @@ def _sum_rows(out: torch.Tensor, index: torch.Tensor, grad: torch.Tensor, accumu
     from ._triton_rows import sum_rows_kernel
 
     order, offsets = _copies_of_rows(index, out.shape[0])
-    width = grad[0].numel()
+    width = math.prod(grad.shape[1:])  # (not grad[0]: a call may gather no rows)
     block = min(1024, 1 << max(width - 1, 1).bit_length())
     if out.shape[0]:
         rows = _as_rows_heads_dims(grad)
