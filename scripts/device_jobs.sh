@@ -45,8 +45,12 @@ if [ ! -f "$JOBS/.queued" ]; then
   # issues 25/26, any card, first: the fractions with the row sum the default, both paths in one process each (Kimi's
   # 0.853 of 2026-12-06 divides a tree and a packed time from two machines); on an H100 Kimi in 32,768-token pieces,
   # Nemotron-H's `swe` in 65,536 (its H100 rows of 2026-12-06)
+  # (Nemotron-H's) in 65,536; Kimi's tree first in one piece with the allocator's expandable segments (the 49,152-token
+  # pieces ran out of memory with 33 GiB reserved but unallocated: fragmentation, which expandable segments avoid; a
+  # budget that does not fit is recorded as out of memory and the next runs)
   if [ "$h200" = 0 ]; then
-    job_tf524 kimi_tau_both $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget $kimi \
+    job_tf524 kimi_tau_both --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
+      --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 $kimi \
       "${same[@]}" --repeats 2 --packed-groups $kimi --packed-warmup each --out $J/kimi_tau_both
     job nemotron_swe_both $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
       --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_swe_both
