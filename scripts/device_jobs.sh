@@ -47,11 +47,13 @@ if [ ! -f "$JOBS/.queued" ]; then
   # Nemotron-H's `swe` in 65,536 (its H100 rows of 2026-12-06)
   # (Nemotron-H's) in 65,536; Kimi's tree first in one piece with the allocator's expandable segments (the 49,152-token
   # pieces ran out of memory with 33 GiB reserved but unallocated: fragmentation, which expandable segments avoid; a
-  # budget that does not fit is recorded as out of memory and the next runs)
+  # budget that does not fit is recorded as out of memory and the next runs), each with shared key segments in place too
+  # (in 32,768-token pieces they gained nothing; the whole forest has more segments worth a call)
   if [ "$h200" = 0 ]; then
     job_tf524 kimi_tau_both --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 $kimi \
-      "${same[@]}" --repeats 2 --packed-groups $kimi --packed-warmup each --out $J/kimi_tau_both
+      "${same[@]}" --kernels fused fused_shared_keys --repeats 2 --packed-groups $kimi --packed-warmup each \
+      --out $J/kimi_tau_both
     job nemotron_swe_both $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
       --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_swe_both
     # where Kimi's tree in 4 pieces loses against itself in one (H100, 2026-12-06: 5.71 s timed in pieces, 5.33
