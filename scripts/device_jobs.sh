@@ -43,12 +43,12 @@ if [ ! -f "$JOBS/.queued" ]; then
   # (run on H100s, 2026-12-06 17:04-17:31 UTC, and taken off: the Triton sum of the gathered rows' gradients against
   # index_add_, attention alone and Kimi / 2B `tau` steps (now the default); FlexAttention in Nemotron-H and 2B `tau`)
   # issues 25/26, any card, first: the fractions with the row sum the default, both paths in one process each (Kimi's
-  # 0.853 of 2026-12-06 divides a tree and a packed time from two machines); on an H100 Kimi in 32,768-token pieces,
-  # Nemotron-H's `swe` in 65,536 (its H100 rows of 2026-12-06)
-  # (Nemotron-H's) in 65,536; Kimi's tree first in one piece with the allocator's expandable segments (the 49,152-token
-  # pieces ran out of memory with 33 GiB reserved but unallocated: fragmentation, which expandable segments avoid; a
-  # budget that does not fit is recorded as out of memory and the next runs), each with shared key segments in place too
-  # (in 32,768-token pieces they gained nothing; the whole forest has more segments worth a call)
+  # 0.853 of 2026-12-06 divides a tree and a packed time from two machines); on an H100 Nemotron-H's `swe` in 65,536
+  # (its H100 rows of 2026-12-06), Kimi's packed path in 32,768 and its tree in 32,768-token pieces and, first, in one
+  # piece with the allocator's expandable segments (the 49,152-token pieces ran out of memory with 33 GiB reserved but
+  # unallocated: fragmentation, which expandable segments avoid; a budget that does not fit is recorded as out of
+  # memory and the next runs), each with shared key segments in place too (in 32,768-token pieces they gained nothing;
+  # the whole forest has more segments worth a call)
   if [ "$h200" = 0 ]; then
     job_tf524 kimi_tau_both --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 $kimi \
