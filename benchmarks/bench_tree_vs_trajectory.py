@@ -67,7 +67,7 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
-              graph_tokens=0, experts="cuda", scan="cuda", shared_keys=False, gather_sum="rows")
+              graph_tokens=0, experts="cuda", scan="cuda", shared_keys=False, gather_sum="rows", state_pass="auto")
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
@@ -89,6 +89,7 @@ KERNEL_SETS = {
     "fused_flex": dict(_FUSED, varlen="flex"),
     "fused_row_sum": dict(_FUSED, gather_sum="rows"),
     "fused_index_add": dict(_FUSED, gather_sum="index_add"),
+    "fused_rounds_state": dict(_FUSED, state_pass="rounds"),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -114,7 +115,9 @@ through FlexAttention on the packed rows (``varlen.KERNEL = "flex"``: nothing ga
 nothing, keeps torch's flash varlen). Every set sums the gradients of the keys and values gathered per run with
 harts_hf's Triton kernel (``varlen.GATHER_SUM = "rows"``: no atomics, no fp32 buffer; the default since 2026-12-06,
 when ``fused_row_sum`` named it and the other sets ran ``index_add_``) but ``fused_index_add`` (fp32 ``index_add_``, as
-every set before then)."""
+every set before then). ``fused_rounds_state`` runs fla's state pass once per round in the Gated DeltaNet and KDA nodes
+(``fla_backend.STATE_PASS = "rounds"``) where the others pick per plan (``"auto"``: harts_hf's serial state pass on
+the forests timed here); KDA's node ran fla's per round before 2026-12-06's evening, whatever the setting."""
 
 
 def use_kernels(name: str) -> None:
@@ -135,6 +138,7 @@ def use_kernels(name: str) -> None:
     mamba2.SCAN_INPUTS = kernels["scan"]
     varlen.SHARED_KEYS_IN_PLACE = kernels["shared_keys"]
     varlen.GATHER_SUM = kernels["gather_sum"]
+    fla_backend.STATE_PASS = kernels["state_pass"]
 
 
 def build_model(name: str, family: str, device, dtype):

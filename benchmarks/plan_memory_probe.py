@@ -281,6 +281,22 @@ def _quantile_picks(sequences, count: int) -> list[int]:
                                                                 for i in range(count)]})
 
 
+def warm_up(model, sequences, args, device) -> dict:
+    """One untimed tree run at the largest piece size asked for (``--budget`` 0: the forest in one piece) that fits:
+    a size that runs out of memory passes the warm-up to the next (its timed runs record it as out of memory)."""
+    budgets = sorted(args.budget, key=lambda b: -(b or float("inf")))
+    for i, budget in enumerate(budgets):
+        try:
+            return run(model, sequences, budget or None, device, history=False, attention=args.attention,
+                       recompute=not args.no_recompute)
+        except torch.OutOfMemoryError:
+            if i == len(budgets) - 1:
+                raise
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            print(f"warm-up: budget {budget} out of memory; the next", flush=True)
+
+
 def loop_sample(model, sequences, count: int, device, fit, attention: str = "auto") -> dict:
     """The per-trajectory path on ``count`` trajectories (all for -1): each alone, fwd+bwd, with its fitted price;
     with all of them, ``measured_seconds`` is the whole per-trajectory loop."""
@@ -469,8 +485,15 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
     for kernels in [] if args.loop_only or args.no_tree or args.interleave else reversed(args.kernels):
         use_kernels(kernels)
         checkpointing(model, *first)  # the warm-up (compilation, autotuning, cuDNN plans) runs as the first timed run
-        warm = run(model, sequences, min(args.budget) or None, device, history=False, attention=args.attention,
-                   recompute=not args.no_recompute)
+        try:
+            warm = warm_up(model, sequences, args, device)
+        except Exception as error:  # noqa: BLE001 - a kernel set that fails is recorded; the next one runs
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+            rows.append(dict(kernels=kernels, error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"))
+            save()
+            print(f"{kernels} kernels: failed in the warm-up: {rows[-1]['error']}", flush=True)
+            continue
         print(f"{kernels} kernels: tree warm-up run {warm['seconds']:.2f} s", flush=True)
         for keep, stored, matmul in itertools.product(args.keep_attention, args.stored_layers, args.matmul_layers):
             matmul_layers = checkpointing(model, keep, stored, matmul)

@@ -135,16 +135,22 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
 
     from harts_hf.kernels.tree_gated_delta_rule import fla_kda, fla_simple_gla
 
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend
+
     options = dict(use_qk_l2norm_in_kernel=delta, delta=delta)
-    # two fla nodes each: the round-batched one (the default) and fla's public function per round
-    variants = ("fla", "fla_per_round")
+    # two fla nodes each: the round-batched one (the default) and fla's public function per round; KDA's round-batched
+    # node also with the serial state pass and its lanes (harts_hf's kernels, per-channel gates)
+    serial = ("fla_serial", "fla_lanes") if per_channel else ()
+    variants = ("fla", *serial, "fla_per_round")
 
     def through(name, run):
         fla_kda.BATCH_ROUNDS = fla_simple_gla.BATCH_ROUNDS = name != "fla_per_round"
+        fla_backend.STATE_PASS = {"fla_serial": "serial", "fla_lanes": "lanes"}.get(name, "rounds")
         try:
             return run("torch" if name == "torch" else "fla")
         finally:
             fla_kda.BATCH_ROUNDS = fla_simple_gla.BATCH_ROUNDS = True
+            fla_backend.STATE_PASS = "auto"
 
     packed = PrefixForest.from_sequences(chunk_edge_sequences()).pack()
     torch.manual_seed(2)
@@ -168,6 +174,11 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     # the same kernels on the same chunks; only the order in which a replayed token's gradient terms (and, with
     # grouped value heads, the groups') are summed differs
     assert max(between) < 1e-6, f"{label}: the round-batched node differs from the per-round one: {between}"
+    for name in serial:  # the same recurrence per chunk; only the state pass's products are summed in another order
+        against = [rel(outs[name][0], outs["fla"][0])] + [rel(a, b) for a, b in zip(outs[name][1], outs["fla"][1])]
+        print(f"{label}, {name} vs fla's state pass per round: out {against[0]:.1e} grads {max(against[1:]):.1e}",
+              flush=True)
+        assert max(against) < 1e-5, f"{label}: {name} differs from fla's state pass: {against}"
     # a piece below a branch token at depth 69: roots at depth 70, the state after 64 tokens, 6 replayed rows
     common = [1 + i % 5 for i in range(70)]
     whole = PrefixForest.from_sequences([common + [7] * 80, common + [8] * 9 + [9] * 60, common + [6] * 5]).pack()
@@ -177,7 +188,7 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     state = (torch.randn(HV, K, V) * 0.1).requires_grad_()
     context, piece = inputs(rows), inputs(sub.num_tokens)
     outs = {}
-    for name in ("torch", "fla"):  # the default node only (the per-round one is compared with it above)
+    for name in ("torch", "fla", *serial):  # the round-batched node (the per-round one is compared with it above)
         def run(backend):
             the_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=[5, 60],
                                               chunk_size=chunk_size)
@@ -187,11 +198,13 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
         total = out.square().sum() + sum(s.square().sum() for s in states if s is not None)
         outs[name] = ([out.detach()] + [s.detach() for s in states if s is not None],
                       torch.autograd.grad(total, piece + context + [state]))
-    errors = [rel(a, b) for a, b in zip(outs["fla"][0], outs["torch"][0])] + \
-        [rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])]
-    print(f"{label} piece, fla (root at depth {depth}, {rows} replayed rows, handed-in state, 2 requested states): "
-          f"out/states {max(errors[:3]):.1e} grads {max(errors[3:]):.1e}", flush=True)
-    return max(worst, *errors)
+    for name in ("fla", *serial):
+        errors = [rel(a, b) for a, b in zip(outs[name][0], outs["torch"][0])] + \
+            [rel(a, b) for a, b in zip(outs[name][1], outs["torch"][1])]
+        print(f"{label} piece, {name} (root at depth {depth}, {rows} replayed rows, handed-in state, 2 requested "
+              f"states): out/states {max(errors[:3]):.1e} grads {max(errors[3:]):.1e}", flush=True)
+        worst = max(worst, *errors)
+    return worst
 
 
 def check_half_scan_inputs() -> None:

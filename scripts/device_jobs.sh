@@ -48,11 +48,13 @@ if [ ! -f "$JOBS/.queued" ]; then
   # piece with the allocator's expandable segments (the 49,152-token pieces ran out of memory with 33 GiB reserved but
   # unallocated: fragmentation, which expandable segments avoid; a budget that does not fit is recorded as out of
   # memory and the next runs), each with shared key segments in place too (in 32,768-token pieces they gained nothing;
-  # the whole forest has more segments worth a call)
+  # the whole forest has more segments worth a call) and with fla's state pass per round (the KDA node's before the
+  # serial pass took per-channel gates; a kernel set that fails is recorded and the next runs)
   if [ "$h200" = 0 ]; then
     job_tf524 kimi_tau_both --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 $kimi \
-      "${same[@]}" --kernels fused fused_shared_keys --repeats 2 --packed-groups $kimi --packed-warmup each \
+      "${same[@]}" --kernels fused fused_rounds_state fused_shared_keys --repeats 2 --packed-groups $kimi \
+      --packed-warmup each \
       --out $J/kimi_tau_both
     job nemotron_swe_both $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
       --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_swe_both

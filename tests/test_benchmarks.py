@@ -166,6 +166,33 @@ def test_plan_memory_probe_interleaves_one_setting_with_the_packed_path(capsys):
     assert merged["alloc_retries"] == 3 and [g["alloc_retries"] for g in merged["groups"]] == [3, 0]
 
 
+def test_plan_memory_probe_warms_up_at_the_largest_piece_that_fits(monkeypatch):
+    """The warm-up runs the largest piece size asked for (0: the whole forest), passing to the next size when one
+    runs out of memory, and raises only when none fits."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import plan_memory_probe
+
+    tried = []
+
+    def run(model, sequences, budget, device, **options):
+        tried.append(budget)
+        if budget is None or budget > 40000:
+            raise torch.OutOfMemoryError("out of memory")
+        return dict(seconds=1.0)
+
+    monkeypatch.setattr(plan_memory_probe, "run", run)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    model = torch.nn.Linear(1, 1)
+    args = argparse.Namespace(budget=[32768, 0, 65536], attention="auto", no_recompute=False)
+    assert plan_memory_probe.warm_up(model, [], args, torch.device("cpu")) == dict(seconds=1.0)
+    assert tried == [None, 65536, 32768]
+    args.budget = [0]
+    with pytest.raises(torch.OutOfMemoryError):
+        plan_memory_probe.warm_up(model, [], args, torch.device("cpu"))
+
+
 def test_plan_memory_probe_takes_a_scale_per_workload(capsys):
     """--workload NAME[:SCALE]: each workload may carry its own scale (one process, kernels compiled once); an unknown
     name or a scale that is not a positive number is refused, naming the item and the fix."""
@@ -555,6 +582,27 @@ def test_kimi_delta_attention_presets_and_latent_attention_flops():
     assert flop_rates(nemotron)["per_pair"] == 3 * 2 * 16 * (128 + 128) * 2
     rates = flop_rates(build("deepseek_v3"))  # 4 heads, q/k 16 + 8, v 12, both layers attention
     assert rates["per_pair"] == 3 * 2 * 4 * (24 + 12) * 2
+
+
+def test_every_kernel_set_puts_every_setting_in_force():
+    """Each of the benchmarks' kernel sets names every setting (a set missing one would fail on the device, after
+    its compilation), and ``fused`` puts harts_hf's defaults in force."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_tree_vs_trajectory import KERNEL_SETS, use_kernels
+
+    from harts_hf.kernels.tree_attention import varlen
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend
+
+    for name, kernels in KERNEL_SETS.items():
+        assert kernels.keys() == KERNEL_SETS["fused"].keys(), name
+    saved = fla_backend.STATE_PASS, varlen.GATHER_SUM, varlen.KERNEL
+    try:
+        use_kernels("fused_rounds_state")
+        assert fla_backend.STATE_PASS == "rounds"
+        use_kernels("fused")
+        assert (fla_backend.STATE_PASS, varlen.GATHER_SUM, varlen.KERNEL) == saved
+    finally:
+        use_kernels("fused")
 
 
 def test_cost_model_refit_rebuilds_the_measured_forests(tmp_path):

@@ -32,7 +32,7 @@ def _lane(lane_start, first_lane):
 @triton.jit
 def forward_kernel(k, w, u, g, h, v_new, bank, unit_bos, unit_eos, unit_chunk, unit_initial, unit_save,
                    lane_start, first_lane, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_KEY: tl.constexpr):
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // H)
     o_k, o_v, m_k, m_v, m_kv, o_kv = _state_columns(i_v, K, V, BK, BV)
@@ -53,12 +53,16 @@ def forward_kernel(k, w, u, g, h, v_new, bank, unit_bos, unit_eos, unit_chunk, u
             tl.store(v_new + (token[:, None] * HV + i_h) * V + o_v[None, :], b_v.to(v_new.dtype.element_ty),
                      mask=m_tv)
             last = bos + tl.minimum((i_t + 1) * BT, length) - 1
-            b_g_last = tl.load(g + last * HV + i_h).to(tl.float32)
-            b_g = tl.load(g + token * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
-            b_v = b_v * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
             b_k = tl.load(k + (token[None, :] * H + i_hk) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
                           other=0.0)
-            b_h = b_h * tl.exp2(b_g_last) + tl.dot(b_k, b_v.to(b_k.dtype))
+            if PER_KEY:  # one gate per key channel (KDA): k arrives decayed to the chunk's end
+                b_g_last = tl.load(g + (last * HV + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+                b_h = b_h * tl.exp2(b_g_last)[:, None] + tl.dot(b_k, b_v.to(b_k.dtype))
+            else:
+                b_g_last = tl.load(g + last * HV + i_h).to(tl.float32)
+                b_g = tl.load(g + token * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+                b_v = b_v * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
+                b_h = b_h * tl.exp2(b_g_last) + tl.dot(b_k, b_v.to(b_k.dtype))
         if row_out > 0:
             tl.store(bank + (row_out * HV + i_h) * K * V + o_kv, b_h, mask=m_kv)
             tl.debug_barrier()  # a later unit of this program reads the row back
@@ -67,7 +71,7 @@ def forward_kernel(k, w, u, g, h, v_new, bank, unit_bos, unit_eos, unit_chunk, u
 @triton.jit
 def backward_kernel(q, k, w, g, do, dv, dh, dv2, d_bank, unit_bos, unit_eos, unit_chunk, unit_initial,
                     unit_save, lane_start, first_lane, scale, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr,
-                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PER_KEY: tl.constexpr):
     i_v, i_h = tl.program_id(0), tl.program_id(1)
     i_hk = i_h // (HV // H)
     o_k, o_v, m_k, m_v, m_kv, o_kv = _state_columns(i_v, K, V, BK, BV)
@@ -88,21 +92,27 @@ def backward_kernel(q, k, w, g, do, dv, dh, dv2, d_bank, unit_bos, unit_eos, uni
             m_tv = m_t[:, None] & m_v[None, :]
             tl.store(dh + ((first + i_t) * HV + i_h) * K * V + o_kv, b_dh.to(dh.dtype.element_ty), mask=m_kv)
             last = bos + tl.minimum((i_t + 1) * BT, length) - 1
-            b_g_last = tl.load(g + last * HV + i_h).to(tl.float32)
-            b_g = tl.load(g + token * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
             b_k = tl.load(k + (token[:, None] * H + i_hk) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
                           other=0.0)
-            b_dv = tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
+            b_q = tl.load(q + (token[None, :] * H + i_hk) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+                          other=0.0).to(tl.float32)
+            if PER_KEY:  # q and k arrive gated (KDA); the state decays per key channel
+                b_decay = tl.exp2(tl.load(g + (last * HV + i_h) * K + o_k, mask=m_k, other=0.0).to(tl.float32))
+                b_dv = tl.dot(b_k, b_dh.to(b_k.dtype))
+                b_decay = b_decay[:, None]
+            else:
+                b_g_last = tl.load(g + last * HV + i_h).to(tl.float32)
+                b_g = tl.load(g + token * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+                b_dv = tl.dot(b_k, b_dh.to(b_k.dtype)) * tl.where(m_t, tl.exp2(b_g_last - b_g), 0.0)[:, None]
+                b_q = b_q * tl.exp2(b_g)[None, :]
+                b_decay = tl.exp2(b_g_last)
             b_dv += tl.load(dv + (token[:, None] * HV + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
             tl.store(dv2 + (token[:, None] * HV + i_h) * V + o_v[None, :], b_dv.to(dv2.dtype.element_ty),
                      mask=m_tv)
-            b_q = tl.load(q + (token[None, :] * H + i_hk) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
-                          other=0.0).to(tl.float32) * tl.exp2(b_g)[None, :]
             b_w = tl.load(w + (token[None, :] * HV + i_h) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
                           other=0.0)
             b_do = tl.load(do + (token[:, None] * HV + i_h) * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_dh = b_dh * tl.exp2(b_g_last) + tl.dot(b_q, b_do.to(tl.float32)) * scale \
-                - tl.dot(b_w, b_dv.to(b_w.dtype))
+            b_dh = b_dh * b_decay + tl.dot(b_q, b_do.to(tl.float32)) * scale - tl.dot(b_w, b_dv.to(b_w.dtype))
         if row_in > 0:
             p_row = d_bank + (row_in * HV + i_h) * K * V + o_kv
             if i_u == begin:  # a lane's first unit: sibling lanes of this launch may add to the same row

@@ -20,6 +20,7 @@ import torch
 from . import fla_backend
 from .plan import CONTEXT_STATE, GatedDeltaPlan
 from .round_batch import round_batch
+from .serial_state_pass import serial_units, tree_state_backward, tree_state_forward
 
 __all__ = ["import_fla_op", "per_round", "tree_kda_fla"]
 
@@ -127,14 +128,15 @@ class _TreeKdaBatched(torch.autograd.Function):
         g_cumsum = st["cumsum"](batch.executed(g, cg).float(), scale=st["rcp_ln2"], **grid)
         w, u, _, kg, Aqk, Akk = st["fwd_intra_kda"](q=qe, k=ke, v=ve, gk=g_cumsum, beta=be, scale=scale, **grid)
         bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
-        h, v_new = fla_backend._state_pass(st, batch, plan, kg, w, u, g_cumsum, [], bank, gate="gk")
+        state_pass = fla_backend.state_pass_for(plan)
+        h, v_new = _states(st, batch, plan, state_pass, kg, w, u, g_cumsum, bank)
         o = st["fwd_o_gk"](q=qe, v=v_new, g=g_cumsum, A=Aqk, h=h, scale=scale, **grid)
         saved_context = (cq, ck, cv, cb, cq_rstd, ck_rstd) if context else ()
         ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, Aqk, Akk, *saved_context,
                               *(() if initial_state is None else (initial_state,)))
         ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
         ctx.g_dtype, ctx.initial_dtype = g.dtype, None if initial_state is None else initial_state.dtype
-        ctx.context_g_dtype = cg.dtype if context else None
+        ctx.context_g_dtype, ctx.state_pass = cg.dtype if context else None, state_pass
         return batch.own_outputs(o[0]).to(v.dtype), bank[batch.requested_ids]
 
     @staticmethod
@@ -155,12 +157,16 @@ class _TreeKdaBatched(torch.autograd.Function):
                                                cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
         bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)
         initials: list = []
-        h, v_new = fla_backend._state_pass(st, batch, plan, kg, w, u, g_cumsum, initials, bank, gate="gk")
+        h, v_new = _states(st, batch, plan, ctx.state_pass, kg, w, u, g_cumsum, bank, initials)
         do = batch.executed_grad(d_out)
         dAqk, dv = st["bwd_dav"](q=qe, k=ke, v=v_new, do=do, A=Aqk, scale=scale, **grid)
         d_bank = batch.bank_grad(bank, d_requested)
-        dh, dv = fla_backend._state_gradient_pass(st, batch, plan, qg, kg, w, g_cumsum, do, dv, initials, d_bank,
-                                                  scale, gate="gk")
+        if ctx.state_pass != "rounds":
+            units = serial_units(plan, q.device, lanes=ctx.state_pass == "lanes")
+            dh, dv = tree_state_backward(units, qg, kg, w, g_cumsum, do, dv, d_bank, scale, plan.chunk_size)
+        else:
+            dh, dv = fla_backend._state_gradient_pass(st, batch, plan, qg, kg, w, g_cumsum, do, dv, initials, d_bank,
+                                                      scale, gate="gk")
         dq, dk, dv, db, dg, dAkk = st["bwd_wy_dqkg"](q=qe, k=ke, v=ve, v_new=v_new, g=g_cumsum, beta=be, A=Akk, h=h,
                                                      do=do, dh=dh, dv=dv, scale=scale, **grid)
         dq, dk, db, dg = st["bwd_intra"](q=qe, k=ke, g=g_cumsum, beta=be, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
@@ -178,3 +184,14 @@ class _TreeKdaBatched(torch.autograd.Function):
         context_grads = fla_backend.input_grads(ctx.use_qk_l2norm_in_kernel, ctx.context_g_dtype, None, l2norm_bwd,
                                                 saved_context, [grad[U:] for grad in grads], {})[:5]
         return (*own, None, None, None, *context_grads)
+
+
+def _states(st, batch, plan: GatedDeltaPlan, state_pass: str, kg, w, u, g_cumsum, bank, initials=None):
+    """``h`` and ``v_new`` of every round from the state ``bank`` (final states written into it): through the serial
+    state pass (:mod:`.serial_state_pass`, per-channel gates; ``state_pass`` "serial" or "lanes") or fla's state pass
+    per round (``"rounds"``; ``initials``, where given, collects each round's initial states)."""
+    if state_pass != "rounds":
+        units = serial_units(plan, kg.device, lanes=state_pass == "lanes")
+        return tree_state_forward(units, kg, w, u, g_cumsum, bank, plan.chunk_size)
+    return fla_backend._state_pass(st, batch, plan, kg, w, u, g_cumsum, [] if initials is None else initials, bank,
+                                   gate="gk")

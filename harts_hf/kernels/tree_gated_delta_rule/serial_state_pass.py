@@ -170,10 +170,11 @@ def value_block(V: int) -> int:
 
 
 def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_size: int, *scalars,
-            reverse: bool = False) -> None:
+            reverse: bool = False, per_key: bool = False) -> None:
     """One launch per wave (in reverse for the backward), one program per (value head, block of value columns,
-    lane of the wave); head counts and sizes from ``keys [1, T, H, K]`` and ``values [1, T, HV, V]``. A variant
-    that needs more shared memory than the GPU has is compiled again with fewer pipelining stages."""
+    lane of the wave); head counts and sizes from ``keys [1, T, H, K]`` and ``values [1, T, HV, V]``; ``per_key``:
+    the gates are ``[1, T, HV, K]`` (KDA). A variant that needs more shared memory than the GPU has is compiled
+    again with fewer pipelining stages."""
     import triton
     from triton.runtime.errors import OutOfResources
 
@@ -183,15 +184,15 @@ def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_s
     HV, V = values.shape[2], values.shape[3]
     BK = max(16, triton.next_power_of_2(K))
     BV = value_block(V)
-    key = (name, keys.device.index, tuple(t.data_ptr() % 16 == 0 for t in tensors), BV)
+    key = (name, keys.device.index, tuple(t.data_ptr() % 16 == 0 for t in tensors), BV, per_key)
     for first, end in reversed(units.waves) if reverse else units.waves:
         while True:
             stages = {} if key not in _STAGES else {"num_stages": _STAGES[key]}
             try:
                 getattr(_serial_kernels, name)[(triton.cdiv(V, BV), HV, end - first)](
                     *tensors, units.bos, units.eos, units.chunk, units.initial_row, units.save_row, units.lane_start,
-                    first, *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, num_warps=_NUM_WARPS,
-                    **stages)
+                    first, *scalars, H=H, HV=HV, K=K, V=V, BT=chunk_size, BK=BK, BV=BV, PER_KEY=per_key,
+                    num_warps=_NUM_WARPS, **stages)
                 break
             except OutOfResources:
                 fewer = _STAGES.get(key, 3) - 1
@@ -203,19 +204,22 @@ def _launch(name: str, units: SerialUnits, tensors: tuple, keys, values, chunk_s
 def tree_state_forward(units: SerialUnits, k, w, u, g, bank, chunk_size: int):
     """``k [1, T, H, K]``, ``w [1, T, HV, K]``, ``u [1, T, HV, V]``, ``g [1, T, HV]`` (fp32, log2 cumsum within
     chunks) and the fp32 ``bank [S, HV, K, V]`` (rows read by units, final states written in place) ->
-    ``h [1, NT, HV, K, V]`` (state at every chunk start, ``k.dtype``) and ``v_new`` like ``u``."""
+    ``h [1, NT, HV, K, V]`` (state at every chunk start, ``k.dtype``) and ``v_new`` like ``u``. Per-channel gates
+    (Kimi Delta Attention): ``g [1, T, HV, K]`` and ``k`` already decayed to its chunk's end (fla's ``kg``), as
+    fla's state pass takes them with ``gk``."""
     h = k.new_empty(1, units.num_chunks, u.shape[2], k.shape[3], u.shape[3])
     v_new = torch.empty_like(u)
-    _launch("forward_kernel", units, (k, w, u, g, h, v_new, bank), k, u, chunk_size)
+    _launch("forward_kernel", units, (k, w, u, g, h, v_new, bank), k, u, chunk_size, per_key=g.dim() == 4)
     return h, v_new
 
 
 def tree_state_backward(units: SerialUnits, q, k, w, g, do, dv, d_bank, scale: float, chunk_size: int):
     """Backward of :func:`tree_state_forward`'s state pass: ``do``, ``dv [1, T, HV, V]`` (the output stage's local
     value gradient) and ``d_bank`` (fp32, holding the requested states' gradients; each unit's initial-state
-    gradient is added to its row in place) -> ``dh [1, NT, HV, K, V]`` (``q.dtype``) and ``dv2`` like ``dv``."""
+    gradient is added to its row in place) -> ``dh [1, NT, HV, K, V]`` (``q.dtype``) and ``dv2`` like ``dv``.
+    Per-channel gates as for the forward: ``g [1, T, HV, K]``, ``q`` and ``k`` gated as fla's ``qg`` / ``kg``."""
     dh = q.new_empty(1, units.num_chunks, do.shape[2], q.shape[3], do.shape[3])
     dv2 = torch.empty_like(dv)
     _launch("backward_kernel", units, (q, k, w, g, do, dv, dh, dv2, d_bank), q, do, chunk_size, scale,
-            reverse=True)
+            reverse=True, per_key=g.dim() == 4)
     return dh, dv2
