@@ -133,9 +133,7 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     HV, K, V = 2, 16, 16
     inputs = functools.partial(recurrence_inputs, per_channel=per_channel)
 
-    from harts_hf.kernels.tree_gated_delta_rule import fla_kda, fla_simple_gla
-
-    from harts_hf.kernels.tree_gated_delta_rule import fla_backend
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend, fla_kda, fla_simple_gla
 
     options = dict(use_qk_l2norm_in_kernel=delta, delta=delta)
     # two fla nodes each: the round-batched one (the default) and fla's public function per round; KDA's round-batched
