@@ -7,7 +7,10 @@ With :data:`BATCH_ROUNDS` (the default), :class:`_TreeKdaBatched` is one autogra
 DeltaNet's round-batched node: only fla's state pass (forward) and state-gradient pass (backward) depend on a unit's
 initial state, so every other stage of ``chunk_kda`` (gate cumsum, intra-chunk solve, output, dA / dv, the fused WY
 and dq / dk / dg backward, the intra-chunk backward) runs ONCE over the executed tokens of every round, and per round
-only the state kernels run on the round's slice, on the host-built chunk grid. ``BATCH_ROUNDS = False``: fla's
+only the state kernels run on the round's slice, on the host-built chunk grid, or, where
+:func:`~.fla_backend.state_pass_for` picks it (``fla_backend.STATE_PASS``, as for Gated DeltaNet), every unit's in
+one launch per direction (:mod:`.serial_state_pass` with per-channel gates, which also leaves the rounds' chunk
+states and new values in one buffer instead of concatenating them). ``BATCH_ROUNDS = False``: fla's
 public ``chunk_kda`` once per round, each its own autograd node, states handed between rounds through autograd
 (:func:`per_round`). Both are checked through fla's Triton kernels on the CPU (Triton's interpreter;
 ``scripts/check_fla_nodes_on_cpu.py``, ``check_round_node``, ``check_model_backends``) against the torch backend,

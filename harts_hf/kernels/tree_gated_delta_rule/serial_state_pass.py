@@ -13,7 +13,10 @@ Per chunk the arithmetic is the chunkwise recurrence fla's ``chunk_gated_delta_r
 (same inputs: ``w``, ``u`` from the WY representation, gates cumulated within chunks in log2 units): forward
 ``v_new = u - w h``, ``h <- h * 2^g_last + k^T (v_new * 2^(g_last - g))``; backward
 ``dv2 = dv + (k dh) * 2^(g_last - g)``, ``dh <- dh * 2^g_last + scale (q * 2^g)^T do - w^T dv2``. ``h`` is stored
-at every chunk start (the state the chunk's output reads), as fla stores it.
+at every chunk start (the state the chunk's output reads), as fla stores it. Per-channel gates (Kimi Delta
+Attention, ``g [1, T, HV, K]``, the node of :mod:`.fla_kda`): ``k`` (and ``q`` in the backward) arrive gated, as fla's
+``kg`` / ``qg``, and the state decays per key row: forward ``h <- h * 2^g_last[:, None] + k^T v_new``, backward
+``dv2 = dv + k dh``, ``dh <- dh * 2^g_last[:, None] + scale q^T do - w^T dv2``, as fla's state passes with ``gk``.
 
 Trade-off: a program's serial chain is every chunk of every unit (fla's varlen call runs units in parallel), so
 this wins while the per-round launch overhead exceeds the chunk steps: small and medium forests with several rounds.
