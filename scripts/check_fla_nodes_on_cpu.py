@@ -138,7 +138,7 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     options = dict(use_qk_l2norm_in_kernel=delta, delta=delta)
     # two fla nodes each: the round-batched one (the default) and fla's public function per round; KDA's round-batched
     # node also with the serial state pass and its lanes (harts_hf's kernels, per-channel gates)
-    serial = ("fla_serial", "fla_lanes") if per_channel else ()
+    serial = ("fla_serial", "fla_lanes") if delta else ()
     variants = ("fla", *serial, "fla_per_round")
 
     def through(name, run):

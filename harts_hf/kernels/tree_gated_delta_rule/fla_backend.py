@@ -175,48 +175,59 @@ class _TreeGatedDeltaRuleFlaBatched(torch.autograd.Function):
     graph per plan replayed by every layer."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel):
+    def forward(ctx, q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel, *context):
         state_pass = state_pass_for(plan)
         body = functools.partial(_batched_forward, plan=plan, scale=scale, l2norm=use_qk_l2norm_in_kernel,
                                  state_pass=state_pass)
-        out, requested, q_normed, k_normed, q_rstd, k_rstd, g_cumsum, A, *initials = cuda_graphs.replay_or_run(
-            plan, ("gdn_forward", scale, use_qk_l2norm_in_kernel, state_pass), plan.stats["executed_tokens"], body,
-            (q, k, v, g, beta, initial_state))
+        out, requested, q_normed, k_normed, q_rstd, k_rstd, g_cumsum, A, cq, ck, cq_rstd, ck_rstd, *initials = \
+            cuda_graphs.replay_or_run(plan, ("gdn_forward", scale, use_qk_l2norm_in_kernel, state_pass),
+                                      plan.stats["executed_tokens"], body, (q, k, v, g, beta, initial_state, *context))
         if use_qk_l2norm_in_kernel:
             q, k = q_normed, k_normed
-        ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials)
+        cv, cb = (context[2], context[4]) if context else (None, None)
+        ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, cq, ck, cv, cb, cq_rstd, ck_rstd,
+                              *initials)
         ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
         ctx.g_dtype, ctx.initial_dtype = g.dtype, None if initial_state is None else initial_state.dtype
-        ctx.state_pass = state_pass
+        ctx.state_pass, ctx.context_g_dtype = state_pass, context[3].dtype if context else None
         return out, requested
 
     @staticmethod
     def backward(ctx, d_out, d_requested):
-        q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, *initials = ctx.saved_tensors
+        q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, cq, ck, cv, cb, cq_rstd, ck_rstd, *initials = ctx.saved_tensors
         plan = ctx.plan
         body = functools.partial(_batched_backward, plan=plan, scale=ctx.scale, l2norm=ctx.use_qk_l2norm_in_kernel,
-                                 state_pass=ctx.state_pass, g_dtype=ctx.g_dtype, initial_dtype=ctx.initial_dtype)
+                                 state_pass=ctx.state_pass, g_dtype=ctx.g_dtype, initial_dtype=ctx.initial_dtype,
+                                 context_g_dtype=ctx.context_g_dtype)
         grads = cuda_graphs.replay_or_run(
             plan, ("gdn_backward", ctx.scale, ctx.use_qk_l2norm_in_kernel, ctx.state_pass, ctx.g_dtype,
-                   ctx.initial_dtype), plan.stats["executed_tokens"], body,
-            (q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_requested, *initials))
-        return (*grads, None, None, None)
+                   ctx.initial_dtype, ctx.context_g_dtype), plan.stats["executed_tokens"], body,
+            (q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_requested, cq, ck, cv, cb, cq_rstd, ck_rstd,
+             *initials))
+        own, context_grads = grads[:6], grads[6:]
+        return (*own, None, None, None, *context_grads)
 
 
-def _batched_forward(q, k, v, g, beta, initial_state, *, plan, scale, l2norm, state_pass):
+def _batched_forward(q, k, v, g, beta, initial_state, *context, plan, scale, l2norm, state_pass):
     """The round-batched node's forward: ``(o, requested states, q and k normalised (None without the L2 norm), their
-    rstd, g_cumsum, A, *initial states the backward reruns the state pass from)``."""
+    rstd, g_cumsum, A, the context rows' q and k as the backward reads them and their rstd (None without context
+    rows), *initial states the backward reruns the state pass from)``. ``context``: none, or a planner piece's
+    context rows ``(q, k, v, g, beta)``, gathered into the executed layout in place."""
     stages, l2norm_fwd = _import_fla_stages(), _import_fla()[3]
     HV, V = v.shape[1], v.shape[2]
     K = k.shape[-1]
     batch = round_batch(plan, q.device)
-    q_rstd = k_rstd = None
+    cq, ck, cv, cg, cb = context or (None,) * 5
+    q_rstd = k_rstd = cq_rstd = ck_rstd = None
     if l2norm:
         q, q_rstd = _l2norm(l2norm_fwd, q)
         k, k_rstd = _l2norm(l2norm_fwd, k)
+        if context:
+            cq, cq_rstd = _l2norm(l2norm_fwd, cq)
+            ck, ck_rstd = _l2norm(l2norm_fwd, ck)
     grid = dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
-    qe, ke, ve, be = (batch.executed(x) for x in (q, k, v, beta))
-    g_cumsum = stages["cumsum"](batch.executed(g).float(), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
+    qe, ke, ve, be = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv), (beta, cb)))
+    g_cumsum = stages["cumsum"](batch.executed(g, cg).float(), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
                                 **grid)
     w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
     bank = _state_bank(batch, initial_state, HV, K, V, q.device)
@@ -231,17 +242,21 @@ def _batched_forward(q, k, v, g, beta, initial_state, *, plan, scale, l2norm, st
     o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size, **grid)
     out = batch.own_outputs(o[0]).to(v.dtype)
     requested = bank[batch.requested_ids]
-    return (out, requested, q if l2norm else None, k if l2norm else None, q_rstd, k_rstd, g_cumsum, A, *initials)
+    return (out, requested, q if l2norm else None, k if l2norm else None, q_rstd, k_rstd, g_cumsum, A, cq, ck, cq_rstd,
+            ck_rstd, *initials)
 
 
-def _batched_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_requested, *initials, plan, scale, l2norm,
-                      state_pass, g_dtype, initial_dtype):
-    """The round-batched node's backward: the gradients of ``q, k, v, g, beta`` and the handed-in state (or None)."""
+def _batched_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_requested, cq, ck, cv, cb, cq_rstd,
+                      ck_rstd, *initials, plan, scale, l2norm, state_pass, g_dtype, initial_dtype, context_g_dtype):
+    """The round-batched node's backward: the gradients of ``q, k, v, g, beta``, the handed-in state (or None) and,
+    with context rows (``cq``... as the forward saved them; ``context_g_dtype`` their gate's dtype, None without),
+    theirs."""
     stages, l2norm_bwd = _import_fla_stages(), _import_fla()[4]
     batch = round_batch(plan, q.device)
-    rows, HV, V = v.shape
+    U, HV, V = v.shape
+    rows = U + (0 if cv is None else cv.shape[0])
     grid = dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
-    qe, ke, ve, be = (batch.executed(x) for x in (q, k, v, beta))
+    qe, ke, ve, be = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv), (beta, cb)))
     w, u = stages["recompute_w_u"](k=ke, v=ve, beta=be, A=A, g=g_cumsum, **grid)
     if state_pass != "rounds":
         units = serial_units(plan, q.device, lanes=state_pass == "lanes")
@@ -266,9 +281,14 @@ def _batched_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_reque
     dk_e.add_(dk2)
     dg_e.add_(dg2)
     dg_e = stages["cumsum"](dg_e, chunk_size=plan.chunk_size, reverse=True, **grid)
-    dq, dk, dv, dg, dbeta = (batch.sum_by_token(grad[0].float(), rows) for grad in (dq_e, dk_e, dv_e, dg_e, db_e))
-    return input_grads(l2norm, g_dtype, initial_dtype, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd),
-                       (dq, dk, dv, dg, dbeta), d_state)
+    grads = [batch.sum_by_token(grad[0].float(), rows) for grad in (dq_e, dk_e, dv_e, dg_e, db_e)]
+    own = input_grads(l2norm, g_dtype, initial_dtype, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd),
+                      [grad[:U] for grad in grads], d_state)
+    if context_g_dtype is None:
+        return own
+    # the context rows' parts (views of the same buffers), through their own L2 norm
+    return (*own, *input_grads(l2norm, context_g_dtype, None, l2norm_bwd, (cq, ck, cv, cb, cq_rstd, ck_rstd),
+                               [grad[U:] for grad in grads], {})[:5])
 
 
 def input_grads(l2norm: bool, g_dtype, initial_dtype, l2norm_bwd, saved, grads, d_state) -> tuple:
@@ -393,21 +413,27 @@ class _TreeGatedDeltaRuleFla(torch.autograd.Function):
 
 def tree_gated_delta_rule_fla(q, k, v, g, beta, plan: GatedDeltaPlan, *, scale: float,
                               use_qk_l2norm_in_kernel: bool, initial_state: torch.Tensor | None = None,
-                              output_requested_states: bool = False):
-    """Same contract as :func:`tree_gated_delta_rule` (``[U + R, H, D]`` rows on CUDA: packed, then the plan's
-    context rows; ``initial_state`` is the state under :data:`CONTEXT_STATE`)."""
+                              output_requested_states: bool = False, context: tuple | None = None):
+    """Same contract as :func:`tree_gated_delta_rule` (``[U, H, D]`` rows on CUDA, and ``context`` (or None) the
+    plan's context rows ``(q, k, v, g, beta)``, read in place by the round-batched node and concatenated below the
+    packed rows for the others; ``initial_state`` is the state under :data:`CONTEXT_STATE`)."""
     _check(q, plan)
     if any(round_.chunk_indices is None for round_ in plan.rounds):
         raise ValueError("the fla backend needs the chunk grid of every round; build the plan with "
                          "build_gated_delta_plan (it fills GatedDeltaRound.chunk_indices)")
+    if BATCH_ROUNDS and not PUBLIC_PER_ROUND:
+        return node_result(_TreeGatedDeltaRuleFlaBatched.apply(q, k, v, g, beta, initial_state, plan, scale,
+                                                               use_qk_l2norm_in_kernel, *(context or ())),
+                           plan, output_requested_states)
+    if context is not None:
+        q, k, v, g, beta = (torch.cat([x, c.to(x.dtype)]) for x, c in zip((q, k, v, g, beta), context))
     if PUBLIC_PER_ROUND:
         return tree_gated_delta_rule_fla_autograd(q, k, v, g, beta, plan, scale=scale,
                                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                                   initial_state=initial_state,
                                                   output_requested_states=output_requested_states)
-    node = _TreeGatedDeltaRuleFlaBatched if BATCH_ROUNDS else _TreeGatedDeltaRuleFla
-    return node_result(node.apply(q, k, v, g, beta, initial_state, plan, scale, use_qk_l2norm_in_kernel), plan,
-                       output_requested_states)
+    return node_result(_TreeGatedDeltaRuleFla.apply(q, k, v, g, beta, initial_state, plan, scale,
+                                                    use_qk_l2norm_in_kernel), plan, output_requested_states)
 
 
 def node_result(result: tuple, plan: GatedDeltaPlan, output_requested_states: bool):

@@ -101,14 +101,15 @@ def tree_gated_delta_rule(
         return tree_kda_fla(q, k, v, g, beta, plan, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                             initial_state=initial_state, output_requested_states=output_requested_states,
                             context=context)
-    if context is not None:  # the other paths take the context rows below the packed ones
-        q, k, v, g, beta = (torch.cat([x, c.to(x.dtype)]) for x, c in zip((q, k, v, g, beta), context))
-    if backend == "fla":
+    if backend == "fla":  # Gated DeltaNet; context rows read in place by the round-batched node
         from .fla_backend import tree_gated_delta_rule_fla
 
         return tree_gated_delta_rule_fla(q, k, v, g, beta, plan, scale=scale,
                                          use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                         initial_state=initial_state, output_requested_states=output_requested_states)
+                                         initial_state=initial_state, output_requested_states=output_requested_states,
+                                         context=context)
+    if context is not None:  # the torch path takes the context rows below the packed ones
+        q, k, v, g, beta = (torch.cat([x, c.to(x.dtype)]) for x, c in zip((q, k, v, g, beta), context))
     # the torch path computes in fp32 (fp64 stays fp64), as fla's kernels do; autocast would run its products in
     # bf16, and the triangular solve has no bf16 CPU kernel
     with torch.autocast(q.device.type, enabled=False):
