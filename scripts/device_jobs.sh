@@ -42,26 +42,21 @@ if [ ! -f "$JOBS/.queued" ]; then
   # `distinct` trainers, tree and TRL with Liger, two timed steps on an H100)
   # (run on H100s, 2026-12-06 17:04-17:31 UTC, and taken off: the Triton sum of the gathered rows' gradients against
   # index_add_, attention alone and Kimi / 2B `tau` steps (now the default); FlexAttention in Nemotron-H and 2B `tau`)
-  # issues 25/26, any card, first: the fractions with the row sum the default, both paths in one process each (Kimi's
-  # 0.853 of 2026-12-06 divides a tree and a packed time from two machines); on an H100 Nemotron-H's `swe` in 65,536
-  # (its H100 rows of 2026-12-06), Kimi's packed path in 32,768 and its tree in 32,768-token pieces and, first, in one
-  # piece with the allocator's expandable segments (the 49,152-token pieces ran out of memory with 33 GiB reserved but
-  # unallocated: fragmentation, which expandable segments avoid; a budget that does not fit is recorded as out of
-  # memory and the next runs), each with shared key segments in place too (in 32,768-token pieces they gained nothing;
-  # the whole forest has more segments worth a call) and with fla's state pass per round (the KDA node's before the
-  # serial pass took per-channel gates; a kernel set that fails is recorded and the next runs)
+  # (run on an H100, 2026-12-06 20:24-20:41 UTC, and taken off: Kimi `tau` both paths, whole and in 32,768-token
+  # pieces, with the KDA serial state pass A/B and shared keys, and its whole forest profiled; Nemotron-H `swe` both
+  # paths at 65,536 and the tree at 131,072; Ling-3 `tau` packed and tree at 16,384, 32,768, 49,152, 65,536)
+  # issue 25, on an H100: Ling-3's `tau` fraction in ONE process with every packed call warmed up (its rows of
+  # 2026-12-06 divide trees of three processes by a pass warmed at its first call only), at 65,536-token pieces (the
+  # whole forest does not fit an H100); and Kimi's full-size `swe`, both paths (never run), in 65,536-token pieces and
+  # packed calls (its longest trajectory, 72,913 tokens, gets a call of its own). Expandable segments: the pieces that
+  # ran out of memory on 2026-12-06 did so with a third of the card reserved but unallocated
   if [ "$h200" = 0 ]; then
-    job_tf524 kimi_tau_both --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
-      --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 $kimi \
-      "${same[@]}" --kernels fused fused_rounds_state fused_shared_keys --repeats 2 --packed-groups $kimi \
-      --packed-warmup each \
-      --out $J/kimi_tau_both
-    job nemotron_swe_both $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
-      --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_swe_both
-    # where Kimi's tree in 4 pieces loses against itself in one (H100, 2026-12-06: 5.71 s timed in pieces, 5.33
-    # device s profiled whole): the pieces' run under torch.profiler
-    job_tf524 kimi_tau_pieces_profile $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 \
-      --budget $kimi "${same[@]}" --repeats 1 --profile tree --out $J/kimi_tau_pieces_profile
+    job_tf524 ling3_tau_one_process --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
+      --model ling3_shaped --workload tau --scale 1.0 --budget 65536 "${same[@]}" --repeats 2 --packed-groups 32768 \
+      --packed-warmup each --out $J/ling3_tau_one_process
+    job_tf524 kimi_swe_both --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
+      --model kimi_linear_dense_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" --repeats 2 \
+      --packed-groups 65536 --packed-warmup each --out $J/kimi_swe_both
   fi
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
