@@ -624,7 +624,8 @@ def check_token_ops() -> float:
                   flush=True)
             assert values < 1e-5 and entropies < 1e-5 and grads[worst] < 1e-4, (family, label, values, worst)
             worst_all = max(worst_all, values, entropies)
-    worst_all = max(worst_all, check_norm_kernel(), check_relu_squared_kernel(), check_group_gated_norm_kernel())
+    worst_all = max(worst_all, check_norm_kernel(), check_relu_squared_kernel(), check_group_gated_norm_kernel(),
+                    check_kda_gate())
     # whether each label is its row's argmax, over two vocabulary blocks: planted argmaxes, ties before the label
     # (not the first maximum: False, as torch.argmax) and after it (True)
     generator = torch.Generator().manual_seed(0)
@@ -640,6 +641,45 @@ def check_token_ops() -> float:
     assert torch.equal(top1, expected) and 16 < int(expected.sum()) < 48, (top1, expected)
     print(f"fused top-1 flags == torch.argmax on {len(labels)} rows ({int(expected.sum())} top-1, ties included)")
     return worst_all
+
+
+def check_kda_gate() -> float:
+    """Kimi Delta Attention's forget gate on fla's fused kernel (the tree's patched mixer on CUDA) against
+    transformers' own gate modules: Kimi Linear's (low-rank projection, softplus) and Ling 3's (one projection, with
+    and without its safe gate); the decay and the gradients of the input and of every gate parameter (``A_log``,
+    ``dt_bias`` and the projections), fp32."""
+    import torch
+
+    from harts_hf.kernels.token_ops import ops as token_ops
+    from harts_hf.model_patches.kimi_delta_attention import _FORGET_GATES, _forget_gate
+    from tests.models import build
+
+    worst = 0.0
+    for family, safe in (("kimi_linear", None), ("bailing_hybrid", True), ("bailing_hybrid", False)):
+        gate = next(m for m in build(family).modules() if type(m).__name__ in _FORGET_GATES)
+        if safe is not None:
+            gate.safe_gate = safe
+        x = torch.randn(1, 37, gate.f_a_proj.in_features if hasattr(gate, "f_a_proj") else gate.f_proj.in_features,
+                        generator=torch.Generator().manual_seed(0), requires_grad=True)
+        params = [x, *gate.parameters()]
+        outs = {}
+        for backend in ("torch", "fla"):
+            token_ops.BACKEND = backend
+            try:
+                y = _forget_gate(gate, x)
+            finally:
+                token_ops.BACKEND = "auto"
+            w = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+            outs[backend] = (y.detach(), torch.autograd.grad((y * w).sum(), params))
+        assert outs["fla"][0].dtype == outs["torch"][0].dtype, (family, outs["fla"][0].dtype)
+        errors = [rel(outs["fla"][0], outs["torch"][0])] + \
+            [rel(a, b) for a, b in zip(outs["fla"][1], outs["torch"][1])]
+        label = family + ("" if safe is None else f", safe gate {safe}")
+        print(f"KDA forget gate on fla's kernel ({label}) vs transformers' module: decay {errors[0]:.1e}, "
+              f"gradients (input, A_log, dt_bias, projections) {max(errors[1:]):.1e}", flush=True)
+        assert max(errors) < 1e-5, (label, errors)
+        worst = max(worst, *errors)
+    return worst
 
 
 def check_norm_kernel() -> float:

@@ -195,6 +195,42 @@ def test_gated_norm_reference_is_transformers_formula(family, variant, dtype):
     assert got.dtype == expected.dtype and torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("family,safe", [("kimi_linear", None), ("bailing_hybrid", True), ("bailing_hybrid", False)])
+def test_kda_gate_reference_is_transformers_formula(family, safe, monkeypatch):
+    """The forget gate's reference (what fla's fused gate computes on CUDA) equals each family's gate module to fp32
+    rounding, dtype included, with every gradient; on the CPU the patched mixer calls the module itself, and on the
+    fused path a hook on the gate sends the call back to the module."""
+    from harts_hf.kernels.token_ops import kda_gate_reference, ops
+    from harts_hf.model_patches import kimi_delta_attention
+
+    gate = next(m for m in build(family).modules() if type(m).__name__ in kimi_delta_attention._FORGET_GATES)
+    if safe is not None:
+        gate.safe_gate = safe
+    with torch.no_grad():
+        gate.A_log.normal_(0, 0.5)
+        gate.dt_bias.normal_()
+    kimi = hasattr(gate, "f_a_proj")
+    x = torch.randn(1, 9, (gate.f_a_proj if kimi else gate.f_proj).in_features, requires_grad=True)
+    f = gate.f_b_proj(gate.f_a_proj(x)) if kimi else gate.f_proj(x)
+    got = kda_gate_reference(f.view(1, 9, gate.num_heads, gate.head_dim), gate.A_log, gate.dt_bias,
+                             lower_bound=gate.lower_bound if not kimi and gate.safe_gate else None,
+                             out_dtype=torch.float32 if kimi else x.dtype)
+    expected = gate(x)
+    assert got.dtype == expected.dtype
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    params = [x, *gate.parameters()]
+    for a, b in zip(torch.autograd.grad(got.sum(), params), torch.autograd.grad(expected.sum(), params)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    calls, module_result = [], object()
+    monkeypatch.setattr(gate, "forward", lambda *args: calls.append(args) or [module_result])
+    assert kimi_delta_attention._forget_gate(gate, x) is module_result and len(calls) == 1  # the CPU: the module
+    monkeypatch.setattr(ops, "BACKEND", "fla")
+    monkeypatch.setattr(kimi_delta_attention, "kda_gate", lambda *args, **kw: "fused")
+    assert kimi_delta_attention._forget_gate(gate, x) == "fused" and len(calls) == 1
+    gate.register_forward_hook(lambda *args: None)
+    assert kimi_delta_attention._forget_gate(gate, x) is module_result and len(calls) == 2
+
+
 def test_norm_kernel_setting_is_checked():
     """token_ops.NORM_KERNEL picks the fused RMSNorm kernel; an unknown value raises naming both choices (the
     kernels themselves run under Triton's interpreter in scripts/check_fla_nodes_on_cpu.py)."""

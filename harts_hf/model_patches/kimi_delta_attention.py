@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .core import TreeFamily, register_family
+from ..kernels.token_ops import kda_gate, token_ops_backend
+from .core import TreeFamily, register_family, zero3_enabled
 from .gated_deltanet import MixerLayout, make_tree_gdn_forward
 
 KIMI_DELTA_ATTENTION = MixerLayout(key_dim="qkv_dim", value_dim="qkv_dim", head_k_dim="head_dim",
@@ -23,7 +24,30 @@ def _qkv_and_gates(module, x):
     """q, k, v from their own projections (one conv over the three), the forget gate's per-channel log decay
     ``[U, H, K]`` and the write strength ``sigmoid(b)``."""
     mixed_qkv = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=-1)[0]
-    return mixed_qkv, torch.sigmoid(module.b_proj(x))[0], module.forget_gate(x)[0]
+    return mixed_qkv, torch.sigmoid(module.b_proj(x))[0], _forget_gate(module.forget_gate, x)
+
+
+_FORGET_GATES = ("KimiLinearForgetGate", "BailingHybridForgetGate")
+FUSED_FORGET_GATE = True
+"""On CUDA, the forget gate's projections and fla's fused gate kernel instead of transformers' module (False: the
+module, as before 2026-12-06's evening; the benchmarks' ``fused_module_kda_gate`` kernel set)."""
+
+
+def _forget_gate(gate, x):
+    """The forget gate's log decay ``[U, H, K]`` for ``x [1, U, hidden]``: transformers' module, or on CUDA its
+    projections (called as modules: adapters apply) and fla's fused gate kernel (:func:`~harts_hf.kernels.token_ops
+    .kda_gate`), for the two gate classes whose formula it computes, when nothing else sees the module's call (no
+    hooks on it) and its parameters can be read outside its forward (no ZeRO-3 partitioning)."""
+    if (not FUSED_FORGET_GATE or type(gate).__name__ not in _FORGET_GATES or token_ops_backend(x) == "torch"
+            or gate._forward_hooks
+            or gate._forward_pre_hooks or zero3_enabled()):
+        return gate(x)[0]
+    if hasattr(gate, "f_proj"):  # Ling 3: one projection, the safe gate optional, the result in the input's dtype
+        f, lower_bound, out_dtype = gate.f_proj(x)[0], gate.lower_bound if gate.safe_gate else None, x.dtype
+    else:  # Kimi Linear: a low-rank projection, softplus, fp32
+        f, lower_bound, out_dtype = gate.f_b_proj(gate.f_a_proj(x))[0], None, torch.float32
+    return kda_gate(f.view(f.shape[0], gate.num_heads, gate.head_dim), gate.A_log, gate.dt_bias,
+                    lower_bound=lower_bound, out_dtype=out_dtype)
 
 
 def _kimi_project(module, hidden_states):

@@ -1,4 +1,5 @@
-"""References: RMSNorm in its three transformers spellings, the gated RMSNorm, SwiGLU and the squared ReLU."""
+"""References: RMSNorm in its three transformers spellings, the gated RMSNorm, SwiGLU, the squared ReLU and Kimi Delta
+Attention's forget gate."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ def group_gated_rms_norm_reference(x: torch.Tensor, gate: torch.Tensor, weight: 
     groups = u.view(*u.shape[:-1], u.shape[-1] // group_size, group_size)
     x_hat = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + eps)).view(u.shape)
     return weight * x_hat.to(x.dtype)
+
+
+def kda_gate_reference(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
+                       lower_bound: float | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Kimi Delta Attention's per-channel log decay from its projection ``f [..., H, K]``, in fp32: ``-exp(A_log) *
+    softplus(f + dt_bias)`` (Kimi Linear; Ling 3 without its safe gate) or, with ``lower_bound``, Ling 3's safe gate
+    ``lower_bound * sigmoid(exp(A_log) * (f + dt_bias))``; ``A_log`` holds one value per head, ``dt_bias`` one per
+    channel (``H * K``). Returned in ``out_dtype``."""
+    H, K = f.shape[-2:]
+    x = f.float() + dt_bias.float().view(H, K)
+    rate = A_log.float().reshape(H, 1).exp()
+    if lower_bound is None:
+        return (-rate * F.softplus(x)).to(out_dtype)
+    return (lower_bound * torch.sigmoid(rate * x)).to(out_dtype)

@@ -19,13 +19,14 @@ from .._backend import fla_available, in_row_blocks
 from .naive import (
     gated_rms_norm_reference,
     group_gated_rms_norm_reference,
+    kda_gate_reference,
     relu_squared_reference,
     rms_norm_reference,
     swiglu_reference,
 )
 
-__all__ = ["BACKEND", "NORM_KERNEL", "gated_rms_norm", "group_gated_rms_norm", "relu_squared", "rms_norm", "swiglu",
-           "token_ops_backend"]
+__all__ = ["BACKEND", "NORM_KERNEL", "gated_rms_norm", "group_gated_rms_norm", "kda_gate", "relu_squared", "rms_norm",
+           "swiglu", "token_ops_backend"]
 
 BACKEND = "auto"
 """``"auto"``: fla's kernels for CUDA tensors where fla imports, the references otherwise; ``"torch"``: always the
@@ -202,6 +203,19 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: str | None = None) 
     if token_ops_backend(gate, backend) == "torch":
         return swiglu_reference(gate, up)
     return _fla()[1](gate, up)
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, lower_bound: float | None = None,
+             out_dtype: torch.dtype = torch.float32, backend: str | None = None) -> torch.Tensor:
+    """Kimi Delta Attention's forget gate of :func:`~.naive.kda_gate_reference` (``f [..., H, K]``), on fla's fused
+    kernel (``fused_kda_gate``: one read of ``f`` and one write of the decay, the gradients of ``f``, ``A_log`` and
+    ``dt_bias`` in one pass back) when ``backend`` resolves to ``"fla"``; transformers computes it in five to seven
+    full-size fp32 passes each way."""
+    if token_ops_backend(f, backend) == "torch":
+        return kda_gate_reference(f, A_log, dt_bias, lower_bound=lower_bound, out_dtype=out_dtype)
+    from fla.ops.kda.gate import fused_kda_gate
+
+    return fused_kda_gate(f, A_log, dt_bias, lower_bound=lower_bound, output_dtype=out_dtype)
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, *, activation: str = "silu",
