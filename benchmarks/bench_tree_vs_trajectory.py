@@ -68,7 +68,7 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
               graph_tokens=0, experts="cuda", scan="cuda", shared_keys=False, gather_sum="rows", state_pass="auto",
-              kda_gate=True)
+              kda_inputs=True)
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
@@ -91,7 +91,7 @@ KERNEL_SETS = {
     "fused_row_sum": dict(_FUSED, gather_sum="rows"),
     "fused_index_add": dict(_FUSED, gather_sum="index_add"),
     "fused_rounds_state": dict(_FUSED, state_pass="rounds"),
-    "fused_module_kda_gate": dict(_FUSED, kda_gate=False),
+    "fused_module_kda_inputs": dict(_FUSED, kda_inputs=False),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -119,9 +119,10 @@ harts_hf's Triton kernel (``varlen.GATHER_SUM = "rows"``: no atomics, no fp32 bu
 when ``fused_row_sum`` named it and the other sets ran ``index_add_``) but ``fused_index_add`` (fp32 ``index_add_``, as
 every set before then). ``fused_rounds_state`` runs fla's state pass once per round in the Gated DeltaNet and KDA nodes
 (``fla_backend.STATE_PASS = "rounds"``) where the others pick per plan (``"auto"``: harts_hf's serial state pass on
-the forests timed here); KDA's node ran fla's per round before 2026-12-06's evening, whatever the setting. ``fused_module_kda_gate`` computes
-Kimi Delta Attention's forget gate with transformers' module (every set before that evening) where the others run its
-projections and fla's fused gate kernel (``kimi_delta_attention.FUSED_FORGET_GATE``)."""
+the forests timed here); KDA's node ran fla's per round before 2026-12-06's evening, whatever the setting. ``fused_module_kda_inputs`` computes
+Kimi Delta Attention's q, k, v and forget gate with transformers' modules (every set before that evening) where the
+others run q, k and v as one product and the gate's projections with fla's fused gate kernel
+(``kimi_delta_attention.FUSED_INPUTS``)."""
 
 
 def use_kernels(name: str) -> None:
@@ -143,7 +144,7 @@ def use_kernels(name: str) -> None:
     varlen.SHARED_KEYS_IN_PLACE = kernels["shared_keys"]
     varlen.GATHER_SUM = kernels["gather_sum"]
     fla_backend.STATE_PASS = kernels["state_pass"]
-    kimi_delta_attention.FUSED_FORGET_GATE = kernels["kda_gate"]
+    kimi_delta_attention.FUSED_INPUTS = kernels["kda_inputs"]
 
 
 def build_model(name: str, family: str, device, dtype):

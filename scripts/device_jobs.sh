@@ -50,12 +50,13 @@ if [ ! -f "$JOBS/.queued" ]; then
   # whole forest does not fit an H100); and Kimi's full-size `swe`, both paths (never run), in 65,536-token pieces and
   # packed calls (its longest trajectory, 72,913 tokens, gets a call of its own). Expandable segments: the pieces that
   # ran out of memory on 2026-12-06 did so with a third of the card reserved but unallocated
-  # issues 25/22, any card, first: Kimi Delta Attention's forget gate on fla's fused kernel (the default since
-  # 2026-12-06's evening) against transformers' module (five to seven full-size fp32 passes each way: ~0.3 s of the
-  # whole Kimi forest's 4.97 device s in its profile, both paths alike), the whole forest, both paths in one process
+  # issues 25/22, any card, first: Kimi Delta Attention's inputs as harts_hf computes them since 2026-12-06's evening
+  # (q, k, v as one product; the forget gate on fla's fused kernel) against transformers' modules (three products and
+  # a concatenation; the gate in five to seven full-size fp32 passes each way: ~0.3 s of the whole Kimi forest's 4.97
+  # device s in its profile, both paths alike), the whole forest, both paths in one process
   job_tf524 kimi_tau_gate --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
     --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --kernels fused fused_module_kda_gate --repeats 2 --packed-groups 32768 --packed-warmup each --out $J/kimi_tau_gate
+    --kernels fused fused_module_kda_inputs --repeats 2 --packed-groups 32768 --packed-warmup each --out $J/kimi_tau_gate
   if [ "$h200" = 0 ]; then
     job_tf524 ling3_tau_one_process --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model ling3_shaped --workload tau --scale 1.0 --budget 65536 "${same[@]}" --repeats 2 --packed-groups 32768 \

@@ -231,6 +231,31 @@ def test_kda_gate_reference_is_transformers_formula(family, safe, monkeypatch):
     assert kimi_delta_attention._forget_gate(gate, x) is module_result and len(calls) == 2
 
 
+@pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])
+def test_kda_qkv_as_one_product(family, monkeypatch):
+    """On the fused path q, k and v are one product with the three weights stacked: the three projections' outputs
+    side by side (fp32 rounding), the same weight and input gradients; a hooked projection, or the CPU's default,
+    keeps the three modules."""
+    from harts_hf.kernels.token_ops import ops
+    from harts_hf.model_patches import kimi_delta_attention
+
+    mixer = next(m for m in build(family).modules() if hasattr(m, "forget_gate"))
+    x = torch.randn(1, 11, mixer.q_proj.in_features, requires_grad=True)
+    params = [x, mixer.q_proj.weight, mixer.k_proj.weight, mixer.v_proj.weight]
+    expected = kimi_delta_attention._qkv(mixer, x)  # the CPU: the three modules
+    assert torch.equal(expected, torch.cat([mixer.q_proj(x), mixer.k_proj(x), mixer.v_proj(x)], -1)[0])
+    monkeypatch.setattr(ops, "BACKEND", "fla")
+    got = kimi_delta_attention._qkv(mixer, x)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    w = torch.randn(got.shape)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), params), torch.autograd.grad((expected * w).sum(), params)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    mixer.k_proj.register_forward_hook(lambda module, args, out: out * 2)
+    q, k = mixer.q_proj.out_features, mixer.k_proj.out_features
+    hooked = kimi_delta_attention._qkv(mixer, x)
+    assert torch.equal(hooked[:, q:q + k], 2 * F.linear(x, mixer.k_proj.weight)[0])
+
+
 def test_norm_kernel_setting_is_checked():
     """token_ops.NORM_KERNEL picks the fused RMSNorm kernel; an unknown value raises naming both choices (the
     kernels themselves run under Triton's interpreter in scripts/check_fla_nodes_on_cpu.py)."""

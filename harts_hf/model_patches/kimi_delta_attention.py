@@ -11,9 +11,10 @@ attention and routed experts with a shared one.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels.token_ops import kda_gate, token_ops_backend
-from .core import TreeFamily, register_family, zero3_enabled
+from .core import TreeFamily, plain_linear, register_family, zero3_enabled
 from .gated_deltanet import MixerLayout, make_tree_gdn_forward
 
 KIMI_DELTA_ATTENTION = MixerLayout(key_dim="qkv_dim", value_dim="qkv_dim", head_k_dim="head_dim",
@@ -23,14 +24,26 @@ KIMI_DELTA_ATTENTION = MixerLayout(key_dim="qkv_dim", value_dim="qkv_dim", head_
 def _qkv_and_gates(module, x):
     """q, k, v from their own projections (one conv over the three), the forget gate's per-channel log decay
     ``[U, H, K]`` and the write strength ``sigmoid(b)``."""
-    mixed_qkv = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=-1)[0]
-    return mixed_qkv, torch.sigmoid(module.b_proj(x))[0], _forget_gate(module.forget_gate, x)
+    return _qkv(module, x), torch.sigmoid(module.b_proj(x))[0], _forget_gate(module.forget_gate, x)
+
+
+FUSED_INPUTS = True
+"""On CUDA: q, k and v as ONE product with the three weights stacked (where each projection is a
+:func:`~.core.plain_linear`: no adapter, hook or ZeRO-3 partitioning), not three products and a concatenation of
+their outputs, and the forget gate through its projections and fla's fused gate kernel instead of transformers'
+module (:func:`_forget_gate`). False: transformers' modules, as before 2026-12-06's evening (the benchmarks'
+``fused_module_kda_inputs`` kernel set)."""
+
+
+def _qkv(module, x):
+    """``[U, 3 * H * K]``: the q, k and v projections of ``x [1, U, hidden]`` side by side, as the conv reads them."""
+    projections = (module.q_proj, module.k_proj, module.v_proj)
+    if FUSED_INPUTS and token_ops_backend(x) != "torch" and all(map(plain_linear, projections)):
+        return F.linear(x, torch.cat([p.weight for p in projections]))[0]
+    return torch.cat([p(x) for p in projections], dim=-1)[0]
 
 
 _FORGET_GATES = ("KimiLinearForgetGate", "BailingHybridForgetGate")
-FUSED_FORGET_GATE = True
-"""On CUDA, the forget gate's projections and fla's fused gate kernel instead of transformers' module (False: the
-module, as before 2026-12-06's evening; the benchmarks' ``fused_module_kda_gate`` kernel set)."""
 
 
 def _forget_gate(gate, x):
@@ -38,7 +51,7 @@ def _forget_gate(gate, x):
     projections (called as modules: adapters apply) and fla's fused gate kernel (:func:`~harts_hf.kernels.token_ops
     .kda_gate`), for the two gate classes whose formula it computes, when nothing else sees the module's call (no
     hooks on it) and its parameters can be read outside its forward (no ZeRO-3 partitioning)."""
-    if (not FUSED_FORGET_GATE or type(gate).__name__ not in _FORGET_GATES or token_ops_backend(x) == "torch"
+    if (not FUSED_INPUTS or type(gate).__name__ not in _FORGET_GATES or token_ops_backend(x) == "torch"
             or gate._forward_hooks
             or gate._forward_pre_hooks or zero3_enabled()):
         return gate(x)[0]
