@@ -118,11 +118,11 @@ nothing, keeps torch's flash varlen). Every set sums the gradients of the keys a
 harts_hf's Triton kernel (``varlen.GATHER_SUM = "rows"``: no atomics, no fp32 buffer; the default since 2026-12-06,
 when ``fused_row_sum`` named it and the other sets ran ``index_add_``) but ``fused_index_add`` (fp32 ``index_add_``, as
 every set before then). ``fused_rounds_state`` runs fla's state pass once per round in the Gated DeltaNet and KDA nodes
-(``fla_backend.STATE_PASS = "rounds"``) where the others pick per plan (``"auto"``: harts_hf's serial state pass on
-the forests timed here); KDA's node ran fla's per round before 2026-12-06's evening, whatever the setting. ``fused_module_kda_inputs`` computes
-Kimi Delta Attention's q, k, v and forget gate with transformers' modules (every set before that evening) where the
-others run q, k and v as one product and the gate's projections with fla's fused gate kernel
-(``kimi_delta_attention.FUSED_INPUTS``)."""
+(``fla_backend.STATE_PASS = "rounds"``) where the others pick per plan (``"auto"``: harts_hf's serial state pass on the
+forests timed here); KDA's node ran fla's per round before 2026-12-06's evening, whatever the setting.
+``fused_module_kda_inputs`` computes Kimi Delta Attention's q, k, v and forget gate with transformers' modules (every
+set before that evening) where the others run q, k and v as one product and the gate's projections with fla's fused gate
+kernel (``kimi_delta_attention.FUSED_INPUTS``)."""
 
 
 def use_kernels(name: str) -> None:

@@ -56,7 +56,8 @@ if [ ! -f "$JOBS/.queued" ]; then
   # device s in its profile, both paths alike), the whole forest, both paths in one process
   job_tf524 kimi_tau_gate --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
     --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --kernels fused fused_module_kda_inputs --repeats 2 --packed-groups 32768 --packed-warmup each --out $J/kimi_tau_gate
+    --kernels fused fused_module_kda_inputs --repeats 2 --packed-groups 32768 --packed-warmup each \
+    --out $J/kimi_tau_gate
   if [ "$h200" = 0 ]; then
     job_tf524 ling3_tau_one_process --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model ling3_shaped --workload tau --scale 1.0 --budget 65536 "${same[@]}" --repeats 2 --packed-groups 32768 \

@@ -1,7 +1,7 @@
 """Per-token ops of the decoder outside the mixers (RMSNorm, gated RMSNorm, Mamba-2's grouped gated norm, SwiGLU,
-squared ReLU, Kimi Delta Attention's forget gate), fused on CUDA: RMSNorm, the grouped gated norm and the squared ReLU on harts_hf's own Triton kernels
-(``ops.NORM_KERNEL``: fla's RMSNorm on request), the others on fla's, with the formulas transformers computes as their
-references."""
+squared ReLU, Kimi Delta Attention's forget gate), fused on CUDA: RMSNorm, the grouped gated norm and the squared ReLU
+on harts_hf's own Triton kernels (``ops.NORM_KERNEL``: fla's RMSNorm on request), the others on fla's, with the formulas
+transformers computes as their references."""
 
 from .naive import (
     gated_rms_norm_reference,
