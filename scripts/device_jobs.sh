@@ -22,12 +22,12 @@ probe=benchmarks/plan_memory_probe.py
 trainer=benchmarks/multi_gpu_tree_grpo.py
 same=(--no-history --kernels fused --keep-attention on)
 if [ "${mem:-0}" -gt 100000 ]; then  # an H200: the headline settings
-  nemotron=131072 ling3=65536 kimi=0 h200=1
+  nemotron=131072 ling3=65536 h200=1
 else  # an H100: no Ling-3 packed `swe` (one trajectory of 43,840 tokens peaked at 63.2 GiB, 2026-12-05; the longest
-  # has 72,913); smaller tree pieces than on the H200 (on an H100, 2026-12-06, Ling-3's `swe` tree at 32,768-token
-  # pieces and Kimi's `tau` tree at 49,152 ran out of memory with 22-33 GiB reserved but unallocated; the planner
-  # refused 16,384 for Ling-3's run of 19,710 tokens without a branch point then, and cuts such runs since 7cba6e9)
-  ling3=16384 kimi=32768 h200=0
+  # has 72,913); smaller tree pieces than on the H200, set per job below, with the allocator's expandable segments
+  # (on an H100, 2026-12-06, Ling-3's `swe` tree at 32,768-token pieces and Kimi's `tau` tree at 49,152 ran out of
+  # memory with 22-33 GiB reserved but unallocated; with expandable segments Kimi's whole `tau` forest fit)
+  h200=0
 fi
 if [ ! -f "$JOBS/.queued" ]; then
   touch "$JOBS/.queued"
@@ -90,17 +90,11 @@ if [ ! -f "$JOBS/.queued" ]; then
   ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup each)
   [ "$h200" = 1 ] && job_tf524 ling3_swe $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 \
     "${same[@]}" --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
-  # issue 25: the routed experts in bf16 under autocast (harts_hf's default since 2026-12-05) against transformers'
-  # fp32 experts (every Ling-3 row before: MFU 0.086), full-size `tau`, the tree (one child: compiled once)
-  [ "$h200" = 1 ] && job_tf524 ling3_tau_experts $probe --model ling3_shaped --workload tau --scale 1.0 --budget 0 \
-    --no-history --kernels fused fused_fp32_experts --keep-attention on --repeats 2 --out $J/ling3_tau_experts
-  [ "$h200" = 1 ] && job_tf524 kimi_tau $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 \
-    --budget $kimi "${same[@]}" --repeats 2 --packed-groups $kimi --packed-warmup each --out $J/kimi_tau
-  # issue 25: the Kimi tree in one piece (what an H200 holds) with shared key segments attended in place (MLA's
-  # attention alone on full-size `tau`: 0.87x the plain call's time, H100, 2026-12-06; in 32,768-token pieces the
-  # whole step gained nothing)
-  [ "$h200" = 1 ] && job_tf524 kimi_tau_shared $probe --model kimi_linear_dense_shaped --workload tau --scale 1.0 \
-    --budget 0 --no-history --kernels fused_shared_keys --keep-attention on --repeats 2 --out $J/kimi_tau_shared
+  # issue 25: Ling-3's full-size `tau` on the H200, the whole forest against the packed path in one process, with the
+  # routed experts in bf16 (harts_hf's default since 2026-12-05; its H200 row of 2026-12-03, fraction 1.004, ran both
+  # paths with fp32 experts; an H100 measured the experts' A/B, 2026-12-06). Kimi's whole forest: kimi_tau_gate above
+  [ "$h200" = 1 ] && job_tf524 ling3_tau_h200 $probe --model ling3_shaped --workload tau --scale 1.0 --budget 0 \
+    "${same[@]}" --repeats 2 --packed-groups 0 --packed-warmup each --out $J/ling3_tau_h200
   # issues 22/23: the Qwen3-Next full-size `swe` tree with and without the source's second forward, one process
   [ "$h200" = 1 ] && job swe_tree_keep $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
     --repeats 2 --no-recompute --out $J/swe_tree_keep
