@@ -234,3 +234,12 @@ def test_out_of_memory_in_a_step_names_the_settings_that_bound_it(saved_model, t
             tree.training_step(tree.model, {}, None)
         note = "\n".join(caught.value.__notes__)
         assert expected in note and "lower tree_keep_matmul_layers (now 3)" in note and "AdamW" in note
+        assert "expandable_segments" not in note  # no CUDA here: nothing to say about fragmentation
+    from harts_hf.trainers.grpo import out_of_memory_note
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert "33.0 GiB were reserved" in out_of_memory_note(tree.args, 33.0)
+    assert "expandable_segments" not in out_of_memory_note(tree.args, 0.5)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert "expandable_segments" not in out_of_memory_note(tree.args, 33.0)

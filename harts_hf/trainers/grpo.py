@@ -13,6 +13,7 @@ Three TRL hooks change; everything else (generation, rewards, advantages, every 
 from __future__ import annotations
 
 import functools
+import os
 from collections import defaultdict
 
 import torch
@@ -53,8 +54,10 @@ __all__ = ["TreeGRPOTrainer"]
 logger = logging.get_logger(__name__)
 
 
-def out_of_memory_note(args) -> str:
-    """What to change when a tree step runs out of GPU memory (added to the error); ``args``: the TreeGRPOConfig."""
+def out_of_memory_note(args, unallocated_gib: float | None = None) -> str:
+    """What to change when a tree step runs out of GPU memory (added to the error); ``args``: the TreeGRPOConfig;
+    ``unallocated_gib``: memory PyTorch's allocator held reserved but not allocated when it failed (fragmentation;
+    :func:`unallocated_cuda_gib`)."""
     budget = args.tree_token_budget
     now = ("each microbatch's whole forest in one piece (tree_token_budget=None)" if budget is None else
            f"planner pieces of at most tree_token_budget={budget} unique tokens")
@@ -62,10 +65,23 @@ def out_of_memory_note(args) -> str:
     for field in ("tree_stored_layers", "tree_keep_matmul_layers", "tree_keep_matmul_gib"):
         if getattr(args, field, None):
             fixes.append(f"lower {field} (now {getattr(args, field)})")
-    return (f"harts_hf: a TreeGRPOTrainer step ran out of GPU memory with {now}; a piece's activations grow with its "
+    note = (f"harts_hf: a TreeGRPOTrainer step ran out of GPU memory with {now}; a piece's activations grow with its "
             f"tokens. To fit: {'; '.join(fixes)}; or shard the optimizer (DeepSpeed ZeRO). AdamW's two fp32 moments "
             "(8 bytes per trained parameter) arrive at the first optimizer step, so a second step can fail where the "
             "first fit.")
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if unallocated_gib is not None and unallocated_gib >= 2 and "expandable_segments:True" not in conf:
+        note += (f" {unallocated_gib:.1f} GiB were reserved by PyTorch's allocator but not allocated (fragmentation): "
+                 "start the process with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (on an 80 GB H100 this let "
+                 "a Kimi-Linear-shaped forest run whole where 49,152-token pieces had failed, 2026-12-06).")
+    return note
+
+
+def unallocated_cuda_gib() -> float | None:
+    """GiB PyTorch's CUDA allocator holds reserved but not allocated on the current device (None without CUDA)."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return (torch.cuda.memory_reserved() - torch.cuda.memory_allocated()) / 2**30
 
 
 class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
@@ -219,7 +235,7 @@ class TreeGRPOTrainer(PiecePadding, GRPOTrainer):
         try:
             return super().training_step(model, inputs, num_items_in_batch)
         except torch.OutOfMemoryError as error:
-            error.add_note(out_of_memory_note(self.args))
+            error.add_note(out_of_memory_note(self.args, unallocated_cuda_gib()))
             raise
 
     # ------------------------------------------------------------------ loss over planner pieces
