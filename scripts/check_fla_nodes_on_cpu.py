@@ -136,9 +136,10 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend, fla_kda, fla_simple_gla
 
     options = dict(use_qk_l2norm_in_kernel=delta, delta=delta)
-    # two fla nodes each: the round-batched one (the default) and fla's public function per round; KDA's round-batched
-    # node also with the serial state pass and its lanes (harts_hf's kernels, per-channel gates)
-    serial = ("fla_serial", "fla_lanes") if delta else ()
+    # two fla nodes each: the round-batched one (the default) and fla's public function per round; the delta rule's
+    # round-batched node also with the serial state pass (harts_hf's kernels; per-channel gates for KDA; its lanes run
+    # the same kernels, checked in main() for Gated DeltaNet)
+    serial = ("fla_serial",) if delta else ()
     variants = ("fla", *serial, "fla_per_round")
 
     def through(name, run):
@@ -186,7 +187,7 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     state = (torch.randn(HV, K, V) * 0.1).requires_grad_()
     context, piece = inputs(rows), inputs(sub.num_tokens)
     outs = {}
-    piece_variants = ("fla", *serial[:1])  # the round-batched node (the per-round one and lanes: compared above)
+    piece_variants = ("fla", *serial)  # the round-batched node (the per-round one is compared with it above)
     for name in ("torch", *piece_variants):
         def run(backend):
             the_plan = build_gated_delta_plan(sub, final_states_only=backend == "fla", state_requests=[5, 60],
