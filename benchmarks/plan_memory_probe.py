@@ -489,7 +489,8 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
             warm = warm_up(model, sequences, args, device)
         except Exception as error:  # noqa: BLE001 - a kernel set that fails is recorded; the next one runs
             model.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache() if device.type == "cuda" else None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             rows.append(dict(kernels=kernels, error=f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"))
             save()
             print(f"{kernels} kernels: failed in the warm-up: {rows[-1]['error']}", flush=True)

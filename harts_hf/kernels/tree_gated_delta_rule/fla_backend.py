@@ -217,14 +217,7 @@ def _batched_forward(q, k, v, g, beta, initial_state, *context, plan, scale, l2n
     HV, V = v.shape[1], v.shape[2]
     K = k.shape[-1]
     batch = round_batch(plan, q.device)
-    cq, ck, cv, cg, cb = context or (None,) * 5
-    q_rstd = k_rstd = cq_rstd = ck_rstd = None
-    if l2norm:
-        q, q_rstd = _l2norm(l2norm_fwd, q)
-        k, k_rstd = _l2norm(l2norm_fwd, k)
-        if context:
-            cq, cq_rstd = _l2norm(l2norm_fwd, cq)
-            ck, ck_rstd = _l2norm(l2norm_fwd, ck)
+    q, k, q_rstd, k_rstd, (cq, ck, cv, cg, cb), cq_rstd, ck_rstd = normed_inputs(l2norm_fwd, l2norm, q, k, context)
     grid = dict(cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
     qe, ke, ve, be = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv), (beta, cb)))
     g_cumsum = stages["cumsum"](batch.executed(g, cg).float(), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
@@ -232,13 +225,9 @@ def _batched_forward(q, k, v, g, beta, initial_state, *context, plan, scale, l2n
     w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
     bank = _state_bank(batch, initial_state, HV, K, V, q.device)
     initials: list = []
-    if state_pass != "rounds":
-        units = serial_units(plan, q.device, lanes=state_pass == "lanes")
-        h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
-        if initial_state is not None:  # the recomputation rebuilds the bank from the handed-in state
-            initials.append(initial_state)
-    else:
-        h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, initials, bank)
+    h, v_new = states_forward(stages, batch, plan, state_pass, ke, w, u, g_cumsum, bank, initials)
+    if state_pass != "rounds" and initial_state is not None:  # the recomputation rebuilds the bank from it
+        initials.append(initial_state)
     o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size, **grid)
     out = batch.own_outputs(o[0]).to(v.dtype)
     requested = bank[batch.requested_ids]
@@ -259,10 +248,9 @@ def _batched_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_reque
     qe, ke, ve, be = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv), (beta, cb)))
     w, u = stages["recompute_w_u"](k=ke, v=ve, beta=be, A=A, g=g_cumsum, **grid)
     if state_pass != "rounds":
-        units = serial_units(plan, q.device, lanes=state_pass == "lanes")
         bank = _state_bank(batch, initials[0] if initials else None, HV, k.shape[-1], V, q.device)
-        h, v_new = tree_state_forward(units, ke, w, u, g_cumsum, bank, plan.chunk_size)
-    else:
+        h, v_new = states_forward(stages, batch, plan, state_pass, ke, w, u, g_cumsum, bank, [])
+    else:  # from the saved initial states of every round
         h, v_new = _state_pass(stages, batch, plan, ke, w, u, g_cumsum, list(initials))
     do = batch.executed_grad(d_out)
     dv = stages["bwd_dv_local"](q=qe, k=ke, g=g_cumsum, do=do, scale=scale, chunk_size=plan.chunk_size, **grid)
@@ -270,10 +258,7 @@ def _batched_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_reque
     # (rounds in reverse: every unit that starts from a state runs in a later round than the one saving it)
     d_bank = batch.bank_grad(torch.empty(batch.num_states, HV, k.shape[-1], V, dtype=torch.float32,
                                          device=v.device), d_requested)
-    if state_pass != "rounds":
-        dh, dv = tree_state_backward(units, qe, ke, w, g_cumsum, do, dv, d_bank, scale, plan.chunk_size)
-    else:
-        dh, dv = _state_gradient_pass(stages, batch, plan, qe, ke, w, g_cumsum, do, dv, initials, d_bank, scale)
+    dh, dv = states_backward(stages, batch, plan, state_pass, qe, ke, w, g_cumsum, do, dv, initials, d_bank, scale)
     d_state = {} if batch.context_id is None else {CONTEXT_STATE: d_bank[batch.context_id]}
     dq_e, dk_e, dw, dg_e = stages["bwd_dqkwg"](q=qe, k=ke, v=v_new, w=w, g=g_cumsum, h=h, dv=dv, do=do, dh=dh,
                                                scale=scale, chunk_size=plan.chunk_size, **grid)
@@ -282,13 +267,58 @@ def _batched_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_reque
     dg_e.add_(dg2)
     dg_e = stages["cumsum"](dg_e, chunk_size=plan.chunk_size, reverse=True, **grid)
     grads = [batch.sum_by_token(grad[0].float(), rows) for grad in (dq_e, dk_e, dv_e, dg_e, db_e)]
-    own = input_grads(l2norm, g_dtype, initial_dtype, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd),
-                      [grad[:U] for grad in grads], d_state)
+    return node_input_grads(l2norm, g_dtype, initial_dtype, context_g_dtype, l2norm_bwd,
+                            (q, k, v, beta, q_rstd, k_rstd), (cq, ck, cv, cb, cq_rstd, ck_rstd), grads, d_state)
+
+
+def normed_inputs(l2norm_fwd, l2norm: bool, q, k, context: tuple) -> tuple:
+    """``(q, k, q_rstd, k_rstd, context, cq_rstd, ck_rstd)`` of a round-batched node's forward: q and k through fla's
+    L2 norm where ``l2norm`` (rstd None otherwise), and a planner piece's context rows ``(q, k, v, g, beta)`` (five
+    Nones without them) with their q and k normalised the same way, apart."""
+    cq, ck, cv, cg, cb = context or (None,) * 5
+    q_rstd = k_rstd = cq_rstd = ck_rstd = None
+    if l2norm:
+        q, q_rstd = _l2norm(l2norm_fwd, q)
+        k, k_rstd = _l2norm(l2norm_fwd, k)
+        if context:
+            cq, cq_rstd = _l2norm(l2norm_fwd, cq)
+            ck, ck_rstd = _l2norm(l2norm_fwd, ck)
+    return q, k, q_rstd, k_rstd, (cq, ck, cv, cg, cb), cq_rstd, ck_rstd
+
+
+def node_input_grads(l2norm: bool, g_dtype, initial_dtype, context_g_dtype, l2norm_bwd, saved, saved_context, grads,
+                     d_state) -> tuple:
+    """A round-batched node's input gradients from fp32 ``grads`` of q, k, v, g, beta over the ``U`` packed rows then
+    the context rows (:func:`input_grads`): the packed rows' five and the handed-in state's, then, with context rows
+    (``context_g_dtype`` their gate's dtype, None without; ``saved_context`` their ``(q, k, v, beta, q_rstd, k_rstd)``
+    as the forward kept them), the context rows' five, views of the same buffers through their own L2 norm."""
+    U = saved[2].shape[0]
+    own = input_grads(l2norm, g_dtype, initial_dtype, l2norm_bwd, saved, [grad[:U] for grad in grads], d_state)
     if context_g_dtype is None:
         return own
-    # the context rows' parts (views of the same buffers), through their own L2 norm
-    return (*own, *input_grads(l2norm, context_g_dtype, None, l2norm_bwd, (cq, ck, cv, cb, cq_rstd, ck_rstd),
-                               [grad[U:] for grad in grads], {})[:5])
+    return (*own, *input_grads(l2norm, context_g_dtype, None, l2norm_bwd, saved_context, [grad[U:] for grad in grads],
+                               {})[:5])
+
+
+def states_forward(stages, batch: RoundBatch, plan: GatedDeltaPlan, state_pass: str, k, w, u, g, bank, initials,
+                   gate: str = "g"):
+    """``h`` and ``v_new`` of every round from the state ``bank`` (final states written into it): the serial state
+    pass (``state_pass`` "serial" or "lanes", :mod:`.serial_state_pass`) or fla's once per round (``"rounds"``, each
+    round's initial states appended to ``initials``). ``gate`` as for :func:`_state_pass`."""
+    if state_pass != "rounds":
+        units = serial_units(plan, k.device, lanes=state_pass == "lanes")
+        return tree_state_forward(units, k, w, u, g, bank, plan.chunk_size)
+    return _state_pass(stages, batch, plan, k, w, u, g, initials, bank, gate=gate)
+
+
+def states_backward(stages, batch: RoundBatch, plan: GatedDeltaPlan, state_pass: str, q, k, w, g, do, dv, initials,
+                    d_bank, scale: float, gate: str = "g"):
+    """``dh`` and ``dv2`` of every round, the state-gradient pass of :func:`states_forward`'s choice (``initials``:
+    each round's initial states, for fla's per-round pass)."""
+    if state_pass != "rounds":
+        units = serial_units(plan, q.device, lanes=state_pass == "lanes")
+        return tree_state_backward(units, q, k, w, g, do, dv, d_bank, scale, plan.chunk_size)
+    return _state_gradient_pass(stages, batch, plan, q, k, w, g, do, dv, initials, d_bank, scale, gate=gate)
 
 
 def input_grads(l2norm: bool, g_dtype, initial_dtype, l2norm_bwd, saved, grads, d_state) -> tuple:

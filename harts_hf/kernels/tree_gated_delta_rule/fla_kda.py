@@ -23,7 +23,6 @@ import torch
 from . import fla_backend
 from .plan import CONTEXT_STATE, GatedDeltaPlan
 from .round_batch import round_batch
-from .serial_state_pass import serial_units, tree_state_backward, tree_state_forward
 
 __all__ = ["import_fla_op", "per_round", "tree_kda_fla"]
 
@@ -118,21 +117,16 @@ class _TreeKdaBatched(torch.autograd.Function):
         st, l2norm_fwd = _kda_stages(), fla_backend._import_fla()[3]
         batch = round_batch(plan, q.device)
         HV, K, V = v.shape[1], k.shape[2], v.shape[2]
-        cq, ck, cv, cg, cb = context or (None,) * 5  # a piece's context rows, read in place
-        q_rstd = k_rstd = cq_rstd = ck_rstd = None
-        if use_qk_l2norm_in_kernel:
-            q, q_rstd = fla_backend._l2norm(l2norm_fwd, q)
-            k, k_rstd = fla_backend._l2norm(l2norm_fwd, k)
-            if context:
-                cq, cq_rstd = fla_backend._l2norm(l2norm_fwd, cq)
-                ck, ck_rstd = fla_backend._l2norm(l2norm_fwd, ck)
+        # a piece's context rows (or Nones), read in place
+        q, k, q_rstd, k_rstd, (cq, ck, cv, cg, cb), cq_rstd, ck_rstd = fla_backend.normed_inputs(
+            l2norm_fwd, use_qk_l2norm_in_kernel, q, k, context)
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
         qe, ke, ve, be = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv), (beta, cb)))
         g_cumsum = st["cumsum"](batch.executed(g, cg).float(), scale=st["rcp_ln2"], **grid)
         w, u, _, kg, Aqk, Akk = st["fwd_intra_kda"](q=qe, k=ke, v=ve, gk=g_cumsum, beta=be, scale=scale, **grid)
         bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
         state_pass = fla_backend.state_pass_for(plan)
-        h, v_new = _states(st, batch, plan, state_pass, kg, w, u, g_cumsum, bank)
+        h, v_new = fla_backend.states_forward(st, batch, plan, state_pass, kg, w, u, g_cumsum, bank, [], gate="gk")
         o = st["fwd_o_gk"](q=qe, v=v_new, g=g_cumsum, A=Aqk, h=h, scale=scale, **grid)
         saved_context = (cq, ck, cv, cb, cq_rstd, ck_rstd) if context else ()
         ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, Aqk, Akk, *saved_context,
@@ -160,16 +154,13 @@ class _TreeKdaBatched(torch.autograd.Function):
                                                cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
         bank = fla_backend._state_bank(batch, initial[0] if initial else None, HV, K, V, q.device)
         initials: list = []
-        h, v_new = _states(st, batch, plan, ctx.state_pass, kg, w, u, g_cumsum, bank, initials)
+        h, v_new = fla_backend.states_forward(st, batch, plan, ctx.state_pass, kg, w, u, g_cumsum, bank, initials,
+                                              gate="gk")
         do = batch.executed_grad(d_out)
         dAqk, dv = st["bwd_dav"](q=qe, k=ke, v=v_new, do=do, A=Aqk, scale=scale, **grid)
         d_bank = batch.bank_grad(bank, d_requested)
-        if ctx.state_pass != "rounds":
-            units = serial_units(plan, q.device, lanes=ctx.state_pass == "lanes")
-            dh, dv = tree_state_backward(units, qg, kg, w, g_cumsum, do, dv, d_bank, scale, plan.chunk_size)
-        else:
-            dh, dv = fla_backend._state_gradient_pass(st, batch, plan, qg, kg, w, g_cumsum, do, dv, initials, d_bank,
-                                                      scale, gate="gk")
+        dh, dv = fla_backend.states_backward(st, batch, plan, ctx.state_pass, qg, kg, w, g_cumsum, do, dv, initials,
+                                             d_bank, scale, gate="gk")
         dq, dk, dv, db, dg, dAkk = st["bwd_wy_dqkg"](q=qe, k=ke, v=ve, v_new=v_new, g=g_cumsum, beta=be, A=Akk, h=h,
                                                      do=do, dh=dh, dv=dv, scale=scale, **grid)
         dq, dk, db, dg = st["bwd_intra"](q=qe, k=ke, g=g_cumsum, beta=be, dAqk=dAqk, dAkk=dAkk, dq=dq, dk=dk, db=db,
@@ -179,22 +170,7 @@ class _TreeKdaBatched(torch.autograd.Function):
         dg = st["cumsum"](dg, reverse=True, **grid)
         grads = tuple(batch.sum_by_token(grad[0].float(), rows) for grad in (dq, dk, dv, dg, db))
         d_state = {} if batch.context_id is None else {CONTEXT_STATE: d_bank[batch.context_id]}
-        own = fla_backend.input_grads(ctx.use_qk_l2norm_in_kernel, ctx.g_dtype, ctx.initial_dtype, l2norm_bwd,
-                                      (q, k, v, beta, q_rstd, k_rstd), [grad[:U] for grad in grads], d_state)
-        if not has_context:
-            return (*own, None, None, None)
-        # the context rows' parts (views of the same buffers), through their own L2 norm
-        context_grads = fla_backend.input_grads(ctx.use_qk_l2norm_in_kernel, ctx.context_g_dtype, None, l2norm_bwd,
-                                                saved_context, [grad[U:] for grad in grads], {})[:5]
-        return (*own, None, None, None, *context_grads)
-
-
-def _states(st, batch, plan: GatedDeltaPlan, state_pass: str, kg, w, u, g_cumsum, bank, initials=None):
-    """``h`` and ``v_new`` of every round from the state ``bank`` (final states written into it): through the serial
-    state pass (:mod:`.serial_state_pass`, per-channel gates; ``state_pass`` "serial" or "lanes") or fla's state pass
-    per round (``"rounds"``; ``initials``, where given, collects each round's initial states)."""
-    if state_pass != "rounds":
-        units = serial_units(plan, kg.device, lanes=state_pass == "lanes")
-        return tree_state_forward(units, kg, w, u, g_cumsum, bank, plan.chunk_size)
-    return fla_backend._state_pass(st, batch, plan, kg, w, u, g_cumsum, [] if initials is None else initials, bank,
-                                   gate="gk")
+        grads = fla_backend.node_input_grads(ctx.use_qk_l2norm_in_kernel, ctx.g_dtype, ctx.initial_dtype,
+                                             ctx.context_g_dtype, l2norm_bwd, (q, k, v, beta, q_rstd, k_rstd),
+                                             saved_context, grads, d_state)
+        return (*grads[:6], None, None, None, *grads[6:])
