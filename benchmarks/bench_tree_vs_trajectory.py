@@ -68,7 +68,7 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
               graph_tokens=0, experts="cuda", scan="cuda", shared_keys=False, gather_sum="rows", state_pass="auto",
-              kda_inputs=True)
+              kda_inputs=True, keep_mixers=False)
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
@@ -92,6 +92,7 @@ KERNEL_SETS = {
     "fused_index_add": dict(_FUSED, gather_sum="index_add"),
     "fused_rounds_state": dict(_FUSED, state_pass="rounds"),
     "fused_module_kda_inputs": dict(_FUSED, kda_inputs=False),
+    "fused_keep_mixers": dict(_FUSED, keep_mixers=True),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -122,11 +123,14 @@ every set before then). ``fused_rounds_state`` runs fla's state pass once per ro
 forests timed here); KDA's node ran fla's per round before 2026-12-06's evening, whatever the setting.
 ``fused_module_kda_inputs`` computes Kimi Delta Attention's q, k, v and forget gate with transformers' modules (every
 set before that evening) where the others run q, k and v as one product and the gate's projections with fla's fused gate
-kernel (``kimi_delta_attention.FUSED_INPUTS``)."""
+kernel (``kimi_delta_attention.FUSED_INPUTS``). ``fused_keep_mixers`` keeps the linear-attention and Mamba-2 nodes'
+state pass and output stage from the forward for the checkpointed rerun (``keep_mixer_outputs``, a setting of the
+model: applied where :func:`use_kernels` is given it; both paths of the probe run the same model)."""
 
 
-def use_kernels(name: str) -> None:
-    """Put the kernel set ``name`` of :data:`KERNEL_SETS` in force."""
+def use_kernels(name: str, model=None) -> None:
+    """Put the kernel set ``name`` of :data:`KERNEL_SETS` in force; its model setting (``keep_mixers``) on
+    ``model`` where given (a set that turns it on needs the model)."""
     from harts_hf.kernels import cuda_graphs
     from harts_hf.kernels.logprob_stats import ops as logprob_ops
     from harts_hf.kernels.token_ops import ops as token_ops
@@ -145,6 +149,12 @@ def use_kernels(name: str) -> None:
     varlen.GATHER_SUM = kernels["gather_sum"]
     fla_backend.STATE_PASS = kernels["state_pass"]
     kimi_delta_attention.FUSED_INPUTS = kernels["kda_inputs"]
+    if model is not None:
+        from harts_hf.model_patches import keep_mixer_outputs
+
+        keep_mixer_outputs(model, kernels["keep_mixers"])
+    elif kernels["keep_mixers"]:
+        raise ValueError(f"kernel set {name!r} keeps the mixers' outputs, a setting of the model: pass the model")
 
 
 def build_model(name: str, family: str, device, dtype):

@@ -473,7 +473,7 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
     def save():  # after every stage: a run stopped by a time limit keeps what it measured
         (out / "probe.json").write_text(json.dumps(rows, indent=1))
 
-    use_kernels(args.kernels[0])  # in force for the packed, profile and loop runs when no tree runs
+    use_kernels(args.kernels[0], model)  # in force for the packed, profile and loop runs when no tree runs
     if args.interleave:
         rows.extend(interleaved(
             args, model, sequences, device,
@@ -483,7 +483,7 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
         print_tree_row(rows[-2])
     first = (args.keep_attention[0], args.stored_layers[0], args.matmul_layers[0])  # each setting's first value
     for kernels in [] if args.loop_only or args.no_tree or args.interleave else reversed(args.kernels):
-        use_kernels(kernels)
+        use_kernels(kernels, model)
         checkpointing(model, *first)  # the warm-up (compilation, autotuning, cuDNN plans) runs as the first timed run
         try:
             warm = warm_up(model, sequences, args, device)

@@ -54,10 +54,16 @@ if [ ! -f "$JOBS/.queued" ]; then
   # (q, k, v as one product; the forget gate on fla's fused kernel) against transformers' modules (three products and
   # a concatenation; the gate in five to seven full-size fp32 passes each way: ~0.3 s of the whole Kimi forest's 4.97
   # device s in its profile, both paths alike), the whole forest, both paths in one process
+  # issue 22, any card, first: the linear-attention and Mamba-2 nodes' state pass and output stage kept from the
+  # forward for the checkpointed rerun (keep_mixer_outputs, 2026-12-06's night), against rerunning them, on both paths
+  # of the Nemotron-H-shaped preset's `tau` (its scan node's forward: ~0.19 s of 3.06 device s per pass, rerun once)
+  job nemotron_tau_keep --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe --model nemotron_h_shaped \
+    --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels fused_keep_mixers fused --repeats 2 \
+    --packed-groups 65536 --packed-warmup each --out $J/nemotron_tau_keep
   job_tf524 kimi_tau_gate --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
     --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --kernels fused fused_module_kda_inputs --repeats 2 --packed-groups 32768 --packed-warmup each \
-    --out $J/kimi_tau_gate
+    --kernels fused_keep_mixers fused fused_module_kda_inputs --repeats 2 --packed-groups 32768 \
+    --packed-warmup each --out $J/kimi_tau_gate
   if [ "$h200" = 0 ]; then
     job_tf524 ling3_tau_one_process --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model ling3_shaped --workload tau --scale 1.0 --budget 65536 "${same[@]}" --repeats 2 --packed-groups 32768 \

@@ -12,16 +12,20 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from harts_hf import tree_logprobs
+from harts_hf.kernels import kept
 from harts_hf.model_patches import (
     checkpointed_layers,
     checkpointing,
     keep_attention_outputs,
     keep_matmul_outputs,
     keep_matmul_outputs_within,
+    keep_mixer_outputs,
     matmul_output_bytes_per_token,
+    mixer_output_bytes_per_token,
     store_layer_activations,
 )
 from harts_hf.model_patches.checkpointing import _attention_ops, _choose, _matmul_ops
+from harts_hf.model_patches.core import tree_mixer_output_width
 from harts_hf.trees import PrefixForest
 from tests.forests import random_tree_sequences
 from tests.models import VOCAB, build
@@ -236,7 +240,7 @@ def test_keep_attention_dispatch_mode_is_active_inside_attention_modules_only():
     kinds = model.config.layer_types
     assert all(seen[("mlp", i)] == {0} for i in range(len(kinds)))
     assert all(seen[("mixer", i)] == ({1} if kind == "full_attention" else {0}) for i, kind in enumerate(kinds))
-    assert not getattr(checkpointing._deferred, "calls", []) and not getattr(checkpointing._deferred, "entered", [])
+    assert not kept.open_calls() and not getattr(checkpointing._deferred, "entered", [])
 
 
 @pytest.mark.parametrize("family", ["nemotron_h", "falcon_h1", "olmo_hybrid"])
@@ -330,3 +334,95 @@ def test_matmul_output_bytes_per_token_is_what_the_products_write():
     assert len(expected) == len(model.model.layers) and min(expected) > 0
     assert [counted[i] for i in range(len(expected))] == [b * tokens for b in expected]
     assert matmul_output_bytes_per_token(model, torch.float32) == [2 * b for b in expected]
+
+
+class _KeptAffine(torch.autograd.Function):
+    """A node whose forward body goes through :func:`kept.run` (as the fla nodes' state pass and output stage do):
+    ``2 x + 1``, its body's runs counted."""
+
+    runs = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        def body(x):
+            _KeptAffine.runs += 1
+            return (x * 2 + 1,)
+
+        return kept.run(body, (x,))[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+@pytest.mark.parametrize("mixers", [False, True])
+def test_kept_body_runs_once_under_checkpointing_with_the_same_gradients(mixers):
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(8, 8), torch.randn(5, 8, requires_grad=True)
+
+    def layer(x):
+        return torch.tanh(_KeptAffine.apply(linear(x))).square()
+
+    expected = torch.autograd.grad(layer(x).sum(), [x, *linear.parameters()])
+    _KeptAffine.runs = 0
+    context = functools.partial(checkpointing._deferred_contexts, attention=False, mixers=mixers)
+    out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, context_fn=context)
+    grads = torch.autograd.grad(out.sum(), [x, *linear.parameters()])
+    assert _KeptAffine.runs == (1 if mixers else 2)  # kept: the rerun takes the forward's output back
+    for a, b in zip(grads, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not kept.open_calls() and not kept._bodies
+
+
+def test_kept_body_outside_checkpointing_runs_plainly():
+    _KeptAffine.runs = 0
+    x = torch.randn(3, requires_grad=True)
+    out = _KeptAffine.apply(x)
+    torch.testing.assert_close(out, x.detach() * 2 + 1)
+    assert _KeptAffine.runs == 1 and not kept._bodies
+
+
+def test_kept_body_output_never_aliases_an_input():
+    x = torch.randn(4)
+    (out,) = torch.ops.harts.kept_body([x], _register_body(lambda x: (x.view(2, 2),)))
+    assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    torch.testing.assert_close(out, x.view(2, 2))
+
+
+def _register_body(body) -> int:
+    number = next(kept._numbers)
+    kept._bodies[number] = body
+    return number
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "kimi_linear"])
+def test_keep_mixer_outputs_opens_the_mixers_to_the_policy(family):
+    """The tree mixers of every checkpointed layer run inside an open checkpointed call that keeps their bodies
+    (in both passes) once :func:`keep_mixer_outputs` is on, and in none once it is off; log-probs and gradients
+    unchanged (on the CPU the torch nodes have no kept body: the fla nodes' are checked under Triton's interpreter,
+    scripts/check_fla_nodes_on_cpu.py)."""
+    model = build(family).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(5), 4, vocab=VOCAB, max_tail=40))
+    reference = _fwd_bwd(model, forest)  # patches the model
+    mixers = [m for m in model.modules() if tree_mixer_output_width(m)]
+    seen = []
+    for mixer in mixers:
+        mixer.register_forward_pre_hook(
+            lambda module, args: seen.append(bool(kept.open_calls() and kept.open_calls()[-1].mixers)))
+    results = {}
+    for enable in (True, False):
+        keep_mixer_outputs(model, enable)
+        seen.clear()
+        results[enable] = _fwd_bwd(model, forest)
+        assert seen == [enable] * (2 * len(mixers))  # the forward, then the backward's rerun
+    for logprobs, grads in results.values():
+        for a, b in zip(logprobs, reference[0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, reference[1][name], rtol=0, atol=0, msg=name)
+    width = mixers[0].out_proj.in_features if hasattr(mixers[0], "out_proj") else mixers[0].o_proj.in_features
+    per_layer = mixer_output_bytes_per_token(model, torch.bfloat16)
+    assert sorted(set(per_layer)) == [0, 2 * width] and per_layer.count(2 * width) == len(mixers)
+    with pytest.raises(TypeError, match="tree_keep_mixer_outputs must be True or False"):
+        keep_mixer_outputs(model, "yes")

@@ -41,7 +41,7 @@ import torch
 from .._checks import check_int
 from ._backend import _log_once
 
-__all__ = ["MAX_GRAPHS", "MAX_TOKENS", "replay_or_run"]
+__all__ = ["MAX_GRAPHS", "MAX_TOKENS", "eligible", "replay_or_run"]
 
 MAX_TOKENS = 0
 """Largest number of rows a body runs (a Gated DeltaNet plan's executed tokens, replays included) for which it is
@@ -99,14 +99,19 @@ def _signature(args: tuple) -> tuple:
     return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
 
 
+def eligible(tokens: int, tensor: torch.Tensor | None) -> bool:
+    """Whether :func:`replay_or_run` may graph a body of ``tokens`` rows on ``tensor``'s device (or runs it, being
+    recorded already): a body that may be replayed must not change from call to call in anything but its inputs."""
+    limit = check_int(MAX_TOKENS, "harts_hf.kernels.cuda_graphs.MAX_TOKENS (0 turns graphs off)", minimum=0)
+    return tensor is not None and tensor.is_cuda and (0 < tokens <= limit or torch.cuda.is_current_stream_capturing())
+
+
 def replay_or_run(plan, key: tuple, tokens: int, body: Callable, args: tuple) -> tuple:
     """``body(*args)`` (a tuple of tensors or None; ``args`` tensors or None, on one device), through a CUDA graph
     cached on ``plan`` under ``key`` and the arguments' shapes and dtypes when the inputs are on CUDA and ``tokens``
     (the rows the body runs) is at most :data:`MAX_TOKENS`; ``key`` must name everything else the body depends on."""
-    limit = check_int(MAX_TOKENS, "harts_hf.kernels.cuda_graphs.MAX_TOKENS (0 turns graphs off)", minimum=0)
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if (first is None or not first.is_cuda or not 0 < tokens <= limit
-            or torch.cuda.is_current_stream_capturing()):
+    if not eligible(tokens, first) or torch.cuda.is_current_stream_capturing():
         return tuple(body(*args))
     cache = plan.__dict__.setdefault("_cuda_graphs", {})
     full_key = (key, _signature(args), first.device.index)

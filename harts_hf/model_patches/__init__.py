@@ -5,7 +5,9 @@ from .checkpointing import (
     keep_attention_outputs,
     keep_matmul_outputs,
     keep_matmul_outputs_within,
+    keep_mixer_outputs,
     matmul_output_bytes_per_token,
+    mixer_output_bytes_per_token,
     store_layer_activations,
 )
 from .core import (
@@ -19,6 +21,6 @@ from .core import (
 )
 
 __all__ = ["PatchHandle", "TreeFamily", "apply_tree_patches", "checkpointed_layers", "chunk_grid", "cpu_safe",
-           "keep_attention_outputs", "keep_matmul_outputs", "keep_matmul_outputs_within",
-           "matmul_output_bytes_per_token", "register_family",
+           "keep_attention_outputs", "keep_matmul_outputs", "keep_matmul_outputs_within", "keep_mixer_outputs",
+           "matmul_output_bytes_per_token", "mixer_output_bytes_per_token", "register_family",
            "store_layer_activations", "supported_model_types"]

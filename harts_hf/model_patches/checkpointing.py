@@ -34,12 +34,14 @@ import torch
 from transformers.utils import logging
 
 from .._checks import check_bool, check_int, check_number
+from ..kernels import kept
 from .core import zero3_enabled
 
 logger = logging.get_logger(__name__)
 
 __all__ = ["checkpointed_layers", "keep_attention_outputs", "keep_matmul_outputs", "keep_matmul_outputs_within",
-           "matmul_output_bytes_per_token", "store_layer_activations"]
+           "keep_mixer_outputs", "matmul_output_bytes_per_token", "mixer_output_bytes_per_token",
+           "store_layer_activations"]
 
 _ORIGINAL = "_harts_original_checkpoint"  # a layer's checkpoint function before the policy was added
 
@@ -53,13 +55,15 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 @functools.cache
 def _attention_ops() -> frozenset:
     """The dispatcher ops that compute softmax attention in the kernels tree attention calls (torch's varlen op,
-    harts_hf's FlashAttention-4 op, SDPA's fused backends, flash / efficient attention forwards); each present in
-    this torch build."""
+    harts_hf's FlashAttention-4 op, SDPA's fused backends, flash / efficient attention forwards), and the tree nodes'
+    kept bodies (``harts::kept_body``, dispatched only where mixer outputs are kept); each present in this torch
+    build."""
     import torch.nn.attention.varlen  # noqa: F401  (registers torch_attn::_varlen_attn)
 
     from ..kernels.tree_attention import fa4  # noqa: F401  (registers harts::fa4_varlen_fwd)
 
-    names = [("torch_attn", "_varlen_attn"), ("harts", "fa4_varlen_fwd")] + [("aten", name) for name in (
+    names = [("torch_attn", "_varlen_attn"), ("harts", "fa4_varlen_fwd"), ("harts", "kept_body")]
+    names += [("aten", name) for name in (
         "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
         "_flash_attention_forward", "_efficient_attention_forward")]
@@ -95,40 +99,43 @@ def _contexts(kept_ops):
 
 _attention_contexts = functools.partial(_contexts, _attention_ops)  # a checkpoint's context_fn
 _matmul_contexts = functools.partial(_contexts, _matmul_ops)
-_deferred = threading.local()  # this thread's open checkpointed calls (``calls``) and entered modes (``entered``)
+_deferred = threading.local()  # this thread's entered modes (``entered``)
 
 
 class _Deferred:
     """One of selective checkpointing's two dispatch modes, held open for a checkpointed call but entered only
-    around its attention modules' forwards (:func:`_enter_kept` / :func:`_exit_kept`, their hooks), so the layer's
-    other ops dispatch without Python in between. Both passes see the same ops in the same order (the attention
-    modules' own), which is all the modes' shared storage needs."""
+    around its attention modules' forwards where ``attention`` (:func:`_enter_kept` / :func:`_exit_kept`, their
+    hooks) and around the tree nodes' kept bodies where ``mixers`` (:func:`harts_hf.kernels.kept.run`), so the
+    layer's other ops dispatch without Python in between. Both passes see the same ops in the same order (the
+    attention modules' own, the nodes' bodies), which is all the modes' shared storage needs."""
 
-    def __init__(self, mode):
-        self.mode = mode
+    def __init__(self, mode, attention: bool, mixers: bool):
+        self.mode, self.attention, self.mixers = mode, attention, mixers
 
     def __enter__(self):
-        _deferred.__dict__.setdefault("calls", []).append(self)
+        kept.open_calls().append(self)
         return self
 
     def __exit__(self, *exc):
-        _deferred.calls.pop()
+        kept.open_calls().pop()
         return False
 
 
-def _attention_module_contexts():
-    """A checkpoint's ``context_fn``: the keep-attention policy, active inside the attention modules only (under
-    torch.compile, which takes dispatch modes only, over the whole checkpointed call as before)."""
+def _deferred_contexts(attention: bool = True, mixers: bool = False):
+    """A checkpoint's ``context_fn``: the keep policy, active inside the attention modules (``attention``) and around
+    the tree nodes' kept bodies (``mixers``) only; under torch.compile, which takes dispatch modes only, over the
+    whole checkpointed call."""
     forward, recompute = _attention_contexts()
     if torch.compiler.is_compiling():
         return forward, recompute
-    return _Deferred(forward), _Deferred(recompute)
+    return _Deferred(forward, attention, mixers), _Deferred(recompute, attention, mixers)
 
 
 def _enter_kept(module, args):
-    """Forward pre-hook of an attention module: enter the innermost open checkpointed call's mode, if any."""
-    calls = getattr(_deferred, "calls", None)
-    mode = calls[-1].mode if calls else None
+    """Forward pre-hook of an attention module: enter the innermost open checkpointed call's mode, if it keeps
+    attention outputs."""
+    calls = kept.open_calls()
+    mode = calls[-1].mode if calls and calls[-1].attention else None
     if mode is not None:
         mode.__enter__()
     _deferred.__dict__.setdefault("entered", []).append(mode)
@@ -180,6 +187,7 @@ class _SetGradientCheckpointing:
 
     def __init__(self, model):
         self.model, self.stored, self.keep_attention, self.matmul_layers, self.matmul_count = model, [], False, [], 0
+        self.keep_mixers = False
         self.matmul_budget = None  # (bytes, tokens, dtype): the count follows from it (keep_matmul_outputs_within)
         self.enabled = [layer.gradient_checkpointing for layer in _decoder_layers(model)]  # before the settings came
 
@@ -217,13 +225,13 @@ def _apply(model: torch.nn.Module) -> None:
             continue
         original = getattr(function, _ORIGINAL, function)
         attention = _attention_modules(module) if settings.keep_attention else []
-        contexts = _matmul_contexts if id(module) in matmul_layers else (
-            _attention_module_contexts if attention else None)
+        contexts = _matmul_contexts if id(module) in matmul_layers else functools.partial(
+            _deferred_contexts, attention=bool(attention), mixers=settings.keep_mixers) if (
+            attention or settings.keep_mixers) else None
         if selective and contexts is not None and _non_reentrant(original):
             function = functools.partial(original, context_fn=contexts)
             setattr(function, _ORIGINAL, original)
-            if contexts is _attention_module_contexts:
-                _hook_attention_modules(attention)
+            _hook_attention_modules(attention)
         else:
             refused |= contexts is not None
             function = original
@@ -369,6 +377,29 @@ def keep_attention_outputs(model: torch.nn.Module, enable: bool = True) -> None:
     settings = _settings(model)
     settings.keep_attention = check_bool(enable, "tree_keep_attention_outputs")
     _apply(settings.model)
+
+
+def keep_mixer_outputs(model: torch.nn.Module, enable: bool = True) -> None:
+    """Under non-reentrant gradient checkpointing, keep each checkpointed layer's tree linear-attention and Mamba-2
+    nodes' state pass and output stage from the forward instead of rerunning them in the backward (Gated DeltaNet,
+    Kimi Delta Attention and Mamba-2 on fla's round-batched nodes, CUDA; the CPU's torch nodes rerun as before), now
+    and whenever checkpointing is enabled again. Costs :func:`mixer_output_bytes_per_token` per token of a forward;
+    the gradients are the same (checkpointing changes what is kept, not the arithmetic). Not under reentrant
+    checkpointing or ZeRO-3 (as :func:`keep_attention_outputs`), nor where the Gated DeltaNet node runs as CUDA
+    graphs (``cuda_graphs.MAX_TOKENS``)."""
+    settings = _settings(model)
+    settings.keep_mixers = check_bool(enable, "tree_keep_mixer_outputs")
+    _apply(settings.model)
+
+
+def mixer_output_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[int]:
+    """Per decoder layer of ``model``, the bytes per token :func:`keep_mixer_outputs` keeps there: each tree mixer's
+    output, ``value heads x value head dim`` in ``dtype`` (autocast's; Mamba-2's ``heads x head_dim``). The requested
+    states of a planner piece's hand-offs (a few per piece) are not counted."""
+    from .core import tree_mixer_output_width
+
+    size = torch.empty((), dtype=dtype).element_size()
+    return [sum(tree_mixer_output_width(m) for m in layer.modules()) * size for layer in _decoder_layers(model)]
 
 
 def checkpointed_layers(model: torch.nn.Module) -> list[int]:

@@ -181,6 +181,19 @@ class PatchHandle:
                 f"{len(self.linear_modules)} linear-attention mixers, {state})")
 
 
+def tree_mixer_output_width(module: torch.nn.Module) -> int:
+    """The width of a tree linear-attention or Mamba-2 mixer's node output per token (its output projection's input:
+    value heads x value head dim), 0 for any other module."""
+    _load_families()
+    if not any(type(module).__name__ in family.linear_classes for family in _REGISTRY.values()):
+        return 0
+    projection = getattr(module, "out_proj", None) or getattr(module, "o_proj", None)
+    if projection is None or not hasattr(projection, "in_features"):
+        raise TypeError(f"{type(module).__name__} has no out_proj / o_proj with in_features: harts_hf cannot size "
+                        "its kept node outputs (tree_keep_mixer_outputs)")
+    return projection.in_features
+
+
 def _uses_attention_interface(module: torch.nn.Module) -> bool:
     code = getattr(inspect.unwrap(type(module).forward), "__code__", None)  # through decorators (deprecate_kwarg)
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names

@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from .. import cuda_graphs
+from .. import cuda_graphs, kept
 from .._backend import in_row_blocks
 from .plan import CONTEXT_STATE, GatedDeltaPlan
 from .round_batch import RoundBatch, round_batch
@@ -223,16 +223,33 @@ def _batched_forward(q, k, v, g, beta, initial_state, *context, plan, scale, l2n
     g_cumsum = stages["cumsum"](batch.executed(g, cg).float(), chunk_size=plan.chunk_size, scale=stages["rcp_ln2"],
                                 **grid)
     w, u, A = stages["fwd_intra"](k=ke, v=ve, g=g_cumsum, beta=be, chunk_size=plan.chunk_size, **grid)
-    bank = _state_bank(batch, initial_state, HV, K, V, q.device)
-    initials: list = []
-    h, v_new = states_forward(stages, batch, plan, state_pass, ke, w, u, g_cumsum, bank, initials)
+    del ve, be
+    # the state pass and the output stage: kept from the forward where checkpointing keeps mixer outputs (not in a
+    # body CUDA graphs may replay: a replayed forward would leave the rerun nothing to take back)
+    body = functools.partial(_forward_states_and_output, plan=plan, scale=scale, state_pass=state_pass,
+                             shape=(HV, K, V), dtype=v.dtype)
+    inputs = (qe, ke, w, u, g_cumsum, initial_state)
+    out, requested, *initials = body(*inputs) if cuda_graphs.eligible(plan.stats["executed_tokens"], q) else \
+        kept.run(body, inputs)
     if state_pass != "rounds" and initial_state is not None:  # the recomputation rebuilds the bank from it
         initials.append(initial_state)
-    o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size, **grid)
-    out = batch.own_outputs(o[0]).to(v.dtype)
-    requested = bank[batch.requested_ids]
     return (out, requested, q if l2norm else None, k if l2norm else None, q_rstd, k_rstd, g_cumsum, A, cq, ck, cq_rstd,
             ck_rstd, *initials)
+
+
+def _forward_states_and_output(qe, ke, w, u, g_cumsum, initial_state, *, plan, scale, state_pass, shape,
+                               dtype) -> tuple:
+    """The round-batched node's state pass and output stage (the executed layout's inputs): ``o [U, HV, V]`` in
+    ``dtype``, the requested states (fp32) and, for fla's per-round pass, each round's initial states; ``shape``:
+    ``(HV, K, V)``."""
+    stages = _import_fla_stages()
+    batch = round_batch(plan, qe.device)
+    bank = _state_bank(batch, initial_state, *shape, qe.device)
+    initials: list = []
+    h, v_new = states_forward(stages, batch, plan, state_pass, ke, w, u, g_cumsum, bank, initials)
+    o = stages["fwd_o"](q=qe, k=ke, v=v_new, h=h, g=g_cumsum, scale=scale, chunk_size=plan.chunk_size,
+                        cu_seqlens=batch.cu_seqlens, chunk_indices=batch.chunk_indices)
+    return (batch.own_outputs(o[0]).to(dtype), bank[batch.requested_ids], *initials)
 
 
 def _batched_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, A, d_out, d_requested, cq, ck, cv, cb, cq_rstd,

@@ -18,8 +18,11 @@ and against each other (the same to rounding: a replayed token's gradient terms 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .. import kept
 from . import fla_backend
 from .plan import CONTEXT_STATE, GatedDeltaPlan
 from .round_batch import round_batch
@@ -105,6 +108,20 @@ def _kda_stages() -> dict:
                 bwd_intra=chunk_kda_bwd_intra)
 
 
+def _forward_body(qe, kg, w, u, g_cumsum, Aqk, initial_state, *, plan: GatedDeltaPlan, scale: float, state_pass: str,
+                  shape: tuple, dtype: torch.dtype) -> tuple:
+    """The round-batched node's state pass and output stage from its intra-chunk stage's results (the executed
+    layout's): ``o [U, HV, V]`` in ``dtype`` and the requested states ``[R, HV, K, V]`` (fp32); ``shape``: ``(HV, K,
+    V)``."""
+    st = _kda_stages()
+    batch = round_batch(plan, qe.device)
+    grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
+    bank = fla_backend._state_bank(batch, initial_state, *shape, qe.device)
+    h, v_new = fla_backend.states_forward(st, batch, plan, state_pass, kg, w, u, g_cumsum, bank, [], gate="gk")
+    o = st["fwd_o_gk"](q=qe, v=v_new, g=g_cumsum, A=Aqk, h=h, scale=scale, **grid)
+    return batch.own_outputs(o[0]).to(dtype), bank[batch.requested_ids]
+
+
 class _TreeKdaBatched(torch.autograd.Function):
     """All rounds of the plan as one autograd node; fp32 states stay inside it. ``q, k [U, H, K]``, ``v [U, HV, V]``,
     ``g [U, HV, K]``, ``beta [U, HV]``: the ``U`` packed tokens; ``*context``: none, or the plan's context rows as the
@@ -124,17 +141,19 @@ class _TreeKdaBatched(torch.autograd.Function):
         qe, ke, ve, be = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv), (beta, cb)))
         g_cumsum = st["cumsum"](batch.executed(g, cg).float(), scale=st["rcp_ln2"], **grid)
         w, u, _, kg, Aqk, Akk = st["fwd_intra_kda"](q=qe, k=ke, v=ve, gk=g_cumsum, beta=be, scale=scale, **grid)
-        bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
+        del ke, ve, be
         state_pass = fla_backend.state_pass_for(plan)
-        h, v_new = fla_backend.states_forward(st, batch, plan, state_pass, kg, w, u, g_cumsum, bank, [], gate="gk")
-        o = st["fwd_o_gk"](q=qe, v=v_new, g=g_cumsum, A=Aqk, h=h, scale=scale, **grid)
+        # the state pass and the output stage: kept from the forward where checkpointing keeps mixer outputs
+        out, requested = kept.run(functools.partial(_forward_body, plan=plan, scale=scale, state_pass=state_pass,
+                                                    shape=(HV, K, V), dtype=v.dtype),
+                                  (qe, kg, w, u, g_cumsum, Aqk, initial_state))
         saved_context = (cq, ck, cv, cb, cq_rstd, ck_rstd) if context else ()
         ctx.save_for_backward(q, k, v, beta, q_rstd, k_rstd, g_cumsum, Aqk, Akk, *saved_context,
                               *(() if initial_state is None else (initial_state,)))
         ctx.plan, ctx.scale, ctx.use_qk_l2norm_in_kernel = plan, scale, use_qk_l2norm_in_kernel
         ctx.g_dtype, ctx.initial_dtype = g.dtype, None if initial_state is None else initial_state.dtype
         ctx.context_g_dtype, ctx.state_pass = cg.dtype if context else None, state_pass
-        return batch.own_outputs(o[0]).to(v.dtype), bank[batch.requested_ids]
+        return out, requested
 
     @staticmethod
     def backward(ctx, d_out, d_requested):

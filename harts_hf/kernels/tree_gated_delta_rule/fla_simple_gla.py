@@ -23,8 +23,11 @@ Triton kernels on the CPU (Triton's interpreter; ``scripts/check_fla_nodes_on_cp
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .. import kept
 from . import fla_backend
 from .fla_kda import import_fla_op, per_round
 from .plan import GatedDeltaPlan
@@ -125,6 +128,21 @@ def _state_gradient_pass(st, batch, chunk_size: int, q, g, do, d_bank, scale: fl
     return dh
 
 
+def _forward_body(q, k, v, g_cumsum, initial_state, cq=None, ck=None, cv=None, *, plan: GatedDeltaPlan,
+                  scale: float) -> tuple:
+    """The round-batched node's forward from ``g_cumsum [1, E, HV]`` (fp32, the executed layout's): ``o [U, HV, V]``
+    (``v``'s dtype) and the requested states ``[R, HV, K, V]`` (fp32). ``cq, ck, cv``: a piece's context rows."""
+    st = _stages()
+    batch = round_batch(plan, q.device)
+    HV, K, V = v.shape[1], k.shape[2], v.shape[2]
+    grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
+    qe, ke, ve = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv)))
+    bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
+    h = _state_pass(st, batch, plan.chunk_size, _per_value_head(ke, HV // k.shape[1]), ve, g_cumsum, bank, k.dtype)
+    o = st["fwd_o"](q=qe, k=ke, v=ve, g=g_cumsum, g_gamma=None, h=h, scale=scale, **grid)
+    return batch.own_outputs(o[0]).to(v.dtype), bank[batch.requested_ids]
+
+
 class _TreeSimpleGlaBatched(torch.autograd.Function):
     """All rounds of the plan as one autograd node; fp32 states stay inside it. ``q, k [U, H, K]`` (H divides HV),
     ``v [U, HV, V]`` (beta applied), ``g [U, HV]``: the ``U`` packed tokens; ``*context``: none, or the plan's context
@@ -136,19 +154,16 @@ class _TreeSimpleGlaBatched(torch.autograd.Function):
     def forward(ctx, q, k, v, g, initial_state, plan, scale, *context):
         st = _stages()
         batch = round_batch(plan, q.device)
-        HV, K, V = v.shape[1], k.shape[2], v.shape[2]
         grid = dict(cu_seqlens=batch.cu_seqlens, chunk_size=plan.chunk_size, chunk_indices=batch.chunk_indices)
-        cq, ck, cv, cg = context or (None,) * 4  # a piece's context rows (q, k, v with beta applied, g), read in place
-        qe, ke, ve = (batch.executed(x, c) for x, c in ((q, cq), (k, ck), (v, cv)))
-        g_cumsum = st["cumsum"](batch.executed(g, cg).float(), scale=st["rcp_ln2"], **grid)
-        bank = fla_backend._state_bank(batch, initial_state, HV, K, V, q.device)
-        h = _state_pass(st, batch, plan.chunk_size, _per_value_head(ke, HV // k.shape[1]), ve, g_cumsum, bank,
-                        k.dtype)
-        o = st["fwd_o"](q=qe, k=ke, v=ve, g=g_cumsum, g_gamma=None, h=h, scale=scale, **grid)
+        g_cumsum = st["cumsum"](batch.executed(g, context[3] if context else None).float(), scale=st["rcp_ln2"],
+                                **grid)
+        # the state pass and the output stage: kept from the forward where checkpointing keeps mixer outputs
+        out, requested = kept.run(functools.partial(_forward_body, plan=plan, scale=scale),
+                                  (q, k, v, g_cumsum, initial_state, *context[:3]))
         ctx.save_for_backward(q, k, v, g_cumsum, *context, *(() if initial_state is None else (initial_state,)))
         ctx.plan, ctx.scale, ctx.g_dtype, ctx.num_context = plan, scale, g.dtype, len(context)
         ctx.initial_dtype = None if initial_state is None else initial_state.dtype
-        return batch.own_outputs(o[0]).to(v.dtype), bank[batch.requested_ids]
+        return out, requested
 
     @staticmethod
     def backward(ctx, d_out, d_requested):
