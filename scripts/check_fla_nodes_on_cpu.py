@@ -399,6 +399,7 @@ def main() -> None:
     worst = max(worst, check_model_backends("bailing_hybrid", "Ling 3"))
     worst = max(worst, check_model_backends("nemotron_h", "Nemotron-H"))
     worst = max(worst, check_model())
+    check_kept_mixer_outputs()
     worst = max(worst, check_token_ops())
     worst = max(worst, check_gather_rows())
     check_half_scan_inputs()
@@ -579,6 +580,61 @@ def check_model_backends(family: str, label: str) -> float:
           f"{values:.1e}, worst parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
     assert values < 1e-5 and grads[worst] < 1e-4, (family, values, worst, grads[worst])
     return values
+
+
+def check_kept_mixer_outputs() -> None:
+    """Tiny Qwen3-Next (Gated DeltaNet), Kimi Linear (KDA) and Nemotron-H (Mamba-2) models under non-reentrant
+    checkpointing through their fla round-batched nodes: with ``keep_mixer_outputs`` each node's state pass and output
+    stage runs once per layer instead of twice (forward, then the backward's rerun), and the log-probs and every
+    parameter gradient are bit-identical to rerunning them."""
+    import random
+
+    import torch
+
+    from harts_hf import tree_logprobs
+    from harts_hf.kernels.tree_gated_delta_rule import fla_backend, fla_kda, fla_simple_gla
+    from harts_hf.model_patches import keep_mixer_outputs
+    from harts_hf.trees import PrefixForest
+    from tests.forests import random_tree_sequences
+    from tests.models import VOCAB, build
+
+    runs = [0]
+    bodies = [(fla_backend, "_forward_states_and_output"), (fla_kda, "_forward_body"),
+              (fla_simple_gla, "_forward_body")]
+    originals = [getattr(module, name) for module, name in bodies]
+
+    def counted(function):
+        def body(*args, **kwargs):
+            runs[0] += 1
+            return function(*args, **kwargs)
+        return body
+
+    for (module, name), function in zip(bodies, originals):
+        setattr(module, name, counted(function))
+    try:
+        for family in ("qwen3_next", "kimi_linear", "nemotron_h"):
+            model = build(family).train()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(5), 4, vocab=VOCAB, max_tail=40))
+            params = [p for p in model.parameters() if p.requires_grad]
+            results, counts = {}, {}
+            for keep in (False, True):
+                keep_mixer_outputs(model, keep)
+                runs[0] = 0
+                out = tree_logprobs(model, forest=forest, gdn_backend="fla", attention_backend="sdpa")
+                loss = sum((lp * (1 + torch.arange(lp.numel()) % 3)).sum() for lp in out.logprobs)
+                results[keep] = (torch.cat(out.logprobs).detach(),
+                                 torch.autograd.grad(loss, params, allow_unused=True))
+                counts[keep] = runs[0]
+            assert counts[False] == 2 * counts[True] > 0, (family, counts)
+            assert torch.equal(results[True][0], results[False][0]), family
+            for a, b in zip(results[True][1], results[False][1]):
+                assert (a is None and b is None) or torch.equal(a, b), family
+            print(f"kept mixer outputs (tiny {family}, checkpointed): node bodies run {counts[True]} times against "
+                  f"{counts[False]}; log-probs and every parameter gradient bit-identical", flush=True)
+    finally:
+        for (module, name), function in zip(bodies, originals):
+            setattr(module, name, function)
 
 
 def check_token_ops() -> float:
