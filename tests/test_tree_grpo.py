@@ -173,6 +173,17 @@ def test_kept_matmul_outputs_within_a_budget_match_grpo_trainer(saved_model, tmp
     assert_same_loss_and_grads(base, tree)
 
 
+def test_kept_mixer_outputs_match_grpo_trainer(saved_model, tmp_path):
+    """tree_keep_mixer_outputs: put in force through the trainer's own enabling of checkpointing; the loss and
+    gradients are GRPOTrainer's (on the CPU the torch nodes have no kept body; the fla nodes' are checked under
+    Triton's interpreter)."""
+    base, tree = make_trainers(saved_model, tmp_path, tree_args=dict(tree_keep_mixer_outputs=True))
+    for trainer in (base, tree):  # as Trainer.train() does
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert tree.model._set_gradient_checkpointing.keep_mixers
+    assert_same_loss_and_grads(base, tree)
+
+
 def test_training_steps_give_the_same_parameters(saved_model, tmp_path):
     """Three optimizer steps of two microbatches each (generation every step, siblings shuffled as TRL does)."""
     base, tree = make_trainers(saved_model, tmp_path, max_steps=3, per_device_train_batch_size=6,
@@ -318,6 +329,10 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_keep_matmul_gib=-1.0, tree_token_budget=64), ["tree_keep_matmul_gib", ">= 0"]),
     (dict(tree_keep_matmul_gib=4.0, tree_token_budget=64, gradient_checkpointing=False),
      ["tree_keep_matmul_gib=4.0", "gradient_checkpointing=True"]),
+    (dict(tree_keep_mixer_outputs=True, gradient_checkpointing=False),
+     ["tree_keep_mixer_outputs=True", "gradient_checkpointing=True"]),
+    (dict(tree_keep_mixer_outputs=True, gradient_checkpointing_kwargs={"use_reentrant": True}),
+     ["tree_keep_mixer_outputs=True", "use_reentrant=True", "tree_keep_mixer_outputs=False"]),
     (dict(tree_cost_model="no/such/cost.json"), ["tree_cost_model", "CostModel.save"]),
 ])
 def test_contradictory_config_is_refused(tmp_path, fields, words):

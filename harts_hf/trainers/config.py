@@ -52,6 +52,13 @@ MATMUL_LAYERS_HELP = ("With gradient_checkpointing (non-reentrant, transformers'
                       "per output feature under bf16 (matmul_output_bytes_per_token(model) in "
                       "harts_hf.model_patches says how many per layer). Less compute, more memory; the gradients are "
                       "the same. Not under DeepSpeed ZeRO-3. 0: none.")
+KEEP_MIXER_OUTPUTS_HELP = ("With gradient_checkpointing (non-reentrant, transformers' default) and use_tree: keep each "
+                           "linear-attention and Mamba-2 node's state pass and output stage from the forward (Gated "
+                           "DeltaNet, Kimi Delta Attention, Mamba-2 on fla's kernels, CUDA), so the backward's rerun "
+                           "of a checkpointed layer skips them. Memory: each such mixer's output per token of a "
+                           "forward, about 2 x value heads x value head dim bytes under bf16 per layer "
+                           "(mixer_output_bytes_per_token(model) in harts_hf.model_patches). The gradients are the "
+                           "same. Not under DeepSpeed ZeRO-3. False: rerun them, as transformers does.")
 MATMUL_GIB_HELP = ("Instead of tree_keep_matmul_layers: GiB of GPU memory to spend on kept matrix-product outputs; "
                    "they are kept in as many checkpointed layers as fit at tree_token_budget tokens per piece (needs "
                    "tree_token_budget; counted by matmul_output_bytes_per_token in autocast's dtype, worked out again "
@@ -113,6 +120,15 @@ def check_layer_counts(config) -> None:
     None or GiB >= 0 (with ``tree_token_budget``, and not beside a count); each needs gradient checkpointing when
     set, and kept matrix products need its non-reentrant kind."""
     config.tree_stored_layers = check_int(config.tree_stored_layers, "tree_stored_layers", minimum=0)
+    if check_bool(config.tree_keep_mixer_outputs, "tree_keep_mixer_outputs"):
+        if not config.gradient_checkpointing:
+            raise ValueError("tree_keep_mixer_outputs=True keeps node outputs of checkpointed layers, and gradient "
+                             "checkpointing is off (every output is kept already); set gradient_checkpointing=True "
+                             "or tree_keep_mixer_outputs=False.")
+        if (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+            raise ValueError("tree_keep_mixer_outputs=True needs non-reentrant checkpointing (a selective-"
+                             "checkpointing policy), and gradient_checkpointing_kwargs sets use_reentrant=True; drop "
+                             "it (transformers' default is non-reentrant) or set tree_keep_mixer_outputs=False.")
     if config.tree_stored_layers and not config.gradient_checkpointing:
         raise ValueError(f"tree_stored_layers={config.tree_stored_layers} picks layers to leave out of gradient "
                          "checkpointing, which is off; set gradient_checkpointing=True or tree_stored_layers=0.")
@@ -139,7 +155,8 @@ def check_layer_counts(config) -> None:
 
 
 _BOOL_FIELDS = ("use_tree", "tree_share_across_groups", "tree_keep_groups_together", "tree_balance_replicas",
-                "tree_cross_replica_handoffs", "tree_keep_attention_outputs", "tree_keep_source_graphs")
+                "tree_cross_replica_handoffs", "tree_keep_attention_outputs", "tree_keep_mixer_outputs",
+                "tree_keep_source_graphs")
 
 
 @dataclass
@@ -243,6 +260,7 @@ class TreeGRPOConfig(GRPOConfig):
                           "output per attention layer). The gradients are the same. False reruns it, as "
                           "transformers does."},
     )
+    tree_keep_mixer_outputs: bool = field(default=False, metadata={"help": KEEP_MIXER_OUTPUTS_HELP})
     tree_keep_source_graphs: bool = field(default=False, metadata={"help": KEEP_SOURCE_GRAPHS_HELP})
     tree_stored_layers: int = field(default=0, metadata={"help": STORED_LAYERS_HELP})
     tree_keep_matmul_layers: int = field(default=0, metadata={"help": MATMUL_LAYERS_HELP})
@@ -367,16 +385,27 @@ def check_dropout(model, name: str, logger, switch: str) -> None:
 
 
 def apply_layer_counts(model, args, logger) -> None:
-    """Put ``tree_stored_layers`` and ``tree_keep_matmul_layers`` / ``tree_keep_matmul_gib`` in force on ``model`` (a
-    transformers model, as unwrapped for the trainer); kept products under DeepSpeed ZeRO-3 fail here, naming the
-    fix."""
+    """Put ``tree_stored_layers``, ``tree_keep_mixer_outputs`` and ``tree_keep_matmul_layers`` /
+    ``tree_keep_matmul_gib`` in force on ``model`` (a transformers model, as unwrapped for the trainer); kept outputs
+    or products under DeepSpeed ZeRO-3 fail here, naming the fix."""
     import torch
 
-    from ..model_patches import keep_matmul_outputs, keep_matmul_outputs_within, store_layer_activations
+    from ..model_patches import (
+        keep_matmul_outputs,
+        keep_matmul_outputs_within,
+        keep_mixer_outputs,
+        store_layer_activations,
+    )
     from ..model_patches.core import zero3_enabled
 
     if args.tree_stored_layers:
         store_layer_activations(model, args.tree_stored_layers)
+    if args.tree_keep_mixer_outputs:
+        if zero3_enabled():
+            raise ValueError("tree_keep_mixer_outputs=True keeps node outputs through a selective-checkpointing "
+                             "policy, which cannot run under DeepSpeed ZeRO-3 (its parameter all-gathers inside the "
+                             "checkpointed layers); set it to False, or use ZeRO-2 or DDP.")
+        keep_mixer_outputs(model)
     gib = args.tree_keep_matmul_gib
     if not args.tree_keep_matmul_layers and gib is None:
         return
