@@ -13,6 +13,10 @@ involved are deterministic):
   checkpointing; under the reentrant kind it is not applied, nor under DeepSpeed ZeRO-3 (its parameter all-gathers
   inside the checkpointed region are collectives the selective-checkpointing cache refuses to meet in the backward's
   rerun).
+- :func:`keep_mixer_outputs`: the tree linear-attention and Mamba-2 nodes' state pass and output stage (fla's
+  round-batched nodes, CUDA) are kept from the forward by the same policy (:mod:`harts_hf.kernels.kept`: each node's
+  body as one dispatcher op), so the rerun recomputes only their cheap inputs; one node output per such layer
+  (:func:`mixer_output_bytes_per_token`). Same conditions as :func:`keep_attention_outputs`.
 - :func:`keep_matmul_outputs`: in ``count`` checkpointed decoder layers the policy also keeps every matrix
   product's output (the projections' GEMMs, and the attention), so their rerun recomputes only the cheap per-element
   work between them: most of a layer's recompute FLOPs for about half the memory of leaving the layer out of
@@ -162,7 +166,7 @@ def _attention_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 def _hook_attention_modules(modules: list[torch.nn.Module]) -> None:
     """Put :func:`_enter_kept` / :func:`_exit_kept` on attention ``modules`` (once each; inert outside a
-    checkpointed call with :func:`_attention_module_contexts`)."""
+    checkpointed call with :func:`_deferred_contexts`)."""
     for module in modules:
         if not module.__dict__.get("_harts_kept_hooks"):
             module.register_forward_pre_hook(_enter_kept)
