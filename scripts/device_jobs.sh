@@ -64,6 +64,9 @@ if [ ! -f "$JOBS/.queued" ]; then
     --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
     --kernels fused_keep_mixers fused fused_module_kda_inputs --repeats 2 --packed-groups 32768 \
     --packed-warmup each --out $J/kimi_tau_gate
+  # issue 22, any card: the same A/B on the 2B preset's `tau` tree (18 Gated DeltaNet layers; ~14 GiB of kept outputs)
+  job qwen_tau_keep --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe --workload tau --scale 1.0 \
+    --budget 0 "${same[@]}" --kernels fused_keep_mixers fused --repeats 2 --out $J/qwen_tau_keep
   if [ "$h200" = 0 ]; then
     job_tf524 ling3_tau_one_process --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model ling3_shaped --workload tau --scale 1.0 --budget 65536 "${same[@]}" --repeats 2 --packed-groups 32768 \
