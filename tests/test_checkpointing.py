@@ -355,8 +355,11 @@ class _KeptAffine(torch.autograd.Function):
         return grad * 2
 
 
+@pytest.mark.parametrize("contexts", ["deferred", "matmul"])
 @pytest.mark.parametrize("mixers", [False, True])
-def test_kept_body_runs_once_under_checkpointing_with_the_same_gradients(mixers):
+def test_kept_body_runs_once_under_checkpointing_with_the_same_gradients(mixers, contexts):
+    """The policy entered around the bodies alone (``deferred``) or over the whole call (``matmul``: the layers
+    keeping their matrix products)."""
     torch.manual_seed(0)
     linear, x = torch.nn.Linear(8, 8), torch.randn(5, 8, requires_grad=True)
 
@@ -365,7 +368,8 @@ def test_kept_body_runs_once_under_checkpointing_with_the_same_gradients(mixers)
 
     expected = torch.autograd.grad(layer(x).sum(), [x, *linear.parameters()])
     _KeptAffine.runs = 0
-    context = functools.partial(checkpointing._deferred_contexts, attention=False, mixers=mixers)
+    context = functools.partial(checkpointing._deferred_contexts, attention=False, mixers=mixers) if (
+        contexts == "deferred") else functools.partial(checkpointing._matmul_contexts, mixers=mixers)
     out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False, context_fn=context)
     grads = torch.autograd.grad(out.sum(), [x, *linear.parameters()])
     assert _KeptAffine.runs == (1 if mixers else 2)  # kept: the rerun takes the forward's output back

@@ -15,6 +15,7 @@ functions); a call that the rerun answers from the store never runs its body, an
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections.abc import Callable
@@ -30,7 +31,8 @@ _numbers = itertools.count()
 
 def open_calls() -> list:
     """This thread's open checkpointed calls, innermost last: objects with ``mode`` (selective checkpointing's
-    dispatch mode for this pass, or None) and ``mixers`` (whether the policy keeps mixer outputs)."""
+    dispatch mode for this pass, to enter around a kept body; None where it is entered over the whole call already)
+    and ``mixers`` (whether the policy keeps mixer outputs)."""
     calls = getattr(_local, "calls", None)
     if calls is None:
         calls = _local.calls = []
@@ -50,13 +52,12 @@ def run(body: Callable, inputs: tuple) -> tuple:
     checkpointed rerun where the innermost open checkpointed call keeps mixer outputs. Call it where autograd does not
     record (inside an ``autograd.Function``'s forward): the op has no derivative of its own."""
     calls = open_calls()
-    mode = calls[-1].mode if calls and calls[-1].mixers else None
-    if mode is None:
+    if not calls or not calls[-1].mixers:
         return tuple(body(*inputs))
     number = next(_numbers)
     _bodies[number] = body
     try:
-        with mode:
+        with calls[-1].mode or contextlib.nullcontext():  # None: the call's mode is entered already
             return tuple(torch.ops.harts.kept_body(list(inputs), number))
     finally:
         _bodies.pop(number, None)

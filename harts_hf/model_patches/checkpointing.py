@@ -102,7 +102,6 @@ def _contexts(kept_ops):
 
 
 _attention_contexts = functools.partial(_contexts, _attention_ops)  # a checkpoint's context_fn
-_matmul_contexts = functools.partial(_contexts, _matmul_ops)
 _deferred = threading.local()  # this thread's entered modes (``entered``)
 
 
@@ -133,6 +132,33 @@ def _deferred_contexts(attention: bool = True, mixers: bool = False):
     if torch.compiler.is_compiling():
         return forward, recompute
     return _Deferred(forward, attention, mixers), _Deferred(recompute, attention, mixers)
+
+
+class _WholeCall:
+    """One of selective checkpointing's two dispatch modes entered over a whole checkpointed call (the layers keeping
+    their matrix products), announced to the tree nodes' kept bodies where ``mixers`` (they dispatch their op under
+    it; ``mode`` None: nothing for them to enter)."""
+
+    def __init__(self, mode, mixers: bool):
+        self.inner, self.mode, self.attention, self.mixers = mode, None, False, mixers
+
+    def __enter__(self):
+        self.inner.__enter__()
+        kept.open_calls().append(self)
+        return self
+
+    def __exit__(self, *exc):
+        kept.open_calls().pop()
+        return self.inner.__exit__(*exc)
+
+
+def _matmul_contexts(mixers: bool = False):
+    """A checkpoint's ``context_fn`` keeping every matrix product and attention output (and, where ``mixers``, the
+    tree nodes' kept bodies) over the whole checkpointed call."""
+    forward, recompute = _contexts(_matmul_ops)
+    if torch.compiler.is_compiling():
+        return forward, recompute
+    return _WholeCall(forward, mixers), _WholeCall(recompute, mixers)
 
 
 def _enter_kept(module, args):
@@ -229,9 +255,12 @@ def _apply(model: torch.nn.Module) -> None:
             continue
         original = getattr(function, _ORIGINAL, function)
         attention = _attention_modules(module) if settings.keep_attention else []
-        contexts = _matmul_contexts if id(module) in matmul_layers else functools.partial(
-            _deferred_contexts, attention=bool(attention), mixers=settings.keep_mixers) if (
-            attention or settings.keep_mixers) else None
+        if id(module) in matmul_layers:
+            contexts = functools.partial(_matmul_contexts, mixers=settings.keep_mixers)
+        elif attention or settings.keep_mixers:
+            contexts = functools.partial(_deferred_contexts, attention=bool(attention), mixers=settings.keep_mixers)
+        else:
+            contexts = None
         if selective and contexts is not None and _non_reentrant(original):
             function = functools.partial(original, context_fn=contexts)
             setattr(function, _ORIGINAL, original)
