@@ -45,36 +45,22 @@ if [ ! -f "$JOBS/.queued" ]; then
   # (run on an H100, 2026-12-06 20:24-20:41 UTC, and taken off: Kimi `tau` both paths, whole and in 32,768-token
   # pieces, with the KDA serial state pass A/B and shared keys, and its whole forest profiled; Nemotron-H `swe` both
   # paths at 65,536 and the tree at 131,072; Ling-3 `tau` packed and tree at 16,384, 32,768, 49,152, 65,536)
-  # issue 25, on an H100: Ling-3's `tau` fraction in ONE process with every packed call warmed up (its rows of
-  # 2026-12-06 divide trees of three processes by a pass warmed at its first call only), at 65,536-token pieces (the
-  # whole forest does not fit an H100); and Kimi's full-size `swe`, both paths (never run), in 65,536-token pieces and
-  # packed calls (its longest trajectory, 72,913 tokens, gets a call of its own). Expandable segments: the pieces that
-  # ran out of memory on 2026-12-06 did so with a third of the card reserved but unallocated
-  # issues 25/22, any card, first: Kimi Delta Attention's inputs as harts_hf computes them since 2026-12-06's evening
-  # (q, k, v as one product; the forget gate on fla's fused kernel) against transformers' modules (three products and
-  # a concatenation; the gate in five to seven full-size fp32 passes each way: ~0.3 s of the whole Kimi forest's 4.97
-  # device s in its profile, both paths alike), the whole forest, both paths in one process
-  # issue 22, any card, first: the linear-attention and Mamba-2 nodes' state pass and output stage kept from the
-  # forward for the checkpointed rerun (keep_mixer_outputs, 2026-12-06's night), against rerunning them, on both paths
-  # of the Nemotron-H-shaped preset's `tau` (its scan node's forward: ~0.19 s of 3.06 device s per pass, rerun once)
-  job nemotron_tau_keep --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe --model nemotron_h_shaped \
-    --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels fused_keep_mixers fused --repeats 2 \
-    --packed-groups 65536 --packed-warmup each --out $J/nemotron_tau_keep
-  job_tf524 kimi_tau_gate --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
-    --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --kernels fused_keep_mixers fused fused_module_kda_inputs --repeats 2 --packed-groups 32768 \
-    --packed-warmup each --out $J/kimi_tau_gate
-  # issue 22, any card: the same A/B on the 2B preset's `tau` tree (18 Gated DeltaNet layers; ~14 GiB of kept outputs)
-  job qwen_tau_keep --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe --workload tau --scale 1.0 \
-    --budget 0 "${same[@]}" --kernels fused_keep_mixers fused --repeats 2 --out $J/qwen_tau_keep
+  # (run on an H100, 2026-12-06 23:35-23:50 UTC, and taken off: Kimi `tau` both paths with the fused KDA inputs' and
+  # the kept node outputs' A/B; Ling-3 `tau` in one process at 65,536; the kept node outputs' A/B on Nemotron-H `tau`
+  # (both paths) and `swe` (tree) and on the 2B `tau` tree)
+  # issue 25, on an H100: Kimi's full-size `swe`, both paths (never run; stopped unfinished 2026-12-06), in
+  # 65,536-token pieces and packed calls (its longest trajectory, 72,913 tokens, gets a call of its own). Expandable
+  # segments: the pieces that ran out of memory on 2026-12-06 did so with a third of the card reserved but unallocated
+  # (a job in the worker's own process cannot take --env: job_tf524's child processes can, and `job --own-process`)
   if [ "$h200" = 0 ]; then
-    job_tf524 ling3_tau_one_process --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
-      --model ling3_shaped --workload tau --scale 1.0 --budget 65536 "${same[@]}" --repeats 2 --packed-groups 32768 \
-      --packed-warmup each --out $J/ling3_tau_one_process
     job_tf524 kimi_swe_both --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model kimi_linear_dense_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" --repeats 2 \
       --packed-groups 65536 --packed-warmup each --out $J/kimi_swe_both
   fi
+  # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
+  # 2.9% for 13.3 GiB; the packed path with them was not timed against itself)
+  [ "$h200" = 1 ] && job tau_keep_mixers $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --kernels fused_keep_mixers fused --repeats 2 --packed-groups 0 --packed-warmup each --out $J/tau_keep_mixers
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on FlashAttention-4, the headline's kernel, where its stack travelled (device_env.sh:
