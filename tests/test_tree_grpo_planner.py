@@ -243,3 +243,6 @@ def test_out_of_memory_in_a_step_names_the_settings_that_bound_it(saved_model, t
     assert "expandable_segments" not in out_of_memory_note(tree.args, 0.5)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert "expandable_segments" not in out_of_memory_note(tree.args, 33.0)
+    assert "tree_keep_mixer_outputs" not in out_of_memory_note(tree.args)
+    tree.args.tree_keep_mixer_outputs = True
+    assert "set tree_keep_mixer_outputs=False" in out_of_memory_note(tree.args)

@@ -65,6 +65,9 @@ def out_of_memory_note(args, unallocated_gib: float | None = None) -> str:
     for field in ("tree_stored_layers", "tree_keep_matmul_layers", "tree_keep_matmul_gib"):
         if getattr(args, field, None):
             fixes.append(f"lower {field} (now {getattr(args, field)})")
+    if getattr(args, "tree_keep_mixer_outputs", False):
+        fixes.append("set tree_keep_mixer_outputs=False (its kept node outputs: mixer_output_bytes_per_token(model) "
+                     "per token)")
     note = (f"harts_hf: a TreeGRPOTrainer step ran out of GPU memory with {now}; a piece's activations grow with its "
             f"tokens. To fit: {'; '.join(fixes)}; or shard the optimizer (DeepSpeed ZeRO). AdamW's two fp32 moments "
             "(8 bytes per trained parameter) arrive at the first optimizer step, so a second step can fail where the "
