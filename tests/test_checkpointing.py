@@ -20,6 +20,7 @@ from harts_hf.model_patches import (
     keep_matmul_outputs,
     keep_matmul_outputs_within,
     keep_mixer_outputs,
+    keep_mixer_outputs_within,
     matmul_output_bytes_per_token,
     mixer_output_bytes_per_token,
     store_layer_activations,
@@ -430,3 +431,35 @@ def test_keep_mixer_outputs_opens_the_mixers_to_the_policy(family):
     assert sorted(set(per_layer)) == [0, 2 * width] and per_layer.count(2 * width) == len(mixers)
     with pytest.raises(TypeError, match="tree_keep_mixer_outputs must be True or False"):
         keep_mixer_outputs(model, "yes")
+
+
+def test_kept_mixer_outputs_within_a_memory_budget():
+    """As many checkpointed layers holding a tree mixer as fit, spread evenly; chosen again when the checkpointed
+    layers change; 0 GiB none; the hooks see the chosen layers' mixers only."""
+    model = build("qwen3_next").train()  # mixers in layers 0 and 2, 64 bytes per token each in bf16
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert mixer_output_bytes_per_token(model) == [64, 0, 64, 0]
+    assert keep_mixer_outputs_within(model, 1.5 * 64 * 100 / 2**30, tokens=100) == [2]
+    assert keep_mixer_outputs_within(model, 2 * 64 * 100 / 2**30, tokens=100) == [0, 2]
+    assert keep_mixer_outputs_within(model, 0.0, tokens=100) == []
+    keep_mixer_outputs_within(model, 1.0, tokens=100)
+    store_layer_activations(model, 1)  # layer 1 (the first attention layer) leaves checkpointing: no change here
+    assert model._set_gradient_checkpointing.mixer_layers == [0, 2]
+    store_layer_activations(model, 3)  # layers 1, 3 and one mixer layer stored: the other one stays kept
+    stored = model._set_gradient_checkpointing.stored
+    assert model._set_gradient_checkpointing.mixer_layers == [i for i in (0, 2) if i not in stored]
+    store_layer_activations(model, 0)
+    forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(6), 3, vocab=VOCAB, max_tail=30))
+    _fwd_bwd(model, forest)  # patches the model
+    keep_mixer_outputs_within(model, 1.5 * 64 * 100 / 2**30, tokens=100)
+    seen = {}
+    for index, layer in enumerate(model.model.layers):
+        if tree_mixer_output_width(getattr(layer, "linear_attn", torch.nn.Module())):
+            layer.linear_attn.register_forward_pre_hook(lambda module, args, index=index: seen.setdefault(
+                index, []).append(bool(kept.open_calls() and kept.open_calls()[-1].mixers)))
+    _fwd_bwd(model, forest)
+    assert seen == {0: [False, False], 2: [True, True]}
+    keep_mixer_outputs(model)  # every such layer again
+    assert model._set_gradient_checkpointing.mixer_layers == [0, 2]
+    with pytest.raises(ValueError, match="tree_keep_mixer_gib"):
+        keep_mixer_outputs_within(model, -1.0, tokens=100)

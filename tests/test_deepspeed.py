@@ -167,14 +167,14 @@ def test_kept_matmul_outputs_are_refused_under_zero3():
     from tests.models import build
 
     settings = SimpleNamespace(tree_stored_layers=0, tree_keep_matmul_layers=1, tree_keep_matmul_gib=None,
-                               tree_keep_mixer_outputs=False)
+                               tree_keep_mixer_outputs=False, tree_keep_mixer_gib=None)
     mixers = SimpleNamespace(tree_stored_layers=0, tree_keep_matmul_layers=0, tree_keep_matmul_gib=None,
-                             tree_keep_mixer_outputs=True)
+                             tree_keep_mixer_outputs=True, tree_keep_mixer_gib=None)
     zero3 = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
     try:
         with pytest.raises(ValueError, match="tree_keep_matmul_layers=1 .*ZeRO-3.*turn it off"):
             apply_layer_counts(build("llama"), settings, logger=None)
-        with pytest.raises(ValueError, match="tree_keep_mixer_outputs=True .*ZeRO-3.*set it to False"):
+        with pytest.raises(ValueError, match="tree_keep_mixer_outputs=True .*ZeRO-3.*turn it off"):
             apply_layer_counts(build("qwen3_next"), mixers, logger=None)
     finally:
         del zero3  # the flag is a weak reference to this object

@@ -180,7 +180,21 @@ def test_kept_mixer_outputs_match_grpo_trainer(saved_model, tmp_path):
     base, tree = make_trainers(saved_model, tmp_path, tree_args=dict(tree_keep_mixer_outputs=True))
     for trainer in (base, tree):  # as Trainer.train() does
         trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert tree.model._set_gradient_checkpointing.keep_mixers
+    assert tree.model._set_gradient_checkpointing.mixer_layers == [0, 2]  # the Gated DeltaNet layers
+    assert_same_loss_and_grads(base, tree)
+
+
+def test_kept_mixer_outputs_within_a_budget_match_grpo_trainer(saved_model, tmp_path):
+    """tree_keep_mixer_gib: as many mixer layers as fit at tree_token_budget tokens (here one of two), the same loss
+    and gradients as GRPOTrainer's."""
+    from harts_hf.model_patches import mixer_output_bytes_per_token
+
+    per_token = max(mixer_output_bytes_per_token(AutoModelForCausalLM.from_pretrained(saved_model), torch.float32))
+    base, tree = make_trainers(saved_model, tmp_path, router_aux_loss_coef=0.0,
+                               tree_args=dict(tree_keep_mixer_gib=1.5 * per_token * 64 / 2**30, tree_token_budget=64))
+    for trainer in (base, tree):  # as Trainer.train() does
+        trainer.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert tree.model._set_gradient_checkpointing.mixer_layers == [2]
     assert_same_loss_and_grads(base, tree)
 
 
@@ -332,7 +346,13 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_keep_mixer_outputs=True, gradient_checkpointing=False),
      ["tree_keep_mixer_outputs=True", "gradient_checkpointing=True"]),
     (dict(tree_keep_mixer_outputs=True, gradient_checkpointing_kwargs={"use_reentrant": True}),
-     ["tree_keep_mixer_outputs=True", "use_reentrant=True", "tree_keep_mixer_outputs=False"]),
+     ["tree_keep_mixer_outputs=True", "use_reentrant=True", "turn the setting off"]),
+    (dict(tree_keep_mixer_gib=2.0), ["tree_keep_mixer_gib=2.0", "tree_token_budget"]),
+    (dict(tree_keep_mixer_gib=2.0, tree_token_budget=64, tree_keep_mixer_outputs=True),
+     ["tree_keep_mixer_outputs=True", "tree_keep_mixer_gib=2.0", "set one"]),
+    (dict(tree_keep_mixer_gib=-1.0, tree_token_budget=64), ["tree_keep_mixer_gib", ">= 0"]),
+    (dict(tree_keep_mixer_gib=2.0, tree_token_budget=64, gradient_checkpointing=False),
+     ["tree_keep_mixer_gib=2.0", "gradient_checkpointing=True"]),
     (dict(tree_cost_model="no/such/cost.json"), ["tree_cost_model", "CostModel.save"]),
 ])
 def test_contradictory_config_is_refused(tmp_path, fields, words):

@@ -6,6 +6,7 @@ from .checkpointing import (
     keep_matmul_outputs,
     keep_matmul_outputs_within,
     keep_mixer_outputs,
+    keep_mixer_outputs_within,
     matmul_output_bytes_per_token,
     mixer_output_bytes_per_token,
     store_layer_activations,
@@ -22,5 +23,5 @@ from .core import (
 
 __all__ = ["PatchHandle", "TreeFamily", "apply_tree_patches", "checkpointed_layers", "chunk_grid", "cpu_safe",
            "keep_attention_outputs", "keep_matmul_outputs", "keep_matmul_outputs_within", "keep_mixer_outputs",
-           "matmul_output_bytes_per_token", "mixer_output_bytes_per_token", "register_family",
-           "store_layer_activations", "supported_model_types"]
+           "keep_mixer_outputs_within", "matmul_output_bytes_per_token", "mixer_output_bytes_per_token",
+           "register_family", "store_layer_activations", "supported_model_types"]

@@ -44,8 +44,8 @@ from .core import zero3_enabled
 logger = logging.get_logger(__name__)
 
 __all__ = ["checkpointed_layers", "keep_attention_outputs", "keep_matmul_outputs", "keep_matmul_outputs_within",
-           "keep_mixer_outputs", "matmul_output_bytes_per_token", "mixer_output_bytes_per_token",
-           "store_layer_activations"]
+           "keep_mixer_outputs", "keep_mixer_outputs_within", "matmul_output_bytes_per_token",
+           "mixer_output_bytes_per_token", "store_layer_activations"]
 
 _ORIGINAL = "_harts_original_checkpoint"  # a layer's checkpoint function before the policy was added
 
@@ -210,21 +210,24 @@ def _non_reentrant(function) -> bool:
 
 class _SetGradientCheckpointing:
     """A model's ``_set_gradient_checkpointing``: transformers' own, then harts_hf's settings (``stored`` layer
-    indices, ``keep_attention``, ``matmul_count`` and the ``matmul_layers`` chosen for it). ``enabled``: per decoder
+    indices, ``keep_attention``, ``matmul_count`` and the ``matmul_layers`` chosen for it, ``keep_mixers`` and the
+    ``mixer_layers`` chosen for it). ``enabled``: per decoder
     layer, whether transformers' own enabling checkpointed it (every layer, or every n-th with ``every_n_layers`` of
     transformers >= 5.25); a layer it left out stays out whatever the settings. An object holding its model, so a
     deep copy of the model gets its own."""
 
     def __init__(self, model):
         self.model, self.stored, self.keep_attention, self.matmul_layers, self.matmul_count = model, [], False, [], 0
-        self.keep_mixers = False
+        self.keep_mixers, self.mixer_layers = False, []
         self.matmul_budget = None  # (bytes, tokens, dtype): the count follows from it (keep_matmul_outputs_within)
+        self.mixer_budget = None  # the same for the kept mixer outputs (keep_mixer_outputs_within)
         self.enabled = [layer.gradient_checkpointing for layer in _decoder_layers(model)]  # before the settings came
 
     def __call__(self, *args, **kwargs):
         type(self.model)._set_gradient_checkpointing(self.model, *args, **kwargs)
         self.enabled = [layer.gradient_checkpointing for layer in _decoder_layers(self.model)]
         _choose_matmul_layers(self)
+        _choose_mixer_layers(self)
         _apply(self.model)
 
 
@@ -248,6 +251,7 @@ def _apply(model: torch.nn.Module) -> None:
         return
     selective = not zero3_enabled()
     matmul_layers = {id(layers[i]) for i in settings.matmul_layers if i < len(layers)}
+    mixer_layers = {id(layers[i]) for i in settings.mixer_layers if i < len(layers)}
     refused = False  # a policy asked for that this checkpointing cannot take
     for module in model.modules():
         function = getattr(module, "_gradient_checkpointing_func", None)
@@ -255,10 +259,11 @@ def _apply(model: torch.nn.Module) -> None:
             continue
         original = getattr(function, _ORIGINAL, function)
         attention = _attention_modules(module) if settings.keep_attention else []
+        mixers = id(module) in mixer_layers
         if id(module) in matmul_layers:
-            contexts = functools.partial(_matmul_contexts, mixers=settings.keep_mixers)
-        elif attention or settings.keep_mixers:
-            contexts = functools.partial(_deferred_contexts, attention=bool(attention), mixers=settings.keep_mixers)
+            contexts = functools.partial(_matmul_contexts, mixers=mixers)
+        elif attention or mixers:
+            contexts = functools.partial(_deferred_contexts, attention=bool(attention), mixers=mixers)
         else:
             contexts = None
         if selective and contexts is not None and _non_reentrant(original):
@@ -379,13 +384,15 @@ def keep_matmul_outputs_within(model: torch.nn.Module, gib: float, tokens: int,
 
 
 def _update(settings: _SetGradientCheckpointing, **values) -> None:
-    """Set ``values`` on ``settings``, choose the kept-product layers again and apply; on an error (a count that no
-    longer fits) the settings stay as they were."""
-    before = {name: getattr(settings, name) for name in ("stored", "matmul_count", "matmul_budget", "matmul_layers")}
+    """Set ``values`` on ``settings``, choose the kept-product and kept-mixer layers again and apply; on an error (a
+    count that no longer fits) the settings stay as they were."""
+    before = {name: getattr(settings, name) for name in ("stored", "matmul_count", "matmul_budget", "matmul_layers",
+                                                          "keep_mixers", "mixer_budget", "mixer_layers")}
     for name, value in values.items():
         setattr(settings, name, value)
     try:
         _choose_matmul_layers(settings)
+        _choose_mixer_layers(settings)
     except ValueError:
         for name, value in before.items():
             setattr(settings, name, value)
@@ -420,9 +427,39 @@ def keep_mixer_outputs(model: torch.nn.Module, enable: bool = True) -> None:
     the gradients are the same (checkpointing changes what is kept, not the arithmetic). Not under reentrant
     checkpointing or ZeRO-3 (as :func:`keep_attention_outputs`), nor where the Gated DeltaNet node runs as CUDA
     graphs (``cuda_graphs.MAX_TOKENS``)."""
+    _update(_settings(model), keep_mixers=check_bool(enable, "tree_keep_mixer_outputs"), mixer_budget=None)
+
+
+def keep_mixer_outputs_within(model: torch.nn.Module, gib: float, tokens: int,
+                              dtype: torch.dtype = torch.bfloat16) -> list[int]:
+    """:func:`keep_mixer_outputs` in as many checkpointed decoder layers holding a tree mixer as fit in ``gib`` GiB at
+    ``tokens`` tokens per forward (a planner piece's most: ``tree_token_budget``), by
+    :func:`mixer_output_bytes_per_token` in ``dtype`` (autocast's), spread evenly over those layers; worked out again
+    whenever the checkpointed layers change. 0 GiB keeps none. Returns the layers' indices."""
+    gib = check_number(gib, "tree_keep_mixer_gib", allow_zero=True)
+    tokens = check_int(tokens, "tree_token_budget")
     settings = _settings(model)
-    settings.keep_mixers = check_bool(enable, "tree_keep_mixer_outputs")
-    _apply(settings.model)
+    _update(settings, keep_mixers=True, mixer_budget=(gib * 2**30, tokens, dtype))
+    return settings.mixer_layers
+
+
+def _choose_mixer_layers(settings: _SetGradientCheckpointing) -> None:
+    """``settings.mixer_layers``: where ``settings.keep_mixers``, the checkpointed layers (not stored, not left out
+    by transformers' own enabling) holding a tree mixer; with ``settings.mixer_budget``, as many of them as fit,
+    evenly spaced."""
+    if not settings.keep_mixers:
+        settings.mixer_layers = []
+        return
+    layers = _decoder_layers(settings.model)
+    enabled = _enabled_by_transformers(settings, len(layers))
+    budget, tokens, dtype = settings.mixer_budget or (None, 0, torch.bfloat16)
+    per_token = mixer_output_bytes_per_token(settings.model, dtype)
+    pool = [i for i in range(len(layers)) if enabled[i] and i not in settings.stored and per_token[i]]
+    count = len(pool)
+    if budget is not None:  # the most layers whose outputs fit
+        count = max(n for n in range(len(pool) + 1)
+                    if tokens * sum(per_token[pool[j]] for j in _choose(["mixer"] * len(pool), n)) <= budget)
+    settings.mixer_layers = [pool[j] for j in _choose(["mixer"] * len(pool), count)]
 
 
 def mixer_output_bytes_per_token(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[int]:

@@ -52,6 +52,10 @@ MATMUL_LAYERS_HELP = ("With gradient_checkpointing (non-reentrant, transformers'
                       "per output feature under bf16 (matmul_output_bytes_per_token(model) in "
                       "harts_hf.model_patches says how many per layer). Less compute, more memory; the gradients are "
                       "the same. Not under DeepSpeed ZeRO-3. 0: none.")
+KEEP_MIXER_GIB_HELP = ("Instead of tree_keep_mixer_outputs=True: GiB of GPU memory to spend on kept linear-attention / "
+                       "Mamba-2 node outputs; they are kept in as many checkpointed layers as fit at tree_token_budget "
+                       "tokens per piece (needs tree_token_budget; counted by mixer_output_bytes_per_token in "
+                       "autocast's dtype). The chosen layers are logged. None: off.")
 KEEP_MIXER_OUTPUTS_HELP = ("With gradient_checkpointing (non-reentrant, transformers' default) and use_tree: keep each "
                            "linear-attention and Mamba-2 node's state pass and output stage from the forward (Gated "
                            "DeltaNet, Kimi Delta Attention, Mamba-2 on fla's kernels, CUDA), so the backward's rerun "
@@ -115,20 +119,43 @@ def matmul_setting(config) -> str:
     return f"tree_keep_matmul_gib={config.tree_keep_matmul_gib}"
 
 
+def mixer_setting(config) -> str | None:
+    """The kept-mixer-outputs field in force, as ``name=value`` for messages (None where neither is set)."""
+    if config.tree_keep_mixer_outputs:
+        return "tree_keep_mixer_outputs=True"
+    return None if config.tree_keep_mixer_gib is None else f"tree_keep_mixer_gib={config.tree_keep_mixer_gib}"
+
+
+def check_mixer_settings(config) -> None:
+    """``tree_keep_mixer_outputs`` (bool) or ``tree_keep_mixer_gib`` (GiB >= 0 with ``tree_token_budget``), not
+    both; either needs gradient checkpointing of the non-reentrant kind."""
+    keep = check_bool(config.tree_keep_mixer_outputs, "tree_keep_mixer_outputs")
+    gib = config.tree_keep_mixer_gib
+    if gib is not None:
+        gib = config.tree_keep_mixer_gib = check_number(gib, "tree_keep_mixer_gib", allow_zero=True)
+        if keep:
+            raise ValueError(f"tree_keep_mixer_outputs=True and tree_keep_mixer_gib={gib} both say where mixer outputs "
+                             "are kept (every layer / as many as fit); set one.")
+        if config.tree_token_budget is None:
+            raise ValueError(f"tree_keep_mixer_gib={gib} sizes the kept mixer outputs for pieces of at most "
+                             "tree_token_budget tokens, which is None; set tree_token_budget, or use "
+                             "tree_keep_mixer_outputs=True instead.")
+    setting = mixer_setting(config)
+    if setting and not config.gradient_checkpointing:
+        raise ValueError(f"{setting} keeps node outputs of checkpointed layers, and gradient checkpointing is off "
+                         "(every output is kept already); set gradient_checkpointing=True or turn the setting off.")
+    if setting and (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+        raise ValueError(f"{setting} needs non-reentrant checkpointing (a selective-checkpointing policy), and "
+                         "gradient_checkpointing_kwargs sets use_reentrant=True; drop it (transformers' default is "
+                         "non-reentrant) or turn the setting off.")
+
+
 def check_layer_counts(config) -> None:
     """``config.tree_stored_layers`` and ``config.tree_keep_matmul_layers`` are counts >= 0, ``tree_keep_matmul_gib``
     None or GiB >= 0 (with ``tree_token_budget``, and not beside a count); each needs gradient checkpointing when
     set, and kept matrix products need its non-reentrant kind."""
     config.tree_stored_layers = check_int(config.tree_stored_layers, "tree_stored_layers", minimum=0)
-    if check_bool(config.tree_keep_mixer_outputs, "tree_keep_mixer_outputs"):
-        if not config.gradient_checkpointing:
-            raise ValueError("tree_keep_mixer_outputs=True keeps node outputs of checkpointed layers, and gradient "
-                             "checkpointing is off (every output is kept already); set gradient_checkpointing=True "
-                             "or tree_keep_mixer_outputs=False.")
-        if (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-            raise ValueError("tree_keep_mixer_outputs=True needs non-reentrant checkpointing (a selective-"
-                             "checkpointing policy), and gradient_checkpointing_kwargs sets use_reentrant=True; drop "
-                             "it (transformers' default is non-reentrant) or set tree_keep_mixer_outputs=False.")
+    check_mixer_settings(config)
     if config.tree_stored_layers and not config.gradient_checkpointing:
         raise ValueError(f"tree_stored_layers={config.tree_stored_layers} picks layers to leave out of gradient "
                          "checkpointing, which is off; set gradient_checkpointing=True or tree_stored_layers=0.")
@@ -261,6 +288,7 @@ class TreeGRPOConfig(GRPOConfig):
                           "transformers does."},
     )
     tree_keep_mixer_outputs: bool = field(default=False, metadata={"help": KEEP_MIXER_OUTPUTS_HELP})
+    tree_keep_mixer_gib: float | None = field(default=None, metadata={"help": KEEP_MIXER_GIB_HELP})
     tree_keep_source_graphs: bool = field(default=False, metadata={"help": KEEP_SOURCE_GRAPHS_HELP})
     tree_stored_layers: int = field(default=0, metadata={"help": STORED_LAYERS_HELP})
     tree_keep_matmul_layers: int = field(default=0, metadata={"help": MATMUL_LAYERS_HELP})
@@ -385,8 +413,8 @@ def check_dropout(model, name: str, logger, switch: str) -> None:
 
 
 def apply_layer_counts(model, args, logger) -> None:
-    """Put ``tree_stored_layers``, ``tree_keep_mixer_outputs`` and ``tree_keep_matmul_layers`` /
-    ``tree_keep_matmul_gib`` in force on ``model`` (a transformers model, as unwrapped for the trainer); kept outputs
+    """Put ``tree_stored_layers``, ``tree_keep_mixer_outputs`` / ``tree_keep_mixer_gib`` and ``tree_keep_matmul_layers``
+    / ``tree_keep_matmul_gib`` in force on ``model`` (a transformers model, as unwrapped for the trainer); kept outputs
     or products under DeepSpeed ZeRO-3 fail here, naming the fix."""
     import torch
 
@@ -394,18 +422,27 @@ def apply_layer_counts(model, args, logger) -> None:
         keep_matmul_outputs,
         keep_matmul_outputs_within,
         keep_mixer_outputs,
+        keep_mixer_outputs_within,
         store_layer_activations,
     )
     from ..model_patches.core import zero3_enabled
 
     if args.tree_stored_layers:
         store_layer_activations(model, args.tree_stored_layers)
+    def dtype():  # autocast's, where the budgets are worked out
+        return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(model.parameters()).dtype
+
+    setting = mixer_setting(args)
+    if setting and zero3_enabled():
+        raise ValueError(f"{setting} keeps node outputs through a selective-checkpointing policy, which cannot run "
+                         "under DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed layers); turn it "
+                         "off, or use ZeRO-2 or DDP.")
     if args.tree_keep_mixer_outputs:
-        if zero3_enabled():
-            raise ValueError("tree_keep_mixer_outputs=True keeps node outputs through a selective-checkpointing "
-                             "policy, which cannot run under DeepSpeed ZeRO-3 (its parameter all-gathers inside the "
-                             "checkpointed layers); set it to False, or use ZeRO-2 or DDP.")
         keep_mixer_outputs(model)
+    elif args.tree_keep_mixer_gib is not None:
+        layers = keep_mixer_outputs_within(model, args.tree_keep_mixer_gib, args.tree_token_budget, dtype())
+        logger.info(f"{setting}: mixer outputs kept in {len(layers)} decoder layers {layers} at tree_token_budget="
+                    f"{args.tree_token_budget}")
     gib = args.tree_keep_matmul_gib
     if not args.tree_keep_matmul_layers and gib is None:
         return
@@ -417,7 +454,6 @@ def apply_layer_counts(model, args, logger) -> None:
     if gib is None:
         keep_matmul_outputs(model, args.tree_keep_matmul_layers)
         return
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(model.parameters()).dtype
-    layers = keep_matmul_outputs_within(model, gib, args.tree_token_budget, dtype)
+    layers = keep_matmul_outputs_within(model, gib, args.tree_token_budget, dtype())
     logger.info(f"{setting}: matrix products kept in {len(layers)} decoder layers {layers} at tree_token_budget="
                 f"{args.tree_token_budget}")

@@ -62,7 +62,7 @@ def out_of_memory_note(args, unallocated_gib: float | None = None) -> str:
     now = ("each microbatch's whole forest in one piece (tree_token_budget=None)" if budget is None else
            f"planner pieces of at most tree_token_budget={budget} unique tokens")
     fixes = ["set tree_token_budget (32768, say)" if budget is None else f"lower tree_token_budget below {budget}"]
-    for field in ("tree_stored_layers", "tree_keep_matmul_layers", "tree_keep_matmul_gib"):
+    for field in ("tree_stored_layers", "tree_keep_matmul_layers", "tree_keep_matmul_gib", "tree_keep_mixer_gib"):
         if getattr(args, field, None):
             fixes.append(f"lower {field} (now {getattr(args, field)})")
     if getattr(args, "tree_keep_mixer_outputs", False):

@@ -31,6 +31,7 @@ from .config import (
     _ATTENTION_BACKENDS,
     _GDN_BACKENDS,
     AUTOCAST_EXPERTS_HELP,
+    KEEP_MIXER_GIB_HELP,
     KEEP_MIXER_OUTPUTS_HELP,
     KEEP_SOURCE_GRAPHS_HELP,
     MAMBA_SCAN_INPUTS_HELP,
@@ -78,6 +79,7 @@ class TreeSFTConfig(SFTConfig):
         "help": "With gradient checkpointing: keep each attention kernel's output from the forward so the "
                 "backward's rerun skips attention (the same gradients)."})
     tree_keep_mixer_outputs: bool = field(default=False, metadata={"help": KEEP_MIXER_OUTPUTS_HELP})
+    tree_keep_mixer_gib: float | None = field(default=None, metadata={"help": KEEP_MIXER_GIB_HELP})
     tree_keep_source_graphs: bool = field(default=False, metadata={"help": KEEP_SOURCE_GRAPHS_HELP})
     tree_stored_layers: int = field(default=0, metadata={"help": STORED_LAYERS_HELP})
     tree_keep_matmul_layers: int = field(default=0, metadata={"help": MATMUL_LAYERS_HELP})
