@@ -179,6 +179,10 @@ def test_training_steps_give_the_same_parameters(saved_model, tmp_path):
      ["tree_keep_matmul_layers=1", "gradient_checkpointing=True"]),
     (dict(tree_keep_matmul_layers=True), ["tree_keep_matmul_layers", "int"]),
     (dict(tree_keep_matmul_gib=1.0, gradient_checkpointing=True), ["tree_keep_matmul_gib=1.0", "tree_token_budget"]),
+    (dict(tree_keep_mixer_outputs=1), ["tree_keep_mixer_outputs", "True or False"]),
+    (dict(tree_keep_mixer_outputs=True, gradient_checkpointing=False),
+     ["tree_keep_mixer_outputs=True", "gradient_checkpointing=True"]),
+    (dict(tree_keep_mixer_gib=1.0, gradient_checkpointing=True), ["tree_keep_mixer_gib=1.0", "tree_token_budget"]),
     (dict(tree_per_turn_rows=True, completion_only_loss=False), ["tree_per_turn_rows=True", "completion_only_loss"]),
     (dict(tree_per_turn_rows=True, dataset_kwargs={"skip_prepare_dataset": True}), ["skip_prepare_dataset"]),
 ])
