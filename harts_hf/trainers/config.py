@@ -126,25 +126,29 @@ def mixer_setting(config) -> str | None:
     return None if config.tree_keep_mixer_gib is None else f"tree_keep_mixer_gib={config.tree_keep_mixer_gib}"
 
 
-def check_mixer_settings(config) -> None:
-    """``tree_keep_mixer_outputs`` (bool) or ``tree_keep_mixer_gib`` (GiB >= 0 with ``tree_token_budget``), not
-    both; either needs gradient checkpointing of the non-reentrant kind."""
-    keep = check_bool(config.tree_keep_mixer_outputs, "tree_keep_mixer_outputs")
-    gib = config.tree_keep_mixer_gib
-    if gib is not None:
-        gib = config.tree_keep_mixer_gib = check_number(gib, "tree_keep_mixer_gib", allow_zero=True)
-        if keep:
-            raise ValueError(f"tree_keep_mixer_outputs=True and tree_keep_mixer_gib={gib} both say where mixer outputs "
-                             "are kept (every layer / as many as fit); set one.")
-        if config.tree_token_budget is None:
-            raise ValueError(f"tree_keep_mixer_gib={gib} sizes the kept mixer outputs for pieces of at most "
-                             "tree_token_budget tokens, which is None; set tree_token_budget, or use "
-                             "tree_keep_mixer_outputs=True instead.")
-    setting = mixer_setting(config)
-    if setting and not config.gradient_checkpointing:
-        raise ValueError(f"{setting} keeps node outputs of checkpointed layers, and gradient checkpointing is off "
-                         "(every output is kept already); set gradient_checkpointing=True or turn the setting off.")
-    if setting and (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+def _kept_budget(config, field: str, other: str | None, what: str, instead: str) -> float | None:
+    """``config.<field>``: None, or GiB >= 0 (stored back as a float) with ``tree_token_budget`` set and ``other`` (the
+    competing setting in force, as ``name=value``) not; ``what`` is kept, ``instead`` the setting without a budget."""
+    gib = getattr(config, field)
+    if gib is None:
+        return None
+    gib = check_number(gib, field, allow_zero=True)
+    setattr(config, field, gib)
+    if other:
+        raise ValueError(f"{other} and {field}={gib} both say where {what} are kept; set one.")
+    if config.tree_token_budget is None:
+        raise ValueError(f"{field}={gib} sizes the kept {what} for pieces of at most tree_token_budget tokens, which is "
+                         f"None; set tree_token_budget, or use {instead} instead.")
+    return gib
+
+
+def _needs_non_reentrant_checkpointing(config, setting: str, what: str) -> None:
+    """``setting`` (``name=value``) keeps ``what`` of checkpointed layers through a selective-checkpointing policy:
+    refused without gradient checkpointing or with its reentrant kind."""
+    if not config.gradient_checkpointing:
+        raise ValueError(f"{setting} keeps {what} of checkpointed layers, and gradient checkpointing is off (every one "
+                         "is kept already); set gradient_checkpointing=True or turn the setting off.")
+    if (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
         raise ValueError(f"{setting} needs non-reentrant checkpointing (a selective-checkpointing policy), and "
                          "gradient_checkpointing_kwargs sets use_reentrant=True; drop it (transformers' default is "
                          "non-reentrant) or turn the setting off.")
@@ -152,33 +156,24 @@ def check_mixer_settings(config) -> None:
 
 def check_layer_counts(config) -> None:
     """``config.tree_stored_layers`` and ``config.tree_keep_matmul_layers`` are counts >= 0, ``tree_keep_matmul_gib``
-    None or GiB >= 0 (with ``tree_token_budget``, and not beside a count); each needs gradient checkpointing when
-    set, and kept matrix products need its non-reentrant kind."""
+    None or GiB >= 0 (with ``tree_token_budget``, and not beside a count), ``tree_keep_mixer_outputs`` a bool and
+    ``tree_keep_mixer_gib`` None or GiB (the same way, not beside ``tree_keep_mixer_outputs=True``); each needs
+    gradient checkpointing when set, and kept node outputs and matrix products need its non-reentrant kind."""
     config.tree_stored_layers = check_int(config.tree_stored_layers, "tree_stored_layers", minimum=0)
-    check_mixer_settings(config)
     if config.tree_stored_layers and not config.gradient_checkpointing:
         raise ValueError(f"tree_stored_layers={config.tree_stored_layers} picks layers to leave out of gradient "
                          "checkpointing, which is off; set gradient_checkpointing=True or tree_stored_layers=0.")
+    keep = check_bool(config.tree_keep_mixer_outputs, "tree_keep_mixer_outputs")
+    _kept_budget(config, "tree_keep_mixer_gib", "tree_keep_mixer_outputs=True" if keep else None, "mixer outputs",
+                 "tree_keep_mixer_outputs=True")
+    if mixer_setting(config):
+        _needs_non_reentrant_checkpointing(config, mixer_setting(config), "node outputs")
     count = config.tree_keep_matmul_layers = check_int(config.tree_keep_matmul_layers, "tree_keep_matmul_layers",
                                                        minimum=0)
-    gib = config.tree_keep_matmul_gib
-    if gib is not None:
-        gib = config.tree_keep_matmul_gib = check_number(gib, "tree_keep_matmul_gib", allow_zero=True)
-        if count:
-            raise ValueError(f"tree_keep_matmul_layers={count} and tree_keep_matmul_gib={gib} both say where products "
-                             "are kept; set one (the other 0 / None).")
-        if config.tree_token_budget is None:
-            raise ValueError(f"tree_keep_matmul_gib={gib} sizes the kept products for pieces of at most "
-                             "tree_token_budget tokens, which is None; set tree_token_budget, or use "
-                             "tree_keep_matmul_layers instead.")
-    setting = matmul_setting(config)
-    if (count or gib) and not config.gradient_checkpointing:
-        raise ValueError(f"{setting} keeps products of checkpointed layers, and gradient checkpointing is off (every "
-                         "product is kept already); set gradient_checkpointing=True or turn the setting off.")
-    if (count or gib) and (config.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-        raise ValueError(f"{setting} needs non-reentrant checkpointing (a selective-checkpointing policy), and "
-                         "gradient_checkpointing_kwargs sets use_reentrant=True; drop it (transformers' default is "
-                         "non-reentrant) or turn the setting off.")
+    gib = _kept_budget(config, "tree_keep_matmul_gib", f"tree_keep_matmul_layers={count}" if count else None,
+                       "products", "tree_keep_matmul_layers")
+    if count or gib:
+        _needs_non_reentrant_checkpointing(config, matmul_setting(config), "products")
 
 
 _BOOL_FIELDS = ("use_tree", "tree_share_across_groups", "tree_keep_groups_together", "tree_balance_replicas",
