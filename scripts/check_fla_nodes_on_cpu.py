@@ -615,7 +615,7 @@ def check_kept_mixer_outputs() -> None:
         for family in ("qwen3_next", "kimi_linear", "nemotron_h"):
             model = build(family).train()
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(5), 4, vocab=VOCAB, max_tail=40))
+            forest = PrefixForest.from_sequences(random_tree_sequences(random.Random(5), 3, vocab=VOCAB, max_tail=24))
             params = [p for p in model.parameters() if p.requires_grad]
             results, counts = {}, {}
             for keep in (False, True):
