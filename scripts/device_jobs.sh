@@ -52,6 +52,11 @@ if [ ! -f "$JOBS/.queued" ]; then
   # 65,536-token pieces and packed calls (its longest trajectory, 72,913 tokens, gets a call of its own). Expandable
   # segments: the pieces that ran out of memory on 2026-12-06 did so with a third of the card reserved but unallocated
   # (a job in the worker's own process cannot take --env: job_tf524's child processes can, and `job --own-process`)
+  # issue 26, any card: Nemotron-H `tau`, both paths with the scan's node outputs rerun (`fused` first: the packed
+  # pass runs with it), the kept outputs' tree beside it, so the fraction's rise with them (0.910 -> 0.934 across two
+  # H100s) is split between the paths within one process
+  job nemotron_tau_rerun $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --kernels fused fused_keep_mixers --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_tau_rerun
   if [ "$h200" = 0 ]; then
     job_tf524 kimi_swe_both --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model kimi_linear_dense_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" --repeats 2 \
