@@ -166,8 +166,9 @@ def check_layer_counts(config) -> None:
     keep = check_bool(config.tree_keep_mixer_outputs, "tree_keep_mixer_outputs")
     _kept_budget(config, "tree_keep_mixer_gib", "tree_keep_mixer_outputs=True" if keep else None, "mixer outputs",
                  "tree_keep_mixer_outputs=True")
-    if mixer_setting(config):
-        _needs_non_reentrant_checkpointing(config, mixer_setting(config), "node outputs")
+    setting = mixer_setting(config)
+    if setting:
+        _needs_non_reentrant_checkpointing(config, setting, "node outputs")
     count = config.tree_keep_matmul_layers = check_int(config.tree_keep_matmul_layers, "tree_keep_matmul_layers",
                                                        minimum=0)
     gib = _kept_budget(config, "tree_keep_matmul_gib", f"tree_keep_matmul_layers={count}" if count else None,
@@ -427,11 +428,15 @@ def apply_layer_counts(model, args, logger) -> None:
     def dtype():  # autocast's, where the budgets are worked out
         return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(model.parameters()).dtype
 
+    def refuse_under_zero3(setting: str, what: str) -> None:
+        if zero3_enabled():
+            raise ValueError(f"{setting} keeps {what} through a selective-checkpointing policy, which cannot run under "
+                             "DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed layers); turn it "
+                             "off, or use ZeRO-2 or DDP.")
+
     setting = mixer_setting(args)
-    if setting and zero3_enabled():
-        raise ValueError(f"{setting} keeps node outputs through a selective-checkpointing policy, which cannot run "
-                         "under DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed layers); turn it "
-                         "off, or use ZeRO-2 or DDP.")
+    if setting:
+        refuse_under_zero3(setting, "node outputs")
     if args.tree_keep_mixer_outputs:
         keep_mixer_outputs(model)
     elif args.tree_keep_mixer_gib is not None:
@@ -442,10 +447,7 @@ def apply_layer_counts(model, args, logger) -> None:
     if not args.tree_keep_matmul_layers and gib is None:
         return
     setting = matmul_setting(args)
-    if zero3_enabled():
-        raise ValueError(f"{setting} keeps products through a selective-checkpointing policy, which cannot run under "
-                         "DeepSpeed ZeRO-3 (its parameter all-gathers inside the checkpointed layers); turn it off, "
-                         "or use ZeRO-2 or DDP.")
+    refuse_under_zero3(setting, "products")
     if gib is None:
         keep_matmul_outputs(model, args.tree_keep_matmul_layers)
         return

@@ -15,8 +15,8 @@ state pass (forward) and the state-gradient pass (backward) depend on a unit's i
 out round after round (:func:`~.round_batch.round_batch`), and per round only fla's state kernel runs on that
 round's slice, on a host-built chunk grid: no device-to-host read, three launches per round. The state pass and the
 output stage run as one body (:func:`_forward_body`), which checkpointing keeps for the backward's rerun where mixer
-outputs are kept (:mod:`harts_hf.kernels.kept`). Every kernel works
-chunk by chunk within a unit, so the arithmetic is the per-round function's. ``BATCH_ROUNDS = False``: fla's public
+outputs are kept (:mod:`harts_hf.kernels.kept`). Every kernel works chunk by chunk within a unit, so the arithmetic
+is the per-round function's. ``BATCH_ROUNDS = False``: fla's public
 ``chunk_simple_gla`` once per round, states handed over through autograd (:func:`~.fla_kda.per_round`; on the
 H200 full-size ``tau`` reached 0.70 of its FLOP ratio that way, BENCHMARKS.md). Both are checked through fla's
 Triton kernels on the CPU (Triton's interpreter; ``scripts/check_fla_nodes_on_cpu.py``, ``check_round_node`` and
