@@ -20,7 +20,7 @@ varlen call (every run's root-to-run keys gathered) against key segments shared 
 (``tree_attention.varlen.SHARED_KEYS_IN_PLACE``) and against FlexAttention on the packed rows (nothing gathered),
 with their differences and, on small forests, each one's error against fp32 (``check_forest``). MLA's shape:
 ``--heads 32 32 192 --value-dim 128``; ``--factors`` sets the shared-keys cost factors tried (none: the plain call and
-FlexAttention only).
+FlexAttention only); ``--fa4`` adds the plain call on FlashAttention-4, MLA's values padded and at their own width.
 """
 
 from __future__ import annotations
@@ -181,8 +181,45 @@ def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool, dy
     print(row["workload"], row["scale"], name, entry, flush=True)
 
 
+def check_fa4(row: dict, results: dict, layout, q, k, v, value_dim: int, weight, keep: bool) -> None:
+    """The plain varlen call on FlashAttention-4 (``varlen.KERNEL = "fa4"``): values zero-padded to the key width as
+    for torch's flash call (``fa4_padded``) and, where ``value_dim`` is narrower, at their own width (``fa4``, what
+    ``tree_attention`` passes it where FlashAttention-4 takes the widths: :func:`fa4.takes_value_width`), each entry's
+    fwd+bwd seconds, peak and difference from the plain call's, into ``row``."""
+    from harts_hf.kernels.tree_attention import varlen
+
+    default = varlen.KERNEL
+    varlen.KERNEL = "fa4"
+    for name, values, weights in (("fa4_padded", v, weight), ("fa4", v[..., :value_dim], weight[..., :value_dim])):
+        if name == "fa4" and value_dim == v.shape[-1]:
+            continue
+        inputs = [x.detach().clone().requires_grad_() for x in (q, k, values)]
+
+        def step(inputs=inputs, weights=weights):
+            for x in inputs:
+                x.grad = None
+            out = varlen.tree_attention_varlen(*inputs, layout)
+            (out.float() * weights).sum().backward()
+            return out
+
+        try:
+            step()  # compiles on a new shape
+            torch.cuda.reset_peak_memory_stats()
+            entry = dict(seconds=bench(step), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+            got = [step().detach()] + [x.grad.detach() for x in inputs]
+            entry["vs_plain"] = {part: _errors(*_same_width(a, b)) for part, a, b in
+                                 zip(("out", "dq", "dk", "dv"), got, results["plain"])}
+            if keep:
+                results[name] = got
+        except Exception as error:  # a FlashAttention-4 that refuses these widths on this card: say which and why
+            entry = dict(error=f"{type(error).__name__}: {str(error)[:400]}")
+        row[name] = entry
+        print(row["workload"], row["scale"], name, entry, flush=True)
+    varlen.KERNEL = default
+
+
 def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0, 8.0),
-                 reference_tokens: int = 20000, flex: bool = True) -> dict:
+                 reference_tokens: int = 20000, flex: bool = True, fa4: bool = False) -> dict:
     """The tree attention of a workload's forest (bf16 on CUDA, random q/k/v at ``--heads``, values ``value_dim`` wide
     and zero-padded to the key width as harts_hf pads MLA's): the plain varlen call against shared key segments attended
     in place (``varlen.SHARED_KEYS_IN_PLACE``) at each ``shared_keys.COST_FACTOR`` of ``factors`` and against the plain
@@ -191,7 +228,8 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
     2026-12-06 named ``index_add_`` ``plain`` and the kernel ``plain_row_sum``): fwd+bwd seconds and
     peak of each, the split's gathered rows and blocks, each split's outputs' and input gradients' difference from the
     plain call's, and, for forests of at most ``reference_tokens`` unique tokens, each path's error against an fp32 run
-    of the per-run SDPA path; on CUDA with ``flex``, FlexAttention on the packed rows likewise (:func:`check_flex`)."""
+    of the per-run SDPA path; on CUDA with ``flex``, FlexAttention on the packed rows likewise (:func:`check_flex`),
+    and with ``fa4`` the plain call on FlashAttention-4, values padded and not (:func:`check_fa4`)."""
     from harts_hf.kernels.tree_attention import shared_keys, tree_attention, varlen
     from harts_hf.trees import PrefixForest
     from harts_hf.workloads import make_workload
@@ -247,6 +285,8 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
         for dynamic in (False, True):
             check_flex(row, results, packed, q, k, v[..., :value_dim], weight[..., :value_dim], U <= reference_tokens,
                        dynamic)
+    if fa4 and device.type == "cuda":
+        check_fa4(row, results, layout, q, k, v, value_dim, weight, U <= reference_tokens)
     if U <= reference_tokens:
         inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
         out = tree_attention(*inputs, packed.subtree_end, backend="runs", layout=layout)
@@ -276,6 +316,8 @@ def main():
                         help="with --forest: the shared-keys cost factors to try (none: the plain call and "
                              "FlexAttention only)")
     parser.add_argument("--no-flex", action="store_true", help="with --forest: no FlexAttention rows")
+    parser.add_argument("--fa4", action="store_true",
+                        help="with --forest: FlashAttention-4 rows too, values padded to the key width and not")
     parser.add_argument("--causal", type=int, nargs="+", default=[16384, 49152])
     parser.add_argument("--cross", type=int, nargs=2, action="append", metavar=("Q", "K"),
                         help="query and key lengths of a maskless block (default: 8192 43008 and 1024 43008)")
@@ -292,7 +334,7 @@ def main():
     if args.forest:
         for workload, scale in args.forest:
             results["rows"].append(check_forest(workload, float(scale), args.value_dim or D, tuple(args.factors),
-                                                flex=not args.no_flex))
+                                                flex=not args.no_flex, fa4=args.fa4))
             (out / "attention_kernels.json").write_text(json.dumps(results, indent=1))
             torch.cuda.empty_cache()
         return

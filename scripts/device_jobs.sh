@@ -52,6 +52,19 @@ if [ ! -f "$JOBS/.queued" ]; then
   # 65,536-token pieces and packed calls (its longest trajectory, 72,913 tokens, gets a call of its own). Expandable
   # segments: the pieces that ran out of memory on 2026-12-06 did so with a third of the card reserved but unallocated
   # (a job in the worker's own process cannot take --env: job_tf524's child processes can, and `job --own-process`)
+  # issue 25, any card with FlashAttention-4's stack: MLA's values at their own width (128) on FlashAttention-4 instead
+  # of zero-padded to the keys' 192 (ops.tree_attention since 2026-12-07): the attention alone on whole forests (padded
+  # and not, against torch's flash call; fp32 errors on the small one), the latent-attention parity row, then Kimi's
+  # whole `tau` both paths on FlashAttention-4 beside the tree on torch's flash call
+  if [ -f .device/fa4x/.fa4libs ]; then
+    job mla_fa4 benchmarks/attention_kernels.py --forest tau 0.05 --forest tau 1.0 --forest swe 0.2 --heads 32 32 192 \
+      --value-dim 128 --factors --no-flex --fa4 --out $J/mla_fa4
+    job mla_fa4_features benchmarks/gpu_kernels.py --ops attention_features --workloads tau:0.05 --skip-parity \
+      --varlen-kernel fa4 --out $J/mla_fa4_features
+    job_tf524 kimi_tau_fa4 --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
+      --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels fused_fa4 fused \
+      --repeats 2 --packed-groups 32768 --packed-warmup each --out $J/kimi_tau_fa4
+  fi
   # issue 26, any card: Nemotron-H `tau`, both paths with the scan's node outputs rerun (`fused` first: the packed
   # pass runs with it), the kept outputs' tree beside it, so the fraction's rise with them (0.910 -> 0.934 across two
   # H100s) is split between the paths within one process

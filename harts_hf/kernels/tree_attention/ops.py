@@ -169,7 +169,9 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
 
             return tree_attention_flex(q, k, v, subtree_end, layout.context_tokens, scaling,
                                        tables=layout_tables(layout, subtree_end))
-        (q, k, v), value_dim = common_head_dim(q, k, v), v.shape[-1]
+        value_dim = v.shape[-1]
+        if not (backend == "varlen" and value_dim != D and _fa4_varlen(q, layout) and _fa4_value_width(D, v)):
+            q, k, v = common_head_dim(q, k, v)
         scaling = D ** -0.5 if scaling is None else scaling
         if backend == "cudnn":
             from .split import run_blocks, tree_attention_split
@@ -212,6 +214,14 @@ def _fa4_varlen(q: torch.Tensor, layout) -> bool:
     from .varlen import varlen_kernel
 
     return varlen_kernel(q.device) == "fa4"
+
+
+def _fa4_value_width(head_dim: int, v: torch.Tensor) -> bool:
+    """Whether FlashAttention-4 takes ``v``'s head width beside keys of ``head_dim`` on ``v``'s device unpadded."""
+    from .fa4 import takes_value_width
+
+    return takes_value_width(head_dim, v.shape[-1], v.device.index if v.device.index is not None
+                             else torch.cuda.current_device())
 
 
 def _flex_varlen(q: torch.Tensor, layout) -> bool:
