@@ -78,7 +78,8 @@ def autocast_inputs(*tensors: torch.Tensor | None) -> tuple:
 
 
 def common_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
-    """q, k and v zero-padded to one head dim, the larger of q/k's and v's (flash and cuDNN kernels take one): zero
+    """q, k and v zero-padded to one head dim, the larger of q/k's and v's (torch's flash and cuDNN kernels take one;
+    FlashAttention-4 takes both widths where :func:`.fa4.takes_value_width` says so, and gets them unpadded): zero
     columns of q and k add nothing to a score, zero columns of v give zero output columns to cut off. Multi-head
     latent attention (DeepSeek, Kimi, Ling) has q/k heads of 192 and value heads of 128, e.g."""
     width = max(q.shape[-1], v.shape[-1])
