@@ -52,28 +52,19 @@ if [ ! -f "$JOBS/.queued" ]; then
   # 65,536-token pieces and packed calls (its longest trajectory, 72,913 tokens, gets a call of its own). Expandable
   # segments: the pieces that ran out of memory on 2026-12-06 did so with a third of the card reserved but unallocated
   # (a job in the worker's own process cannot take --env: job_tf524's child processes can, and `job --own-process`)
-  # issue 25, any card with FlashAttention-4's stack: MLA's values at their own width (128) on FlashAttention-4 instead
-  # of zero-padded to the keys' 192 (ops.tree_attention since 2026-12-07): the attention alone on whole forests (padded
-  # and not, against torch's flash call; fp32 errors on the small one), the latent-attention parity row, then Kimi's
-  # whole `tau` both paths on FlashAttention-4 beside the tree on torch's flash call
-  if [ -f .device/fa4x/.fa4libs ]; then
-    job mla_fa4 benchmarks/attention_kernels.py --forest tau 0.05 --forest tau 1.0 --forest swe 0.2 --heads 32 32 192 \
-      --value-dim 128 --factors --no-flex --fa4 --out $J/mla_fa4
-    job mla_fa4_features benchmarks/gpu_kernels.py --ops attention_features --workloads tau:0.05 --skip-parity \
-      --varlen-kernel fa4 --out $J/mla_fa4_features
-    job_tf524 kimi_tau_fa4 --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
-      --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels fused_fa4 fused \
-      --repeats 2 --packed-groups 32768 --packed-warmup each --out $J/kimi_tau_fa4
-  fi
-  # issue 26, any card: Nemotron-H `tau`, both paths with the scan's node outputs rerun (`fused` first: the packed
-  # pass runs with it), the kept outputs' tree beside it, so the fraction's rise with them (0.910 -> 0.934 across two
-  # H100s) is split between the paths within one process
-  job nemotron_tau_rerun $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --kernels fused fused_keep_mixers --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_tau_rerun
-  if [ "$h200" = 0 ]; then
-    job_tf524 kimi_swe_both --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
-      --model kimi_linear_dense_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" --repeats 2 \
-      --packed-groups 65536 --packed-warmup each --out $J/kimi_swe_both
+  # (run on an H100, 2026-12-07 02:41-03:07 UTC, and taken off: MLA on FlashAttention-4 with unpadded values, the
+  # attention alone and the latent-attention parity row; Kimi `tau` both paths and `swe` both paths on it, Ling-3
+  # `tau` at 65,536 both paths on it; Nemotron-H `tau` both paths rerunning the scan's outputs beside the kept tree)
+  # issue 25, on an H100 with FlashAttention-4's stack: Kimi `tau` both paths on FlashAttention-4 with the kept node
+  # outputs (the two gains together), and the Ling-3 `swe` tree on it (its packed path does not fit an H100)
+  mla=fused; [ -f .device/fa4x/.fa4libs ] && mla=fused_fa4
+  if [ "$h200" = 0 ] && [ "$mla" = fused_fa4 ]; then
+    job_tf524 kimi_tau_fa4_keep --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
+      --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+      --kernels fused_fa4_keep_mixers fused_fa4 --repeats 2 --packed-groups 32768 --packed-warmup each \
+      --out $J/kimi_tau_fa4_keep
+    job_tf524 ling3_swe_fa4 --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe --model ling3_shaped \
+      --workload swe --scale 1.0 --budget 32768 "${same[@]}" --kernels fused_fa4 --repeats 1 --out $J/ling3_swe_fa4
   fi
   # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
   # 2.9% for 13.3 GiB; the packed path with them was not timed against itself)
@@ -102,12 +93,12 @@ if [ ! -f "$JOBS/.queued" ]; then
   # 503 s with it on the H200, 2026-12-05); the packed path only on an H200
   ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup each)
   [ "$h200" = 1 ] && job_tf524 ling3_swe $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 \
-    "${same[@]}" --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
+    "${same[@]}" --kernels $mla --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
   # issue 25: Ling-3's full-size `tau` on the H200, the whole forest against the packed path in one process, with the
   # routed experts in bf16 (harts_hf's default since 2026-12-05; its H200 row of 2026-12-03, fraction 1.004, ran both
   # paths with fp32 experts; an H100 measured the experts' A/B, 2026-12-06). Kimi's whole forest: kimi_tau_gate above
   [ "$h200" = 1 ] && job_tf524 ling3_tau_h200 $probe --model ling3_shaped --workload tau --scale 1.0 --budget 0 \
-    "${same[@]}" --repeats 2 --packed-groups 0 --packed-warmup each --out $J/ling3_tau_h200
+    "${same[@]}" --kernels $mla --repeats 2 --packed-groups 0 --packed-warmup each --out $J/ling3_tau_h200
   # issues 22/23: the Qwen3-Next full-size `swe` tree with and without the source's second forward, one process
   [ "$h200" = 1 ] && job swe_tree_keep $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
     --repeats 2 --no-recompute --out $J/swe_tree_keep
