@@ -123,6 +123,16 @@ def test_value_head_dim_other_than_query_key(value_dim, backend, window):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+def test_flashattention4_gets_unpadded_values_only_for_checked_widths():
+    """FlashAttention-4 gets values narrower than the keys unpadded only for the head-dim pairs checked on a GPU (MLA's
+    192 / 128); any other pair keeps the zero padding, decided before FlashAttention-4 is imported (none on the CPU)."""
+    from harts_hf.kernels.tree_attention import fa4
+
+    assert fa4.UNPADDED_WIDTHS == {(192, 128)}
+    for head_dim, value_dim in ((128, 64), (256, 128), (192, 192), (128, 128)):
+        assert fa4.takes_value_width(head_dim, value_dim, 0) is False
+
+
 def test_window_arguments_are_checked():
     packed = PrefixForest.from_sequences([[1, 2, 3]]).pack()
     q = torch.randn(3, 2, 4)

@@ -19,7 +19,7 @@ import inspect
 
 import torch
 
-__all__ = ["check_interface", "fa4_varlen", "takes_value_width"]
+__all__ = ["UNPADDED_WIDTHS", "check_interface", "fa4_varlen", "takes_value_width"]
 
 _FWD_KEYWORDS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
                  "softcap", "window_size_left", "window_size_right", "learnable_sink", "return_lse")
@@ -45,18 +45,26 @@ def check_interface():
     return interface._flash_attn_fwd, interface._flash_attn_bwd
 
 
+UNPADDED_WIDTHS = frozenset({(192, 128)})
+"""(key head dim, value head dim) pairs FlashAttention-4 gets unpadded where its own check accepts them: MLA's
+(DeepSeek, Kimi, Ling), checked forward and backward against fp32 on an H100 (BENCHMARKS.md, 2026-12-07). Other pairs
+keep the values zero-padded to the key width until they are checked so."""
+
+
 @functools.cache
 def takes_value_width(head_dim: int, value_dim: int, device_index: int) -> bool:
-    """Whether FlashAttention-4 runs key heads of ``head_dim`` with value heads of ``value_dim`` as they are on the
-    CUDA device ``device_index``, by its own head-dim check (Hopper: any widths from 8 to 256; Blackwell: MLA's 192 /
-    128 among others), so MLA's values need no zero padding to the key width: less to gather and multiply (values
-    of 128 against 192). Other architectures, or a FlashAttention-4 without the check: False (values padded)."""
+    """Whether FlashAttention-4 gets key heads of ``head_dim`` with value heads of ``value_dim`` as they are on the
+    CUDA device ``device_index``: a pair of :data:`UNPADDED_WIDTHS` that FlashAttention-4's own head-dim check accepts
+    on the device's architecture (Hopper, Blackwell). Then MLA's values need no zero padding to the key width: less to
+    gather and multiply (values of 128 against 192). Otherwise False (values padded, as for torch's flash call)."""
+    if (head_dim, value_dim) not in UNPADDED_WIDTHS:
+        return False
     from flash_attn.cute import interface
 
     validate = getattr(interface, "_validate_head_dims", None)
     major = torch.cuda.get_device_capability(device_index)[0]
     if validate is None or major not in (9, 10, 11):
-        return head_dim == value_dim
+        return False
     try:
         validate(head_dim, value_dim, major, 8)  # 8: elements in 16 bytes of bf16 / fp16
     except AssertionError:
