@@ -65,6 +65,10 @@ if [ ! -f "$JOBS/.queued" ]; then
       --out $J/kimi_tau_fa4_keep
     job_tf524 ling3_swe_fa4 --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe --model ling3_shaped \
       --workload swe --scale 1.0 --budget 32768 "${same[@]}" --kernels fused_fa4 --repeats 1 --out $J/ling3_swe_fa4
+    # where Kimi's whole `tau` step on FlashAttention-4 still loses against the packed call (0.939 of the FLOP ratio)
+    job_tf524 kimi_tau_fa4_profile --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
+      --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels fused_fa4 \
+      --repeats 1 --profile tree packed --out $J/kimi_tau_fa4_profile
   fi
   # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
   # 2.9% for 13.3 GiB; the packed path with them was not timed against itself)
