@@ -135,6 +135,16 @@ def _same_width(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return a[..., :width], b[..., :width]
 
 
+def _timed_against_plain(step, inputs, plain) -> tuple[dict, list]:
+    """fwd+bwd seconds of a warm ``step`` (after a peak reset) and its peak, its outputs' and input gradients'
+    difference from ``plain`` (the plain call's), and those outputs and gradients."""
+    torch.cuda.reset_peak_memory_stats()
+    entry = dict(seconds=bench(step), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+    got = [step().detach()] + [x.grad.detach() for x in inputs]
+    entry["vs_plain"] = {part: _errors(*_same_width(a, b)) for part, a, b in zip(("out", "dq", "dk", "dv"), got, plain)}
+    return entry, got
+
+
 def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool, dynamic: bool) -> None:
     """FlexAttention on the packed rows (:mod:`harts_hf.kernels.tree_attention.flex`, nothing gathered; values at
     their own width), compiled for this length or (``dynamic``) for any: the block tables' build time, the first
@@ -167,11 +177,8 @@ def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool, dy
         step()
         torch.cuda.synchronize()
         entry["first_call_seconds"] = time.perf_counter() - begin
-        torch.cuda.reset_peak_memory_stats()
-        entry.update(seconds=bench(step), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-        got = [step().detach()] + [x.grad.detach() for x in inputs]
-        entry["vs_plain"] = {part: _errors(*_same_width(a, b)) for part, a, b in
-                             zip(("out", "dq", "dk", "dv"), got, results["plain"])}
+        timed, got = _timed_against_plain(step, inputs, results["plain"])
+        entry.update(timed)
         if keep:
             results[name] = got
     except Exception as error:  # a shape FlexAttention refuses on this card: say which and why
@@ -204,11 +211,7 @@ def check_fa4(row: dict, results: dict, layout, q, k, v, value_dim: int, weight,
 
         try:
             step()  # compiles on a new shape
-            torch.cuda.reset_peak_memory_stats()
-            entry = dict(seconds=bench(step), peak_gib=torch.cuda.max_memory_allocated() / 2**30)
-            got = [step().detach()] + [x.grad.detach() for x in inputs]
-            entry["vs_plain"] = {part: _errors(*_same_width(a, b)) for part, a, b in
-                                 zip(("out", "dq", "dk", "dv"), got, results["plain"])}
+            entry, got = _timed_against_plain(step, inputs, results["plain"])
             if keep:
                 results[name] = got
         except Exception as error:  # a FlashAttention-4 that refuses these widths on this card: say which and why

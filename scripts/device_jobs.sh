@@ -48,17 +48,17 @@ if [ ! -f "$JOBS/.queued" ]; then
   # (run on an H100, 2026-12-06 23:35-23:50 UTC, and taken off: Kimi `tau` both paths with the fused KDA inputs' and
   # the kept node outputs' A/B; Ling-3 `tau` in one process at 65,536; the kept node outputs' A/B on Nemotron-H `tau`
   # (both paths) and `swe` (tree) and on the 2B `tau` tree)
-  # issue 25, on an H100: Kimi's full-size `swe`, both paths (never run; stopped unfinished 2026-12-06), in
-  # 65,536-token pieces and packed calls (its longest trajectory, 72,913 tokens, gets a call of its own). Expandable
-  # segments: the pieces that ran out of memory on 2026-12-06 did so with a third of the card reserved but unallocated
-  # (a job in the worker's own process cannot take --env: job_tf524's child processes can, and `job --own-process`)
   # (run on an H100, 2026-12-07 02:41-03:07 UTC, and taken off: MLA on FlashAttention-4 with unpadded values, the
   # attention alone and the latent-attention parity row; Kimi `tau` both paths and `swe` both paths on it, Ling-3
   # `tau` at 65,536 both paths on it; Nemotron-H `tau` both paths rerunning the scan's outputs beside the kept tree)
+  # FlashAttention-4 where its stack travelled (device_env.sh: two calls of archives first), else torch's flash varlen
+  # (harts_hf's default): the headline's kernel, and MLA's fastest (values unpadded)
+  fa4=fused; [ -f .device/fa4x/.fa4libs ] && fa4=fused_fa4
   # issue 25, on an H100 with FlashAttention-4's stack: Kimi `tau` both paths on FlashAttention-4 with the kept node
-  # outputs (the two gains together), and the Ling-3 `swe` tree on it (its packed path does not fit an H100)
-  mla=fused; [ -f .device/fa4x/.fa4libs ] && mla=fused_fa4
-  if [ "$h200" = 0 ] && [ "$mla" = fused_fa4 ]; then
+  # outputs (the two gains together), and the Ling-3 `swe` tree on it (its packed path does not fit an H100). Expandable
+  # segments: pieces that ran out of memory on 2026-12-06 did so with a third of the card reserved but unallocated (a
+  # job in the worker's own process cannot take --env: job_tf524's child processes can, and `job --own-process`)
+  if [ "$h200" = 0 ] && [ "$fa4" = fused_fa4 ]; then
     job_tf524 kimi_tau_fa4_keep --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
       --kernels fused_fa4_keep_mixers fused_fa4 --repeats 2 --packed-groups 32768 --packed-warmup each \
@@ -76,11 +76,9 @@ if [ ! -f "$JOBS/.queued" ]; then
     --kernels fused_keep_mixers fused --repeats 2 --packed-groups 0 --packed-warmup each --out $J/tau_keep_mixers
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
-  # warmed the first only); on FlashAttention-4, the headline's kernel, where its stack travelled (device_env.sh:
-  # two calls of archives first), else on torch's flash varlen (harts_hf's default; then a new row, not a re-run)
-  headline_kernels=fused; [ -f .device/fa4x/.fa4libs ] && headline_kernels=fused_fa4
+  # warmed the first only); on $fa4 (where that is torch's flash varlen, a new row, not a re-run)
   [ "$h200" = 1 ] && job headline $probe --workload tau grpo distinct --scale 1.0 --budget 0 --no-history \
-    --kernels $headline_kernels --repeats 2 --keep-attention on --packed-groups 0 --packed-warmup each \
+    --kernels $fa4 --repeats 2 --keep-attention on --packed-groups 0 --packed-warmup each \
     --out $J/headline
   # issue 22: the trainer's step on the H200, one tree forward per microbatch (no pieces: the issue's target is this
   # H200 step)
@@ -97,12 +95,12 @@ if [ ! -f "$JOBS/.queued" ]; then
   # 503 s with it on the H200, 2026-12-05); the packed path only on an H200
   ling3_both=(); [ "$h200" = 1 ] && ling3_both=(--packed-groups $ling3 --packed-warmup each)
   [ "$h200" = 1 ] && job_tf524 ling3_swe $probe --model ling3_shaped --workload swe --scale 1.0 --budget $ling3 \
-    "${same[@]}" --kernels $mla --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
+    "${same[@]}" --kernels $fa4 --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
   # issue 25: Ling-3's full-size `tau` on the H200, the whole forest against the packed path in one process, with the
   # routed experts in bf16 (harts_hf's default since 2026-12-05; its H200 row of 2026-12-03, fraction 1.004, ran both
   # paths with fp32 experts; an H100 measured the experts' A/B, 2026-12-06). Kimi's whole forest: kimi_tau_gate above
   [ "$h200" = 1 ] && job_tf524 ling3_tau_h200 $probe --model ling3_shaped --workload tau --scale 1.0 --budget 0 \
-    "${same[@]}" --kernels $mla --repeats 2 --packed-groups 0 --packed-warmup each --out $J/ling3_tau_h200
+    "${same[@]}" --kernels $fa4 --repeats 2 --packed-groups 0 --packed-warmup each --out $J/ling3_tau_h200
   # issues 22/23: the Qwen3-Next full-size `swe` tree with and without the source's second forward, one process
   [ "$h200" = 1 ] && job swe_tree_keep $probe --workload swe --scale 1.0 --budget 131072 "${same[@]}" \
     --repeats 2 --no-recompute --out $J/swe_tree_keep
