@@ -188,18 +188,25 @@ def check_flex(row: dict, results: dict, packed, q, k, v, weight, keep: bool, dy
     print(row["workload"], row["scale"], name, entry, flush=True)
 
 
-def check_fa4(row: dict, results: dict, layout, q, k, v, value_dim: int, weight, keep: bool) -> None:
+def check_fa4(row: dict, results: dict, layout, q, k, v, value_dim: int, weight, keep: bool,
+              factors=()) -> None:
     """The plain varlen call on FlashAttention-4 (``varlen.KERNEL = "fa4"``): values zero-padded to the key width as
     for torch's flash call (``fa4_padded``) and, where ``value_dim`` is narrower, at their own width (``fa4``, what
-    ``tree_attention`` passes it where FlashAttention-4 takes the widths: :func:`fa4.takes_value_width`), each entry's
-    fwd+bwd seconds, peak and difference from the plain call's, into ``row``."""
-    from harts_hf.kernels.tree_attention import varlen
+    ``tree_attention`` passes it where FlashAttention-4 takes the widths: :func:`fa4.takes_value_width`), then shared
+    key segments attended in place on it at each cost factor of ``factors`` (``fa4_shared_keys_<factor>``, values at
+    their own width), each entry's fwd+bwd seconds, peak and difference from the plain call's, into ``row``."""
+    from harts_hf.kernels.tree_attention import shared_keys, varlen
 
-    default = varlen.KERNEL
+    default, default_factor = varlen.KERNEL, shared_keys.COST_FACTOR
     varlen.KERNEL = "fa4"
-    for name, values, weights in (("fa4_padded", v, weight), ("fa4", v[..., :value_dim], weight[..., :value_dim])):
+    own = (v[..., :value_dim], weight[..., :value_dim])
+    for name, factor, (values, weights) in (("fa4_padded", None, (v, weight)), ("fa4", None, own),
+                                            *((f"fa4_shared_keys_{f:g}", f, own) for f in factors)):
         if name == "fa4" and value_dim == v.shape[-1]:
             continue
+        varlen.SHARED_KEYS_IN_PLACE = factor is not None
+        if factor is not None:
+            shared_keys.COST_FACTOR = factor
         inputs = [x.detach().clone().requires_grad_() for x in (q, k, values)]
 
         def step(inputs=inputs, weights=weights):
@@ -216,9 +223,12 @@ def check_fa4(row: dict, results: dict, layout, q, k, v, value_dim: int, weight,
                 results[name] = got
         except Exception as error:  # a FlashAttention-4 that refuses these widths on this card: say which and why
             entry = dict(error=f"{type(error).__name__}: {str(error)[:400]}")
+        if factor is not None:
+            split = shared_keys.shared_segment_split(layout, (HQ * D) / (HKV * (D + value_dim)))
+            entry.update(rest_rows=split.rest.key_index.numel(), blocks=len(split.blocks))
         row[name] = entry
         print(row["workload"], row["scale"], name, entry, flush=True)
-    varlen.KERNEL = default
+    varlen.KERNEL, varlen.SHARED_KEYS_IN_PLACE, shared_keys.COST_FACTOR = default, False, default_factor
 
 
 def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0, 8.0),
@@ -289,7 +299,7 @@ def check_forest(workload: str, scale: float, value_dim: int, factors=(0.5, 2.0,
             check_flex(row, results, packed, q, k, v[..., :value_dim], weight[..., :value_dim], U <= reference_tokens,
                        dynamic)
     if fa4 and device.type == "cuda":
-        check_fa4(row, results, layout, q, k, v, value_dim, weight, U <= reference_tokens)
+        check_fa4(row, results, layout, q, k, v, value_dim, weight, U <= reference_tokens, factors)
     if U <= reference_tokens:
         inputs = [x.detach().float().requires_grad_() for x in (q, k, v)]
         out = tree_attention(*inputs, packed.subtree_end, backend="runs", layout=layout)

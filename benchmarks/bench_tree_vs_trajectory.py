@@ -94,6 +94,7 @@ KERNEL_SETS = {
     "fused_module_kda_inputs": dict(_FUSED, kda_inputs=False),
     "fused_keep_mixers": dict(_FUSED, keep_mixers=True),
     "fused_fa4_keep_mixers": dict(_FUSED, varlen="fa4", keep_mixers=True),
+    "fused_fa4_keep_mixers_shared_keys": dict(_FUSED, varlen="fa4", keep_mixers=True, shared_keys=True),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -127,7 +128,8 @@ set before that evening) where the others run q, k and v as one product and the 
 kernel (``kimi_delta_attention.FUSED_INPUTS``). ``fused_keep_mixers`` keeps the linear-attention and Mamba-2 nodes'
 state pass and output stage from the forward for the checkpointed rerun (``keep_mixer_outputs``, a setting of the
 model: applied where :func:`use_kernels` is given it; both paths of the probe run the same model);
-``fused_fa4_keep_mixers`` the same on FlashAttention-4. On FlashAttention-4 multi-head latent attention's values run
+``fused_fa4_keep_mixers`` the same on FlashAttention-4, ``fused_fa4_keep_mixers_shared_keys`` with shared key
+segments attended in place too. On FlashAttention-4 multi-head latent attention's values run
 at their own width (128 beside keys of 192) since 2026-12-07, zero-padded to the keys' width before."""
 
 

@@ -54,21 +54,18 @@ if [ ! -f "$JOBS/.queued" ]; then
   # FlashAttention-4 where its stack travelled (device_env.sh: two calls of archives first), else torch's flash varlen
   # (harts_hf's default): the headline's kernel, and MLA's fastest (values unpadded)
   fa4=fused; [ -f .device/fa4x/.fa4libs ] && fa4=fused_fa4
-  # issue 25, on an H100 with FlashAttention-4's stack: Kimi `tau` both paths on FlashAttention-4 with the kept node
-  # outputs (the two gains together), and the Ling-3 `swe` tree on it (its packed path does not fit an H100). Expandable
-  # segments: pieces that ran out of memory on 2026-12-06 did so with a third of the card reserved but unallocated (a
-  # job in the worker's own process cannot take --env: job_tf524's child processes can, and `job --own-process`)
+  # (run on an H100, 2026-12-07 05:47-05:55 UTC, and taken off: Kimi `tau` both paths on FlashAttention-4 with the
+  # kept node outputs, and profiled; the Ling-3 `swe` tree on it at 32,768; Nemotron-H `tau` both paths kept, profiled)
+  # issue 25, on an H100 with FlashAttention-4's stack: Kimi's whole `tau` forest on it gathers 3.5 copies of every MLA
+  # key and value row (0.18 s of gathers and 0.07 s of their gradients' sums in its 4.2 s: the 2026-12-07 profile):
+  # shared key segments in place on FlashAttention-4 with unpadded values, the attention alone (MLA's heads, cost
+  # factors 0.5, 2, 8) and Kimi's `tau` tree with and without them (the packed path shares none)
   if [ "$h200" = 0 ] && [ "$fa4" = fused_fa4 ]; then
-    job_tf524 kimi_tau_fa4_keep --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
+    job mla_fa4_shared benchmarks/attention_kernels.py --forest tau 1.0 --forest swe 0.2 --heads 32 32 192 \
+      --value-dim 128 --no-flex --fa4 --factors 0.5 2 8 --out $J/mla_fa4_shared
+    job_tf524 kimi_tau_fa4_shared --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-      --kernels fused_fa4_keep_mixers fused_fa4 --repeats 2 --packed-groups 32768 --packed-warmup each \
-      --out $J/kimi_tau_fa4_keep
-    job_tf524 ling3_swe_fa4 --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe --model ling3_shaped \
-      --workload swe --scale 1.0 --budget 32768 "${same[@]}" --kernels fused_fa4 --repeats 1 --out $J/ling3_swe_fa4
-    # where Kimi's whole `tau` step on FlashAttention-4 still loses against the packed call (0.939 of the FLOP ratio)
-    job_tf524 kimi_tau_fa4_profile --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
-      --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels fused_fa4 \
-      --repeats 1 --profile tree packed --out $J/kimi_tau_fa4_profile
+      --kernels fused_fa4_keep_mixers_shared_keys fused_fa4_keep_mixers --repeats 2 --out $J/kimi_tau_fa4_shared
   fi
   # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
   # 2.9% for 13.3 GiB; the packed path with them was not timed against itself)
