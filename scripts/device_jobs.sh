@@ -67,6 +67,11 @@ if [ ! -f "$JOBS/.queued" ]; then
       --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
       --kernels fused_fa4_keep_mixers_shared_keys fused_fa4_keep_mixers --repeats 2 --out $J/kimi_tau_fa4_shared
   fi
+  # issue 26, on an H100: Nemotron-H `tau` both paths with kept node outputs, each timed twice (2026-12-07's run, one
+  # repeat each beside a profile, reached 0.956 of the FLOP ratio; 2026-12-06's, across two machines, 0.934)
+  [ "$h200" = 0 ] && job nemotron_tau_keep $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 \
+    "${same[@]}" --kernels fused_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each \
+    --out $J/nemotron_tau_keep
   # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
   # 2.9% for 13.3 GiB; the packed path with them was not timed against itself)
   [ "$h200" = 1 ] && job tau_keep_mixers $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" \
