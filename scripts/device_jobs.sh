@@ -72,16 +72,16 @@ if [ ! -f "$JOBS/.queued" ]; then
   [ "$h200" = 0 ] && job nemotron_tau_keep $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 \
     "${same[@]}" --kernels fused_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each \
     --out $J/nemotron_tau_keep
-  # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
-  # 2.9% for 13.3 GiB; the packed path with them was not timed against itself)
-  [ "$h200" = 1 ] && job tau_keep_mixers $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-    --kernels fused_keep_mixers fused --repeats 2 --packed-groups 0 --packed-warmup each --out $J/tau_keep_mixers
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on $fa4 (where that is torch's flash varlen, a new row, not a re-run)
   [ "$h200" = 1 ] && job headline $probe --workload tau grpo distinct --scale 1.0 --budget 0 --no-history \
     --kernels $fa4 --repeats 2 --keep-attention on --packed-groups 0 --packed-warmup each \
     --out $J/headline
+  # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
+  # 2.9% for 13.3 GiB; the packed path with them was not timed against itself)
+  [ "$h200" = 1 ] && job tau_keep_mixers $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --kernels fused_keep_mixers fused --repeats 2 --packed-groups 0 --packed-warmup each --out $J/tau_keep_mixers
   # issue 22: the trainer's step on the H200, one tree forward per microbatch (no pieces: the issue's target is this
   # H200 step)
   [ "$h200" = 1 ] && job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 \
