@@ -68,9 +68,11 @@ if [ ! -f "$JOBS/.queued" ]; then
       --kernels fused_fa4_keep_mixers_shared_keys fused_fa4_keep_mixers --repeats 2 --out $J/kimi_tau_fa4_shared
   fi
   # issue 26, on an H100: Nemotron-H `tau` both paths with kept node outputs, each timed twice (2026-12-07's run, one
-  # repeat each beside a profile, reached 0.956 of the FLOP ratio; 2026-12-06's, across two machines, 0.934)
+  # repeat each beside a profile, reached 0.956 of the FLOP ratio; 2026-12-06's, across two machines, 0.934), on
+  # FlashAttention-4 where it travelled (the profile: the tree's two attention blocks 0.17 s of its 2.7 s on torch's
+  # flash call, the packed call's 0.07 s per as many tokens)
   [ "$h200" = 0 ] && job nemotron_tau_keep $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 \
-    "${same[@]}" --kernels fused_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each \
+    "${same[@]}" --kernels ${fa4}_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each \
     --out $J/nemotron_tau_keep
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
