@@ -61,11 +61,11 @@ if [ ! -f "$JOBS/.queued" ]; then
   # shared key segments in place on FlashAttention-4 with unpadded values, the attention alone (MLA's heads, cost
   # factors 0.5, 2, 8) and Kimi's `tau` tree with and without them (the packed path shares none)
   if [ "$h200" = 0 ] && [ "$fa4" = fused_fa4 ]; then
-    job mla_fa4_shared benchmarks/attention_kernels.py --forest tau 1.0 --forest swe 0.2 --heads 32 32 192 \
-      --value-dim 128 --no-flex --fa4 --factors 0.5 2 8 --out $J/mla_fa4_shared
     job_tf524 kimi_tau_fa4_shared --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
       --kernels fused_fa4_keep_mixers_shared_keys fused_fa4_keep_mixers --repeats 2 --out $J/kimi_tau_fa4_shared
+    job mla_fa4_shared benchmarks/attention_kernels.py --forest tau 1.0 --heads 32 32 192 --value-dim 128 --no-flex \
+      --fa4 --factors 0.5 2 --out $J/mla_fa4_shared
   fi
   # issue 26, on an H100: Nemotron-H `tau` both paths with kept node outputs, each timed twice (2026-12-07's run, one
   # repeat each beside a profile, reached 0.956 of the FLOP ratio; 2026-12-06's, across two machines, 0.934), on
