@@ -58,8 +58,8 @@ if [ ! -f "$JOBS/.queued" ]; then
   # kept node outputs, and profiled; the Ling-3 `swe` tree on it at 32,768; Nemotron-H `tau` both paths kept, profiled)
   # issue 25, on an H100 with FlashAttention-4's stack: Kimi's whole `tau` forest on it gathers 3.5 copies of every MLA
   # key and value row (0.18 s of gathers and 0.07 s of their gradients' sums in its 4.2 s: the 2026-12-07 profile):
-  # shared key segments in place on FlashAttention-4 with unpadded values, the attention alone (MLA's heads, cost
-  # factors 0.5, 2, 8) and Kimi's `tau` tree with and without them (the packed path shares none)
+  # shared key segments in place on FlashAttention-4 with unpadded values: Kimi's `tau` tree with and without them (the
+  # packed path shares none), then the attention alone at MLA's heads (cost factors 0.5 and 2)
   if [ "$h200" = 0 ] && [ "$fa4" = fused_fa4 ]; then
     job_tf524 kimi_tau_fa4_shared --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
       --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
