@@ -56,7 +56,7 @@ if [ ! -f "$JOBS/.queued" ]; then
   fa4=fused; [ -f .device/fa4x/.fa4libs ] && fa4=fused_fa4
   # (run on an H100, 2026-12-07 05:47-05:55 UTC, and taken off: Kimi `tau` both paths on FlashAttention-4 with the
   # kept node outputs, and profiled; the Ling-3 `swe` tree on it at 32,768; Nemotron-H `tau` both paths kept, profiled)
-  # issue 25, on an H100 with FlashAttention-4's stack: Kimi's whole `tau` forest on it gathers 3.5 copies of every MLA
+  # issue 25, on an H100 with FlashAttention-4's stack: Kimi's whole `tau` forest on it gathers 9 copies of every MLA
   # key and value row (0.18 s of gathers and 0.07 s of their gradients' sums in its 4.2 s: the 2026-12-07 profile):
   # shared key segments in place on FlashAttention-4 with unpadded values: Kimi's `tau` tree with and without them (the
   # packed path shares none), then the attention alone at MLA's heads (cost factors 0.5 and 2)
