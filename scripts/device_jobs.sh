@@ -56,17 +56,8 @@ if [ ! -f "$JOBS/.queued" ]; then
   fa4=fused; [ -f .device/fa4x/.fa4libs ] && fa4=fused_fa4
   # (run on an H100, 2026-12-07 05:47-05:55 UTC, and taken off: Kimi `tau` both paths on FlashAttention-4 with the
   # kept node outputs, and profiled; the Ling-3 `swe` tree on it at 32,768; Nemotron-H `tau` both paths kept, profiled)
-  # issue 25, on an H100 with FlashAttention-4's stack: Kimi's whole `tau` forest on it gathers 9 copies of every MLA
-  # key and value row (0.18 s of gathers and 0.07 s of their gradients' sums in its 4.2 s: the 2026-12-07 profile):
-  # shared key segments in place on FlashAttention-4 with unpadded values: Kimi's `tau` tree with and without them (the
-  # packed path shares none), then the attention alone at MLA's heads (cost factors 0.5 and 2)
-  if [ "$h200" = 0 ] && [ "$fa4" = fused_fa4 ]; then
-    job_tf524 kimi_tau_fa4_shared --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
-      --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-      --kernels fused_fa4_keep_mixers_shared_keys fused_fa4_keep_mixers --repeats 2 --out $J/kimi_tau_fa4_shared
-    job mla_fa4_shared benchmarks/attention_kernels.py --forest tau 1.0 --heads 32 32 192 --value-dim 128 --no-flex \
-      --fa4 --factors 0.5 2 --out $J/mla_fa4_shared
-  fi
+  # (run on an H100, 2026-12-07 07:09-07:13 UTC, and taken off: shared key segments in place on FlashAttention-4, Kimi's
+  # `tau` tree with and without them and the attention alone at MLA's heads)
   # issue 26, on an H100: Nemotron-H `tau` both paths with kept node outputs, each timed twice (2026-12-07's run, one
   # repeat each beside a profile, reached 0.956 of the FLOP ratio; 2026-12-06's, across two machines, 0.934), on
   # FlashAttention-4 where it travelled (the profile: the tree's two attention blocks 0.17 s of its 2.7 s on torch's
