@@ -47,7 +47,9 @@ SHARED_KEYS_IN_PLACE = False
 """Attend key segments shared by many runs (and any context rows) in place, in one unmasked call per segment merged
 through the log-sum-exp, instead of gathering a copy of them for every run (:mod:`.shared_keys`), on either kernel;
 not with a window, softcapping or sinks. Opt-in: exact on the CPU (explicit-softmax primitive); on an H100 faster for
-MLA's wide heads in the attention alone, no whole step measured faster yet (BENCHMARKS.md, 2026-12-06)."""
+MLA's wide heads in the attention alone, no whole step measured faster yet (BENCHMARKS.md, 2026-12-06; on
+FlashAttention-4 with MLA's values unpadded, 2026-12-07: 0.98x the plain call alone, Kimi's whole `tau` step within
+its runs' spread)."""
 
 
 @dataclass
