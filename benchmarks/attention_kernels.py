@@ -224,7 +224,7 @@ def check_fa4(row: dict, results: dict, layout, q, k, v, value_dim: int, weight,
         except Exception as error:  # a FlashAttention-4 that refuses these widths on this card: say which and why
             entry = dict(error=f"{type(error).__name__}: {str(error)[:400]}")
         if factor is not None:
-            split = shared_keys.shared_segment_split(layout, (HQ * D) / (HKV * (D + value_dim)))
+            split = shared_keys.shared_segment_split(layout, q[0].numel() / (k[0].numel() + values[0].numel()))
             entry.update(rest_rows=split.rest.key_index.numel(), blocks=len(split.blocks))
         row[name] = entry
         print(row["workload"], row["scale"], name, entry, flush=True)

@@ -93,7 +93,7 @@ if [ ! -f "$JOBS/.queued" ]; then
     "${same[@]}" --kernels $fa4 --repeats 2 "${ling3_both[@]}" --out $J/ling3_swe
   # issue 25: Ling-3's full-size `tau` on the H200, the whole forest against the packed path in one process, with the
   # routed experts in bf16 (harts_hf's default since 2026-12-05; its H200 row of 2026-12-03, fraction 1.004, ran both
-  # paths with fp32 experts; an H100 measured the experts' A/B, 2026-12-06). Kimi's whole forest: kimi_tau_gate above
+  # paths with fp32 experts; an H100 measured the experts' A/B, 2026-12-06)
   [ "$h200" = 1 ] && job_tf524 ling3_tau_h200 $probe --model ling3_shaped --workload tau --scale 1.0 --budget 0 \
     "${same[@]}" --kernels $fa4 --repeats 2 --packed-groups 0 --packed-warmup each --out $J/ling3_tau_h200
   # issues 22/23: the Qwen3-Next full-size `swe` tree with and without the source's second forward, one process
