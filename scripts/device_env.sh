@@ -113,7 +113,7 @@ finish() {
   { env | grep -i -E "triton|tilelang|cache|cute" ; du -sh ~/.cache/* ~/.triton/* /tmp/* 2>/dev/null | sort -h | tail -15
   } >> "$W/triton_cache_size.txt" 2>&1
   if [ -d "$JOBS" ]; then  # every job's log, status and results so far (the worker's jobs may still be running)
-    tar -C "$JOBS" -czf "$W/jobs.tgz" --exclude=./queue --exclude=./running . 2>/dev/null
+    tar -C "$JOBS" -czf "$W/jobs.tgz" --exclude=./queue --exclude=./running --exclude=./submitted.lock . 2>/dev/null
   fi
   tar -C "$W" -czf "$OUT/results.tgz" . && rm -rf "$W"
 }

@@ -29,6 +29,7 @@ worker dead (a call's end that took the worker with it) gets rc ``lost`` and is 
 
 import argparse
 import contextlib
+import fcntl
 import gc
 import json
 import multiprocessing  # noqa: F401  (its import aliases __mp_main__ to the worker's __main__, not a job's module)
@@ -235,15 +236,23 @@ def submit(folder: Path, name: str, script: str, args: list[str], own_process: b
                          "environment)")
     if any("=" not in item or not item.split("=", 1)[0] for item in env):
         raise SystemExit(f"submit: --env takes NAME=VALUE, got {list(env)}")
-    if (folder / f"{name}.rc").exists() or any(p.stem.split("-", 1)[1] == name
-                                                 for p in _queued(folder) + _running(folder)):
-        raise SystemExit(f"submit: a job named {name!r} was already submitted to {folder}; pick another name")
     (folder / "queue").mkdir(parents=True, exist_ok=True)
-    number = len(list((folder / "queue").glob("*.json"))) + len(list(folder.glob("*.rc"))) + \
-        len(_running(folder))
     job = dict(name=name, script=script, args=args[1:] if args[:1] == ["--"] else args, own_process=own_process,
                env=list(env))
-    (folder / "queue" / f"{number:04d}-{name}.json").write_text(json.dumps(job))
+    # Numbers and names come from a ledger of every submission, read and extended under a lock: counting the files in
+    # queue/, running/ and *.rc raced the worker moving a job between them (2026-12-07 CI: a job counted in neither
+    # place took an earlier job's number, and the two ran in the order of their names, not of their submission)
+    with open(folder / "submitted.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ledger = folder / "submitted"
+        names = ledger.read_text().split() if ledger.exists() else []
+        if name in names:
+            raise SystemExit(f"submit: a job named {name!r} was already submitted to {folder}; pick another name")
+        staged = folder / "queue" / f"{len(names):04d}-{name}.staged"  # whole before the worker can see it
+        staged.write_text(json.dumps(job))
+        staged.rename(staged.with_suffix(".json"))
+        with open(ledger, "a") as handle:
+            handle.write(name + "\n")
     print(f"queued {name}: {script} {' '.join(job['args'])}")
 
 

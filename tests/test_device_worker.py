@@ -110,3 +110,17 @@ def test_submit_names_what_is_wrong(tmp_path):
     assert no_script.returncode != 0 and "no script" in no_script.stderr
     shared_env = _worker("submit", "--env", "A=1", tmp_path, "job", WORKER, check=False)
     assert shared_env.returncode != 0 and "--own-process" in shared_env.stderr
+
+
+def test_jobs_keep_their_submission_order_whatever_state_the_earlier_ones_are_in(tmp_path):
+    """The queue's numbers come from the submissions, not from counting files the worker moves: a job between
+    ``running/`` and its ``.rc`` (counted in neither) no longer hands its number to the next submission."""
+    queue = tmp_path / "queue_dir"
+    for name in ("zeta", "alpha", "mid"):
+        _worker("submit", queue, name, WORKER)
+    for path in (queue / "queue").glob("*.json"):  # as if the worker had taken them and not yet written their status
+        path.unlink()
+    _worker("submit", queue, "beta", WORKER)
+    assert [p.name for p in (queue / "queue").iterdir()] == ["0003-beta.json"]
+    again = _worker("submit", queue, "zeta", WORKER, check=False)
+    assert again.returncode != 0 and "already submitted" in again.stderr
