@@ -99,7 +99,7 @@ def test_calculator_environment_and_rewards():
 def test_calculator_refuses_huge_numbers_quickly(expression):
     """TRL turns a tool's exception into ``{"error": ...}`` but calls ``str()`` on the returned value outside its
     ``try``: a result over Python's int-to-str limit would end training. The tool must raise ValueError instead,
-    and fast."""
+    and without evaluating it."""
     environment = ex.CalculatorEnvironment()
     environment.reset(prompt=[], expression="7*8+5", value=61)
     start = time.perf_counter()
@@ -109,7 +109,9 @@ def test_calculator_refuses_huge_numbers_quickly(expression):
         assert isinstance(error, ValueError), repr(error)
         result = {"error": str(error)}
     content = str(result)
-    assert time.perf_counter() - start < 1.0
+    # a hang guard, not a speed check: evaluating any of these would take minutes to hours ("9**9**9": forever);
+    # refusing takes microseconds, so a loaded CI machine stays far inside the bound
+    assert time.perf_counter() - start < 30.0
     assert content.startswith("{'error':") and len(content) < 1000, content[:200]
     assert environment.results == []
 
