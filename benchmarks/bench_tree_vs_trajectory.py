@@ -68,7 +68,7 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
               graph_tokens=0, experts="cuda", scan="cuda", shared_keys=False, gather_sum="rows", state_pass="auto",
-              kda_inputs=True, keep_mixers=False)
+              kda_inputs=True, keep_mixers=False, executed_mixers=False)
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
@@ -95,6 +95,9 @@ KERNEL_SETS = {
     "fused_keep_mixers": dict(_FUSED, keep_mixers=True),
     "fused_fa4_keep_mixers": dict(_FUSED, varlen="fa4", keep_mixers=True),
     "fused_fa4_keep_mixers_shared_keys": dict(_FUSED, varlen="fa4", keep_mixers=True, shared_keys=True),
+    "fused_executed_mixers": dict(_FUSED, executed_mixers=True),
+    "fused_keep_mixers_executed": dict(_FUSED, keep_mixers=True, executed_mixers=True),
+    "fused_fa4_keep_mixers_executed": dict(_FUSED, varlen="fa4", keep_mixers=True, executed_mixers=True),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -130,7 +133,10 @@ state pass and output stage from the forward for the checkpointed rerun (``keep_
 model: applied where :func:`use_kernels` is given it; both paths of the probe run the same model);
 ``fused_fa4_keep_mixers`` the same on FlashAttention-4, ``fused_fa4_keep_mixers_shared_keys`` with shared key
 segments attended in place too. On FlashAttention-4 multi-head latent attention's values run
-at their own width (128 beside keys of 192) since 2026-12-07, zero-padded to the keys' width before."""
+at their own width (128 beside keys of 192) since 2026-12-07, zero-padded to the keys' width before. The sets ending
+``executed_mixers`` / ``_executed`` run every recurrent mixer whole in its node's executed layout (hidden states
+gathered in and outputs gathered out once, ``gated_deltanet.EXECUTED_LAYOUT``) where the others gather the node's
+inputs and outputs; on the packed path (nothing replayed) the two are the same."""
 
 
 def use_kernels(name: str, model=None) -> None:
@@ -141,7 +147,7 @@ def use_kernels(name: str, model=None) -> None:
     from harts_hf.kernels.token_ops import ops as token_ops
     from harts_hf.kernels.tree_attention import varlen
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
-    from harts_hf.model_patches import core, kimi_delta_attention, mamba2, token_modules
+    from harts_hf.model_patches import core, gated_deltanet, kimi_delta_attention, mamba2, token_modules
 
     kernels = KERNEL_SETS[name]
     token_ops.BACKEND, logprob_ops.BACKEND = kernels["token_ops"], kernels["logprob_stats"]
@@ -154,6 +160,7 @@ def use_kernels(name: str, model=None) -> None:
     varlen.GATHER_SUM = kernels["gather_sum"]
     fla_backend.STATE_PASS = kernels["state_pass"]
     kimi_delta_attention.FUSED_INPUTS = kernels["kda_inputs"]
+    gated_deltanet.EXECUTED_LAYOUT = kernels["executed_mixers"]
     if model is not None:
         from harts_hf.model_patches import keep_mixer_outputs
 

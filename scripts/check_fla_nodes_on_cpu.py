@@ -398,6 +398,7 @@ def main() -> None:
     worst = max(worst, check_unshared_layout())
     worst = max(worst, check_model_backends("bailing_hybrid", "Ling 3"))
     worst = max(worst, check_model_backends("nemotron_h", "Nemotron-H"))
+    worst = max(worst, check_model_backends("qwen3_next", "Qwen3-Next"))
     worst = max(worst, check_model())
     check_kept_mixer_outputs()
     worst = max(worst, check_token_ops())
@@ -555,11 +556,14 @@ def check_model() -> float:
 
 def check_model_backends(family: str, label: str) -> float:
     """A tiny patched model through its fla node (Ling 3: Kimi Delta Attention with the safe gate, gated latent
-    attention, experts; Nemotron-H: Mamba-2 blocks on its 16-token chunks; both through their round-batched nodes):
-    tree log-probs and every parameter gradient with the fla backend against the torch backend."""
+    attention, experts; Nemotron-H: Mamba-2 blocks on its 16-token chunks; Qwen3-Next: Gated DeltaNet; all through
+    their round-batched nodes): tree log-probs and every parameter gradient with the fla backend, the mixers in the
+    packed layout and whole in the executed layout (``gated_deltanet.EXECUTED_LAYOUT``), against the torch
+    backend."""
     import torch
 
     from harts_hf import tree_logprobs
+    from harts_hf.model_patches import gated_deltanet
     from tests.forests import chunk_edge_sequences
     from tests.models import VOCAB, build
 
@@ -567,19 +571,27 @@ def check_model_backends(family: str, label: str) -> float:
     sequences = chunk_edge_sequences(vocab=VOCAB, base_len=140)  # forks at 0, 1, 63-65, 127-129 still
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     results = {}
-    for backend in ("torch", "fla"):
-        out = tree_logprobs(model, sequences, gdn_backend=backend, attention_backend="sdpa")
+    for run in ("torch", "fla", "fla_executed"):  # the last: the mixers whole in the executed layout
+        gated_deltanet.EXECUTED_LAYOUT = run == "fla_executed"
+        try:
+            out = tree_logprobs(model, sequences, gdn_backend="torch" if run == "torch" else "fla",
+                                attention_backend="sdpa")
+        finally:
+            gated_deltanet.EXECUTED_LAYOUT = False
         loss = sum((lp * torch.randn(lp.shape, generator=torch.Generator().manual_seed(i))).sum()
                    for i, lp in enumerate(out.logprobs))
-        results[backend] = (torch.cat(out.logprobs).detach(), torch.autograd.grad(loss, params, allow_unused=True))
-    values = rel(results["fla"][0], results["torch"][0])
-    grads = {n: rel(a, b) for n, a, b in zip(names, results["fla"][1], results["torch"][1])
-             if b is not None and b.norm() > 0}
-    worst = max(grads, key=grads.get)
-    print(f"model (tiny {label}, {len(sequences)} sequences, forks at chunk edges): fla vs torch backend: log-probs "
-          f"{values:.1e}, worst parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
-    assert values < 1e-5 and grads[worst] < 1e-4, (family, values, worst, grads[worst])
-    return values
+        results[run] = (torch.cat(out.logprobs).detach(), torch.autograd.grad(loss, params, allow_unused=True))
+    worst_values = 0.0
+    for run in ("fla", "fla_executed"):
+        values = rel(results[run][0], results["torch"][0])
+        grads = {n: rel(a, b) for n, a, b in zip(names, results[run][1], results["torch"][1])
+                 if b is not None and b.norm() > 0}
+        worst = max(grads, key=grads.get)
+        print(f"model (tiny {label}, {len(sequences)} sequences, forks at chunk edges): {run} vs torch backend: "
+              f"log-probs {values:.1e}, worst parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
+        assert values < 1e-5 and grads[worst] < 1e-4, (family, run, values, worst, grads[worst])
+        worst_values = max(worst_values, values)
+    return worst_values
 
 
 def check_kept_mixer_outputs() -> None:

@@ -58,13 +58,21 @@ if [ ! -f "$JOBS/.queued" ]; then
   # kept node outputs, and profiled; the Ling-3 `swe` tree on it at 32,768; Nemotron-H `tau` both paths kept, profiled)
   # (run on an H100, 2026-12-07 07:09-07:13 UTC, and taken off: shared key segments in place on FlashAttention-4, Kimi's
   # `tau` tree with and without them and the attention alone at MLA's heads)
-  # issue 26, on an H100: Nemotron-H `tau` both paths with kept node outputs, each timed twice (2026-12-07's run, one
-  # repeat each beside a profile, reached 0.956 of the FLOP ratio; 2026-12-06's, across two machines, 0.934), on
-  # FlashAttention-4 where it travelled (the profile: the tree's two attention blocks 0.17 s of its 2.7 s on torch's
-  # flash call, the packed call's 0.07 s per as many tokens)
-  [ "$h200" = 0 ] && job nemotron_tau_keep $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 \
-    "${same[@]}" --kernels ${fa4}_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each \
-    --out $J/nemotron_tau_keep
+  # issues 25/26/22, any card: the recurrent mixers whole in their node's executed layout (hidden rows gathered in,
+  # output rows out; gated_deltanet.EXECUTED_LAYOUT) against the node gathering its inputs and outputs, A/B on the tree
+  # in one process, both with kept node outputs; the packed pass (first set; nothing replayed there, so the two are one)
+  # timed twice. Kimi `tau` read 0.929-0.939 of its FLOP ratio and Nemotron-H `tau` 0.934-0.956 (2026-12-07; the
+  # node's gathers ~0.12 and ~0.10 s of their trees' 4.2 and 2.7 s); the 2B preset's tree alone (its node's gathers
+  # ~0.10 s of 5.0 s on the H200, 2026-12-02)
+  job_tf524 kimi_tau_executed --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
+    --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --kernels ${fa4}_keep_mixers_executed ${fa4}_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each \
+    --out $J/kimi_tau_executed
+  job nemotron_tau_executed $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
+    --kernels ${fa4}_keep_mixers_executed ${fa4}_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each \
+    --out $J/nemotron_tau_executed
+  job tau_executed $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels fused_executed_mixers fused \
+    --repeats 2 --out $J/tau_executed
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on $fa4 (where that is torch's flash varlen, a new row, not a re-run)

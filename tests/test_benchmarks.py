@@ -592,15 +592,18 @@ def test_every_kernel_set_puts_every_setting_in_force():
 
     from harts_hf.kernels.tree_attention import varlen
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
+    from harts_hf.model_patches import gated_deltanet
 
     for name, kernels in KERNEL_SETS.items():
         assert kernels.keys() == KERNEL_SETS["fused"].keys(), name
-    saved = fla_backend.STATE_PASS, varlen.GATHER_SUM, varlen.KERNEL
+    saved = fla_backend.STATE_PASS, varlen.GATHER_SUM, varlen.KERNEL, gated_deltanet.EXECUTED_LAYOUT
     try:
         use_kernels("fused_rounds_state")
         assert fla_backend.STATE_PASS == "rounds"
+        use_kernels("fused_executed_mixers")
+        assert gated_deltanet.EXECUTED_LAYOUT
         use_kernels("fused")
-        assert (fla_backend.STATE_PASS, varlen.GATHER_SUM, varlen.KERNEL) == saved
+        assert (fla_backend.STATE_PASS, varlen.GATHER_SUM, varlen.KERNEL, gated_deltanet.EXECUTED_LAYOUT) == saved
     finally:
         use_kernels("fused")
 

@@ -755,6 +755,57 @@ def test_round_batch_of_unshared_sequences_is_the_identity(handed_in):
     assert not round_batch(build_gated_delta_plan(shared, final_states_only=True)).identity
 
 
+@pytest.mark.parametrize("final_states_only", [False, True])
+def test_executed_rows_and_the_executed_view(final_states_only):
+    """A mixer run whole in its node's executed layout (``gated_deltanet.EXECUTED_LAYOUT``): the conv's ancestor table
+    over the executed positions names the right tokens, only a unit's first ``W - 1`` positions reach outside it, the
+    gathers' gradients are the scatter's, and the node on the plan's executed view gives every token's output and
+    every input gradient of the plan itself (the torch backend, fp64)."""
+    from harts_hf.kernels.tree_conv1d.ops import conv_window_fixups
+    from harts_hf.kernels.tree_gated_delta_rule.executed import executed_rows
+
+    sequences = random_tree_sequences(random.Random(4), 10, vocab=5, max_tail=200) + chunk_edge_sequences()
+    packed = PrefixForest.from_sequences(sequences).pack()
+    plan = build_gated_delta_plan(packed, final_states_only=final_states_only)
+    rows, view = executed_rows(plan), plan.executed_view()
+    assert executed_rows(plan) is rows and plan.executed_view() is view  # built once per plan
+    U, E = packed.num_tokens, rows.num_positions
+    assert E == view.num_tokens == plan.stats["executed_tokens"] > U and not rows.identity
+    assert torch.equal(rows.token_index[rows.own_position], torch.arange(U))
+    token_ancestors = packed.ancestor_table(4)
+    ancestors = rows.ancestors(token_ancestors)
+    reads = torch.where(ancestors >= 0, rows.token_index[ancestors.clamp(min=0)], -1)
+    assert torch.equal(reads, token_ancestors[rows.token_index])  # each position's window: its token's ancestors
+    units = sum(round_.num_units for round_ in plan.rounds)
+    assert 0 < conv_window_fixups(ancestors, 4).numel() <= 3 * units
+    # the gathers: the hidden rows' copies summed, the output's own positions only
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(U, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+    grad = torch.randn(E, 3, dtype=torch.float64, generator=generator)
+    (d_x,) = torch.autograd.grad(rows.to_executed(x), x, grad)
+    torch.testing.assert_close(d_x, torch.zeros(U, 3, dtype=torch.float64).index_add_(0, rows.token_index, grad),
+                               rtol=0, atol=1e-12)
+    y = torch.randn(E, 3, dtype=torch.float64, generator=generator, requires_grad=True)
+    (d_y,) = torch.autograd.grad(rows.to_rows(y), y, x.detach())
+    assert torch.equal(d_y[rows.own_position], x.detach()) and not d_y[rows.replay_position].any()
+    # the node on the executed view, fed its executed rows, against the node on the plan
+    H, HV, K, V = 1, 2, 8, 8
+    inputs = [torch.randn(U, H, K, dtype=torch.float64, generator=generator),
+              torch.randn(U, H, K, dtype=torch.float64, generator=generator),
+              torch.randn(U, HV, V, dtype=torch.float64, generator=generator),
+              -torch.rand(U, HV, dtype=torch.float64, generator=generator) * 0.2,
+              torch.rand(U, HV, dtype=torch.float64, generator=generator)]
+    inputs = [t.requires_grad_() for t in inputs]
+    weight = torch.randn(U, HV, V, dtype=torch.float64, generator=generator)
+    want = tree_gated_delta_rule(*inputs, plan, backend="torch", use_qk_l2norm_in_kernel=True)
+    got = rows.to_rows(tree_gated_delta_rule(*(rows.to_executed(t) for t in inputs), view, backend="torch",
+                                             use_qk_l2norm_in_kernel=True))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    grads = [torch.autograd.grad((out * weight).sum(), inputs) for out in (got, want)]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
 def test_round_batch_reads_a_pieces_context_rows_in_place():
     """A planner piece below a branch point replays context rows: the executed layout gathered from the tokens' rows
     and the context rows apart equals the one gathered from them concatenated, and each row's gradient (its own

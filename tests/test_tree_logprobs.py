@@ -364,3 +364,30 @@ def test_top1_flags_are_the_per_sequence_argmax():
         assert torch.equal(got, want)
     flags = torch.cat(expected)
     assert flags[-6:].all() and not flags.all()
+
+
+RECURRENT_FAMILIES = ["qwen3_next", "qwen3_5", "kimi_linear_dense", "bailing_hybrid_dense", "olmo_hybrid",
+                      "nemotron_h_dense", "bamba", "falcon_h1", "falcon_h1_no_norm"]
+
+
+@pytest.mark.parametrize("family", RECURRENT_FAMILIES)
+def test_mixers_in_the_executed_layout_match_per_sequence_fp64(family, monkeypatch):
+    """``gated_deltanet.EXECUTED_LAYOUT``: every recurrent mixer run whole on its node's executed rows (hidden
+    states gathered in, outputs gathered out; the conv's ancestors before each unit read from their own rows)."""
+    import harts_hf.model_patches.gated_deltanet as gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "EXECUTED_LAYOUT", True)
+    model = build(family, dtype=torch.float64, mild_decay=False)
+    compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-5, value_tol=1e-7, float64_recurrence=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next_moe", "kimi_linear", "nemotron_h"])
+def test_mixers_in_the_executed_layout_under_checkpointing(family, monkeypatch):
+    import harts_hf.model_patches.gated_deltanet as gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "EXECUTED_LAYOUT", True)
+    model = build(family)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    compare(model, random_tree_sequences(random.Random(5), 12, vocab=VOCAB, max_tail=140), grad_tol=1e-4,
+            temperature=0.7, aux=family in MOE_FAMILIES)

@@ -20,10 +20,11 @@ from ..kernels import TreeMetadata, tree_causal_conv1d, tree_gated_delta_rule
 from ..kernels._backend import in_row_blocks
 from ..kernels.context import GDN_REPLAY_NAMES
 from ..kernels.tree_conv1d import ops as conv_ops
+from ..kernels.tree_gated_delta_rule.executed import executed_rows
 from .core import TREE_KWARG, PatchedForward, layer_key, zero3_enabled
 
-__all__ = ["GATED_DELTANET", "MixerLayout", "gdn_gates", "make_tree_gdn_forward", "tree_conv_with_handoffs",
-           "tree_mixer_call", "tree_recurrence_with_handoffs"]
+__all__ = ["EXECUTED_LAYOUT", "GATED_DELTANET", "MixerLayout", "executed_layout", "gdn_gates", "make_tree_gdn_forward",
+           "tree_conv_with_handoffs", "tree_mixer_call", "tree_recurrence_with_handoffs"]
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values", "past_key_value")
 
@@ -89,32 +90,61 @@ def _gdn_call(project: Callable, layout: MixerLayout, module, original_forward, 
 def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, project: Callable,
                      layout: MixerLayout = GATED_DELTANET) -> torch.Tensor:
     """``hidden_states [1, U, hidden]`` -> ``[1, U, hidden]`` over the forest in ``tree``."""
-    mixed_qkv, z, beta, g = project(module, hidden_states)
+    backend = tree.gdn_backend_for(hidden_states)
+    plan = tree.gdn_plan(backend)
+    rows = executed_layout(tree, plan)
+    x = hidden_states if rows is None else rows.to_executed(hidden_states[0]).unsqueeze(0)
+    mixed_qkv, z, beta, g = project(module, x)
     key_dim, value_dim, head_k_dim, head_v_dim = (getattr(module, getattr(layout, name))
                                                   for name in ("key_dim", "value_dim", "head_k_dim", "head_v_dim"))
     layer = layer_key(module) if tree.context is not None or tree.exports else None
-    mixed_qkv = tree_conv_with_handoffs(module, tree, layer, mixed_qkv)
-    U = mixed_qkv.shape[0]
+    mixed_qkv = tree_conv_with_handoffs(module, tree, layer, mixed_qkv, rows)
+    N = mixed_qkv.shape[0]
     query, key, value = torch.split(mixed_qkv, [key_dim, key_dim, value_dim], dim=-1)
-    query = query.reshape(U, -1, head_k_dim)
-    key = key.reshape(U, -1, head_k_dim)
-    value = value.reshape(U, -1, head_v_dim)
-    backend = tree.gdn_backend_for(query)
-    core = tree_recurrence_with_handoffs(tree, layer, (query, key, value, g, beta), tree.gdn_plan(backend),
-                                         backend=backend, use_qk_l2norm_in_kernel=True)
+    query = query.reshape(N, -1, head_k_dim)
+    key = key.reshape(N, -1, head_k_dim)
+    value = value.reshape(N, -1, head_v_dim)
+    core = tree_recurrence_with_handoffs(tree, layer, (query, key, value, g, beta),
+                                         plan if rows is None else plan.executed_view(), backend=backend,
+                                         use_qk_l2norm_in_kernel=True)
     # under ZeRO-3 a module call is a collective and the block count differs between processes: call the norm's
     # forward per block (its weight is an external parameter of this module, gathered once)
     norm = getattr(module, layout.norm)
     norm = norm.forward if zero3_enabled() else norm
     core = in_row_blocks(norm, core.reshape(-1, head_v_dim), z.reshape(-1, head_v_dim))
-    return getattr(module, layout.out_proj)(core.reshape(1, U, -1))
+    out = getattr(module, layout.out_proj)(core.reshape(1, N, -1))
+    return out if rows is None else rows.to_rows(out[0]).unsqueeze(0)
 
 
-def tree_conv_with_handoffs(module, tree: TreeMetadata, layer: int | None, x: torch.Tensor) -> torch.Tensor:
+EXECUTED_LAYOUT = False
+"""Run a recurrent mixer (Gated DeltaNet, KDA, Mamba-2) whole in its node's executed layout: the layer's hidden
+states gathered into the rounds' order once, the projections, conv, node, norm and output projection on those rows
+(replayed ancestors again), and the output rows gathered back once (:mod:`~harts_hf.kernels.tree_gated_delta_rule
+.executed`), instead of the node gathering its q, k, v and gates in and its outputs and gradients out. Fewer bytes
+moved (on Kimi's preset the hidden row is about a quarter of the node's inputs) for a few percent more rows through
+the projections. Forests with hand-offs (planner pieces) keep the packed layout. Opt-in until measured on a GPU."""
+
+
+def executed_layout(tree: TreeMetadata, plan):
+    """The :class:`~harts_hf.kernels.tree_gated_delta_rule.executed.ExecutedRows` a mixer runs on
+    (:data:`EXECUTED_LAYOUT`, a forest without hand-offs), or None for the packed rows."""
+    if not EXECUTED_LAYOUT or tree.context is not None or tree.exports:
+        return None
+    return executed_rows(plan)
+
+
+def tree_conv_with_handoffs(module, tree: TreeMetadata, layer: int | None, x: torch.Tensor,
+                            rows=None) -> torch.Tensor:
     """``module.conv1d`` (depthwise, causal) over every path of the forest for ``x [U, C]``, its activation
     ``module.activation``; a planner piece reads its root's last ``W - 1`` ancestor rows from the hand-off context
-    and exports its own for the pieces below it (``layer``: the module's key; None without hand-offs)."""
+    and exports its own for the pieces below it (``layer``: the module's key; None without hand-offs). With ``rows``
+    (:func:`executed_layout`), ``x`` holds the executed positions' rows ``[E, C]`` and so does the result."""
     weight = module.conv1d.weight.squeeze(1)  # [C, W]
+    if rows is not None:
+        ancestors = tree.ancestors(weight.shape[1])
+        return tree_causal_conv1d(x, weight, module.conv1d.bias, rows.ancestors(ancestors),
+                                  activation=module.activation, fixups=rows.conv_fixups(ancestors),
+                                  backend=conv_ops.bulk_backend(x))
     conv_context = None if tree.context is None else tree.context.get(layer, "conv")
     if tree.exports:
         _export_rows(tree, layer, {"conv": x}, {"conv": conv_context},

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..kernels import TreeMetadata
 from .core import PatchedForward, layer_key
-from .gated_deltanet import tree_conv_with_handoffs, tree_mixer_call, tree_recurrence_with_handoffs
+from .gated_deltanet import executed_layout, tree_conv_with_handoffs, tree_mixer_call, tree_recurrence_with_handoffs
 
 __all__ = ["SCAN_INPUTS", "tree_mamba2_factory", "tree_mamba2_forward"]
 
@@ -48,7 +48,13 @@ def tree_mamba2_factory(module: torch.nn.Module) -> dict:
 def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata) -> torch.Tensor:
     """``hidden_states [1, U, hidden]`` -> ``[1, U, hidden]`` over the forest in ``tree``."""
     dtype = hidden_states.dtype
-    U, H, P, G, N = tree.num_tokens, module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+    H, P, G, N = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
+    backend = tree.gdn_backend_for(hidden_states)
+    plan = tree.gdn_plan(backend, chunk_size=module.chunk_size)
+    rows = executed_layout(tree, plan)
+    if rows is not None:
+        hidden_states = rows.to_executed(hidden_states[0]).unsqueeze(0)
+    U = hidden_states.shape[1]  # the forest's rows, or the executed positions' with ``rows``
     # Falcon-H1's multipliers: on the mixer's input and per section of the projection (its mup_vector buffer)
     if getattr(module, "ssm_in_multiplier", None) is not None:
         hidden_states = hidden_states * module.ssm_in_multiplier
@@ -57,7 +63,7 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
         projected = projected * module.mup_vector
     gate, xbc, dt = projected[0].split([module.intermediate_size, module.conv_dim, H], dim=-1)
     layer = layer_key(module) if tree.context is not None or tree.exports else None
-    xbc = tree_conv_with_handoffs(module, tree, layer, xbc)
+    xbc = tree_conv_with_handoffs(module, tree, layer, xbc, rows)
     x, B, C = torch.split(xbc, [module.intermediate_size, G * N, G * N], dim=-1)
     low, high = module.time_step_limit
     compute = torch.promote_types(dtype, torch.float32)  # the scan in fp32 as transformers runs it; fp64 stays fp64
@@ -67,15 +73,15 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
     scan = _scan_dtype(x, dtype, compute)
     inputs = (C.to(scan).reshape(U, G, N), B.to(scan).reshape(U, G, N), (x * dt[..., None]).to(scan), g,
               torch.ones_like(dt))
-    backend = tree.gdn_backend_for(x)
-    y = tree_recurrence_with_handoffs(tree, layer, inputs, tree.gdn_plan(backend, chunk_size=module.chunk_size),
+    y = tree_recurrence_with_handoffs(tree, layer, inputs, plan if rows is None else plan.executed_view(),
                                       scale=1.0, backend=backend, delta=False)
     y = (y + module.D.to(compute)[:, None] * x).reshape(1, U, -1)
     if getattr(module, "mamba_rms_norm", True):
         y = module.norm(y, gate.unsqueeze(0))
     else:  # Falcon-H1 without the gated norm: the gate alone
         y = y * F.silu(gate.unsqueeze(0))
-    return module.out_proj(y.to(dtype))
+    out = module.out_proj(y.to(dtype))
+    return out if rows is None else rows.to_rows(out[0]).unsqueeze(0)
 
 
 def _scan_dtype(x: torch.Tensor, dtype: torch.dtype, compute: torch.dtype) -> torch.dtype:

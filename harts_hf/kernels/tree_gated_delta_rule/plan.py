@@ -84,6 +84,32 @@ class GatedDeltaPlan:
         return GatedDeltaPlan(self.chunk_size, self.num_tokens, [r.to(device) for r in self.rounds], dict(self.stats),
                               self.context_tokens, list(self.requested_states))
 
+    def executed_view(self) -> GatedDeltaPlan:
+        """This plan over its own executed positions: its rounds, units, states and chunk grid, each position a row
+        of its own that its unit outputs (replayed ancestors included), so ``num_tokens`` is the executed count and
+        nothing is gathered or replayed. The plan of a mixer whose inputs already are in the executed layout
+        (:mod:`.executed`). Only for a plan without hand-off context rows; cached."""
+        view = self.__dict__.get("_executed_view")
+        if view is not None:
+            return view
+        if self.context_tokens:
+            raise ValueError("executed_view: the plan replays hand-off context rows, which have no executed rows")
+        rounds, offset = [], 0
+        for round_ in self.rounds:
+            count = round_.token_index.shape[0]
+            device = round_.token_index.device
+            rounds.append(GatedDeltaRound(
+                token_index=torch.arange(offset, offset + count, device=device),
+                cu_seqlens=round_.cu_seqlens, initial_state=round_.initial_state,
+                output_position=torch.arange(count, device=device),
+                output_token=torch.arange(offset, offset + count, device=device),
+                saved_states=round_.saved_states, unit_ids=round_.unit_ids, chunk_indices=round_.chunk_indices))
+            offset += count
+        view = GatedDeltaPlan(self.chunk_size, offset, rounds, dict(self.stats, replay_tokens=0), 0,
+                              list(self.requested_states))
+        self.__dict__["_executed_view"] = view
+        return view
+
 
 def build_gated_delta_plan(packed: PackedForest, *, chunk_size: int = CHUNK_SIZE,
                            final_states_only: bool = False, state_requests=()) -> GatedDeltaPlan:

@@ -10,7 +10,7 @@ import torch
 
 from .plan import CONTEXT_STATE, GatedDeltaPlan
 
-__all__ = ["RoundBatch", "round_batch"]
+__all__ = ["RoundBatch", "position_maps", "round_batch", "sum_by_token"]
 
 
 @dataclass
@@ -111,28 +111,61 @@ class RoundBatch:
         only replays read). One gather and a small scatter instead of a full-size atomic scatter into zeros.
         ``dtype`` (default ``grad``'s): the result's; a low-precision result is summed in fp32 at the replayed rows
         only and rounded once there, so no fp32 copy of the whole gradient is made."""
-        work = grad.dtype if dtype is None else torch.promote_types(grad.dtype, dtype)
-        U = self.own_position.shape[0]
-        if rows == U:  # the identity layout has no replayed position: the gradient is already in row order
-            total = (grad[:U] if self.identity else grad.index_select(0, self.own_position)).to(work)
-        else:  # context rows below the tokens' (a planner piece): written in place, not concatenated (a full copy)
-            total = torch.empty(rows, *grad.shape[1:], dtype=work, device=grad.device)
-            if self.identity:
-                total[:U].copy_(grad[:U])
-            elif work == grad.dtype:
-                torch.index_select(grad, 0, self.own_position, out=total[:U])
-            else:
-                total[:U].copy_(grad.index_select(0, self.own_position))
-            total[U:].zero_()
-        if self.replay_position.numel():
-            replayed = grad.index_select(0, self.replay_position)
-            if work.itemsize >= 4:
-                total.index_add_(0, self.replay_token, replayed.to(work))
-            else:
-                sums = total.index_select(0, self.replay_rows).float()
-                sums.index_add_(0, self.replay_slot, replayed.float())
-                total.index_copy_(0, self.replay_rows, sums.to(work))
-        return total if dtype is None else total.to(dtype)
+        return sum_by_token(self, grad, rows, dtype)
+
+
+def sum_by_token(layout, grad: torch.Tensor, rows: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:meth:`RoundBatch.sum_by_token` for any ``layout`` with its executed-position maps (``own_position``,
+    ``identity``, ``replay_position``, ``replay_token``, ``replay_rows``, ``replay_slot``): a :class:`RoundBatch`
+    or an :class:`~.executed.ExecutedRows`."""
+    work = grad.dtype if dtype is None else torch.promote_types(grad.dtype, dtype)
+    U = layout.own_position.shape[0]
+    if rows == U:  # the identity layout has no replayed position: the gradient is already in row order
+        total = (grad[:U] if layout.identity else grad.index_select(0, layout.own_position)).to(work)
+    else:  # context rows below the tokens' (a planner piece): written in place, not concatenated (a full copy)
+        total = torch.empty(rows, *grad.shape[1:], dtype=work, device=grad.device)
+        if layout.identity:
+            total[:U].copy_(grad[:U])
+        elif work == grad.dtype:
+            torch.index_select(grad, 0, layout.own_position, out=total[:U])
+        else:
+            total[:U].copy_(grad.index_select(0, layout.own_position))
+        total[U:].zero_()
+    if layout.replay_position.numel():
+        replayed = grad.index_select(0, layout.replay_position)
+        if work.itemsize >= 4:
+            total.index_add_(0, layout.replay_token, replayed.to(work))
+        else:
+            sums = total.index_select(0, layout.replay_rows).float()
+            sums.index_add_(0, layout.replay_slot, replayed.float())
+            total.index_copy_(0, layout.replay_rows, sums.to(work))
+    return total if dtype is None else total.to(dtype)
+
+
+def position_maps(rounds: list, num_tokens: int) -> tuple:
+    """The maps between a plan's executed positions (its ``rounds``, on the CPU, back to back) and its
+    ``num_tokens`` rows: ``token_index [E]``, ``output_position`` / ``output_token`` (the units' own outputs),
+    ``own_position [U]``, ``position_token [E]`` (0 at a replayed position), ``replay_position`` / ``replay_token``
+    and ``replay_rows`` / ``replay_slot`` (the distinct replayed rows, each replayed position's slot among them)."""
+    offsets = [0]
+    for round_ in rounds:
+        offsets.append(offsets[-1] + round_.token_index.shape[0])
+    token_index = torch.cat([r.token_index for r in rounds]).long()
+    output_position = torch.cat([r.output_position + offset for r, offset in zip(rounds, offsets)]).long()
+    output_token = torch.cat([r.output_token for r in rounds]).long()
+    own_position = torch.full((num_tokens,), -1, dtype=torch.long)
+    own_position[output_token] = output_position
+    if output_token.numel() != num_tokens or bool((own_position < 0).any()):
+        raise AssertionError("the plan's units must output every token exactly once")
+    position_token = torch.zeros(token_index.shape[0], dtype=torch.long)
+    position_token[output_position] = output_token
+    replayed = torch.ones(token_index.shape[0], dtype=torch.bool)
+    replayed[output_position] = False
+    replay_position = torch.nonzero(replayed)[:, 0]
+    replay_token = token_index[replay_position]
+    replay_rows, replay_slot = torch.unique(replay_token, return_inverse=True)
+    return (token_index, output_position, output_token, own_position, position_token, replay_position, replay_token,
+            replay_rows, replay_slot)
 
 
 def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
@@ -145,7 +178,7 @@ def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
         return cache[str(device)]
     cpu = [round_.to("cpu") for round_ in plan.rounds]
     token_offset = unit_offset = chunk_offset = 0
-    cu, chunk_indices, positions, tokens, chunks = [torch.zeros(1, dtype=torch.long)], [], [], [], []
+    cu, chunk_indices, tokens, chunks = [torch.zeros(1, dtype=torch.long)], [], [], []
     round_cu, round_chunk_indices, round_chunk_offsets = [], [], []
     for round_ in cpu:
         lengths = (round_.cu_seqlens[1:] - round_.cu_seqlens[:-1]).long()
@@ -153,7 +186,6 @@ def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
         executed, num_chunks = int(round_.cu_seqlens[-1]), int(counts.sum())
         cu.append(round_.cu_seqlens[1:].long() + token_offset)
         chunk_indices.append(round_.chunk_indices + torch.tensor([unit_offset, 0]))
-        positions.append(round_.output_position + token_offset)
         tokens.append(slice(token_offset, token_offset + executed))
         chunks.append(slice(chunk_offset, chunk_offset + num_chunks))
         round_cu.append(round_.cu_seqlens.long())
@@ -170,19 +202,8 @@ def round_batch(plan: GatedDeltaPlan, device=None) -> RoundBatch:
                 raise ValueError("the fla backend needs a plan built with final_states_only=True")
             row_of.setdefault(key, len(row_of))
     rows = lambda keys: torch.tensor([row_of[key] for key in keys], dtype=torch.long)  # noqa: E731
-    token_index, output_position = torch.cat([r.token_index for r in cpu]).long(), torch.cat(positions).long()
-    output_token = torch.cat([r.output_token for r in cpu]).long()
-    own_position = torch.full((plan.num_tokens,), -1, dtype=torch.long)
-    own_position[output_token] = output_position
-    if output_token.numel() != plan.num_tokens or bool((own_position < 0).any()):
-        raise AssertionError("the plan's units must output every token exactly once")
-    position_token = torch.zeros(token_index.shape[0], dtype=torch.long)
-    position_token[output_position] = output_token
-    replayed = torch.ones(token_index.shape[0], dtype=torch.bool)
-    replayed[output_position] = False
-    replay_position = torch.nonzero(replayed)[:, 0]
-    replay_token = token_index[replay_position]
-    replay_rows, replay_slot = torch.unique(replay_token, return_inverse=True)
+    token_index, output_position, output_token, own_position, position_token, replay_position, replay_token, \
+        replay_rows, replay_slot = position_maps(cpu, plan.num_tokens)
     context_position = torch.nonzero(token_index >= plan.num_tokens)[:, 0]
     own_index = token_index.clone()
     own_index[context_position] = 0
