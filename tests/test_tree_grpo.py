@@ -401,12 +401,14 @@ def test_varlen_kernel_field_sets_the_kernel(saved_model, tmp_path, monkeypatch)
     ("tree_autocast_experts", "model_patches.token_modules", "AUTOCAST_EXPERTS", "cuda", ("never", "always")),
     ("tree_mamba_scan_inputs", "model_patches.mamba2", "SCAN_INPUTS", "fp32", ("half", "cuda", "fp32")),
     ("tree_shared_keys_in_place", "kernels.tree_attention.varlen", "SHARED_KEYS_IN_PLACE", False, (True, False)),
+    ("tree_executed_mixers", "model_patches.gated_deltanet", "EXECUTED_LAYOUT", False, (True, False)),
 ])
 def test_process_setting_fields_set_their_setting(saved_model, tmp_path, monkeypatch, field, module, name, start,
                                                   choices):
     """tree_autocast_experts (where routed experts run in the autocast dtype), tree_mamba_scan_inputs (the dtype
-    of Mamba-2's scan inputs) and tree_shared_keys_in_place (shared key segments attended in place) put their
-    setting in force at construction (process-wide); None leaves it."""
+    of Mamba-2's scan inputs), tree_shared_keys_in_place (shared key segments attended in place) and
+    tree_executed_mixers (recurrent mixers whole in their kernel's executed layout) put their setting in force at
+    construction (process-wide); None leaves it."""
     import importlib
 
     settings = importlib.import_module(f"harts_hf.{module}")

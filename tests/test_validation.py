@@ -80,12 +80,13 @@ def test_config_bool_fields_refuse_strings_ints_and_none(tmp_path, field):
             config(tmp_path, **{field: bad})
 
 
-def test_config_optional_bool_field_refuses_strings_and_ints(tmp_path):
+@pytest.mark.parametrize("field", ["tree_shared_keys_in_place", "tree_executed_mixers"])
+def test_config_optional_bool_field_refuses_strings_and_ints(tmp_path, field):
     for bad in ("False", "yes", 0, 1):
-        with raises(TypeError, "tree_shared_keys_in_place (or None) must be True or False", f"got {bad!r}"):
-            config(tmp_path, tree_shared_keys_in_place=bad)
+        with raises(TypeError, f"{field} (or None) must be True or False", f"got {bad!r}"):
+            config(tmp_path, **{field: bad})
     for good in (None, True, False):
-        assert config(tmp_path, tree_shared_keys_in_place=good).tree_shared_keys_in_place is good
+        assert getattr(config(tmp_path, **{field: good}), field) is good
 
 
 def test_config_integer_and_path_fields_are_type_checked(tmp_path):

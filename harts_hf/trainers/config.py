@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from .._checks import check_bool, check_int, check_number
-from ..model_patches import mamba2, token_modules
+from ..model_patches import gated_deltanet, mamba2, token_modules
 
 __all__ = ["TreeGRPOConfig"]
 
@@ -33,6 +33,12 @@ MAMBA_SCAN_INPUTS_HELP = ("Mamba-2 mixers (Nemotron-H, Falcon-H1, Granite-4 hybr
                           "transformers' CUDA path hands them to mamba_ssm; states and sums stay fp32) or 'cuda' "
                           "('half' for CUDA inputs); process-wide (harts_hf.model_patches.mamba2.SCAN_INPUTS). None "
                           "leaves that setting as it is ('cuda' unless changed).")
+EXECUTED_MIXERS_HELP = ("Recurrent mixers (Gated DeltaNet, Kimi Delta Attention, Mamba-2) on trees: run each whole in its "
+                        "kernel's executed layout (the layer's hidden rows gathered in and its output rows out once) "
+                        "instead of gathering the kernel's q, k, v and gates in and its outputs and gradients out; "
+                        "exact, fewer bytes moved for a few percent more rows through the projections; not yet "
+                        "measured on a GPU, so off by default; process-wide "
+                        "(harts_hf.model_patches.gated_deltanet.EXECUTED_LAYOUT). None leaves that setting as it is.")
 SHARED_KEYS_HELP = ("Tree attention on the varlen kernels (torch's, FlashAttention-4): attend key segments shared by "
                     "many trajectories (a group's prompt) in place, one extra unmasked call each merged through the "
                     "log-sum-exp, instead of gathering a copy of them for every trajectory below; exact, fewer "
@@ -271,6 +277,7 @@ class TreeGRPOConfig(GRPOConfig):
     tree_mamba_scan_inputs: str | None = field(
         default=None, metadata={"help": MAMBA_SCAN_INPUTS_HELP, "choices": list(_MAMBA_SCAN_INPUTS)})
     tree_shared_keys_in_place: bool | None = field(default=None, metadata={"help": SHARED_KEYS_HELP})
+    tree_executed_mixers: bool | None = field(default=None, metadata={"help": EXECUTED_MIXERS_HELP})
     tree_head_chunk_size: int = field(
         default=4096,
         metadata={"help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."},
@@ -346,19 +353,22 @@ class TreeGRPOConfig(GRPOConfig):
 
 def check_process_settings(config) -> None:
     """``tree_varlen_kernel``, ``tree_autocast_experts`` and ``tree_mamba_scan_inputs`` are each one of their
-    choices, ``tree_shared_keys_in_place`` a bool or None (an error names the field, the value and the choices)."""
+    choices, ``tree_shared_keys_in_place`` and ``tree_executed_mixers`` a bool or None (an error names the field, the
+    value and the choices)."""
     for name, choices in (("tree_varlen_kernel", _VARLEN_KERNELS), ("tree_autocast_experts", _AUTOCAST_EXPERTS),
                           ("tree_mamba_scan_inputs", _MAMBA_SCAN_INPUTS)):
         if getattr(config, name) not in choices:
             raise ValueError(f"{name} must be one of {choices}, got {getattr(config, name)!r}.")
-    if config.tree_shared_keys_in_place is not None:
-        check_bool(config.tree_shared_keys_in_place, "tree_shared_keys_in_place (or None)")
+    for name in ("tree_shared_keys_in_place", "tree_executed_mixers"):
+        if getattr(config, name) is not None:
+            check_bool(getattr(config, name), f"{name} (or None)")
 
 
 def apply_process_settings(args) -> None:
     """Put ``tree_varlen_kernel`` (``varlen.KERNEL``), ``tree_autocast_experts`` (``token_modules.AUTOCAST_EXPERTS``),
-    ``tree_mamba_scan_inputs`` (``mamba2.SCAN_INPUTS``) and ``tree_shared_keys_in_place``
-    (``varlen.SHARED_KEYS_IN_PLACE``) in force, process-wide; None leaves a setting as it is. 'fa4' without
+    ``tree_mamba_scan_inputs`` (``mamba2.SCAN_INPUTS``), ``tree_shared_keys_in_place``
+    (``varlen.SHARED_KEYS_IN_PLACE``) and ``tree_executed_mixers`` (``gated_deltanet.EXECUTED_LAYOUT``) in force,
+    process-wide; None leaves a setting as it is. 'fa4' without
     FlashAttention-4 installed fails here, naming the fix."""
     from ..kernels.tree_attention import varlen
 
@@ -374,6 +384,8 @@ def apply_process_settings(args) -> None:
         mamba2.SCAN_INPUTS = args.tree_mamba_scan_inputs
     if args.tree_shared_keys_in_place is not None:
         varlen.SHARED_KEYS_IN_PLACE = args.tree_shared_keys_in_place
+    if args.tree_executed_mixers is not None:
+        gated_deltanet.EXECUTED_LAYOUT = args.tree_executed_mixers
 
 
 def check_dropout(model, name: str, logger, switch: str) -> None:

@@ -31,6 +31,7 @@ from .config import (
     _ATTENTION_BACKENDS,
     _GDN_BACKENDS,
     AUTOCAST_EXPERTS_HELP,
+    EXECUTED_MIXERS_HELP,
     KEEP_MIXER_GIB_HELP,
     KEEP_MIXER_OUTPUTS_HELP,
     KEEP_SOURCE_GRAPHS_HELP,
@@ -73,6 +74,7 @@ class TreeSFTConfig(SFTConfig):
     tree_autocast_experts: str | None = field(default=None, metadata={"help": AUTOCAST_EXPERTS_HELP})
     tree_mamba_scan_inputs: str | None = field(default=None, metadata={"help": MAMBA_SCAN_INPUTS_HELP})
     tree_shared_keys_in_place: bool | None = field(default=None, metadata={"help": SHARED_KEYS_HELP})
+    tree_executed_mixers: bool | None = field(default=None, metadata={"help": EXECUTED_MIXERS_HELP})
     tree_head_chunk_size: int = field(default=4096, metadata={
         "help": "Rows of the LM head computed at once in tree mode (bounds the logits' memory)."})
     tree_keep_attention_outputs: bool = field(default=True, metadata={
