@@ -398,7 +398,6 @@ def main() -> None:
     worst = max(worst, check_unshared_layout())
     worst = max(worst, check_model_backends("bailing_hybrid", "Ling 3"))
     worst = max(worst, check_model_backends("nemotron_h", "Nemotron-H"))
-    worst = max(worst, check_model_backends("qwen3_next", "Qwen3-Next"))
     worst = max(worst, check_model())
     check_kept_mixer_outputs()
     worst = max(worst, check_token_ops())
@@ -512,8 +511,8 @@ def check_fewer_stages(run, leaves) -> None:
 
 def check_model() -> float:
     """A tiny Qwen3-Next through the patched model: tree log-probs and every parameter gradient with the fla
-    backend (round-batched node; fla's public function per round) against the torch backend, on a forest with forks
-    at and around chunk edges."""
+    backend (round-batched node; fla's public function per round; the mixers whole in the executed layout) against
+    the torch backend, on a forest with forks at and around chunk edges."""
     import torch
 
     from harts_hf import tree_logprobs
@@ -524,42 +523,48 @@ def check_model() -> float:
     sequences = chunk_edge_sequences(vocab=VOCAB)
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
+    from harts_hf.model_patches import gated_deltanet
 
     results = {}
     for backend, state_pass in (("torch", "rounds"), ("fla", "rounds"), ("fla_serial", "serial"),
-                                ("fla_lanes", "lanes"), ("fla_public", "rounds")):
+                                ("fla_lanes", "lanes"), ("fla_public", "rounds"), ("fla_executed", "rounds")):
         fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS = True, state_pass
         fla_backend.PUBLIC_PER_ROUND = backend == "fla_public"  # fla's public function per round
+        gated_deltanet.EXECUTED_LAYOUT = backend == "fla_executed"  # the mixers whole in the executed layout
         try:
             out = tree_logprobs(model, sequences, gdn_backend=backend.split("_")[0], attention_backend="sdpa")
         finally:
-            fla_backend.PUBLIC_PER_ROUND = False
+            fla_backend.PUBLIC_PER_ROUND = gated_deltanet.EXECUTED_LAYOUT = False
         weights = [torch.randn(lp.shape, generator=torch.Generator().manual_seed(i)) for i, lp in
                    enumerate(out.logprobs)]
         loss = sum((lp * w).sum() for lp, w in zip(out.logprobs, weights))
         results[backend] = (torch.cat(out.logprobs).detach(), torch.autograd.grad(loss, params, allow_unused=True))
     fla_backend.STATE_PASS = "auto"
+    return _against_torch(f"tiny Qwen3-Next, {len(sequences)} sequences", names, results)
+
+
+def _against_torch(label: str, names, results: dict) -> float:
+    """Print and check each run's log-probs and parameter gradients against ``results["torch"]`` (``results``: run
+    -> (log-probs, gradients)); the worst log-prob error. The repository's model-level tolerance: A_log / dt_bias
+    gradients are sums of cancelling terms whose fp32 rounding alone reaches ~1e-5 (README, "How exact")."""
     worst_values = 0.0
-    for name in ("fla", "fla_serial", "fla_lanes", "fla_public"):
-        values = rel(results[name][0], results["torch"][0])
-        grads = {n: rel(a, b) for n, a, b in zip(names, results[name][1], results["torch"][1])
+    for run in [name for name in results if name != "torch"]:
+        values = rel(results[run][0], results["torch"][0])
+        grads = {n: rel(a, b) for n, a, b in zip(names, results[run][1], results["torch"][1])
                  if b is not None and b.norm() > 0}
         worst = max(grads, key=grads.get)
-        print(f"model (tiny Qwen3-Next, {len(sequences)} sequences): {name} vs torch backend: log-probs "
-              f"{values:.1e}, worst parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
-        # the repository's model-level tolerance: A_log / dt_bias gradients are sums of cancelling terms whose fp32
-        # rounding alone reaches ~1e-5 (README, "How exact")
-        assert values < 1e-5 and grads[worst] < 1e-4, (name, values, worst, grads[worst])
+        print(f"model ({label}): {run} vs torch backend: log-probs {values:.1e}, worst parameter gradient "
+              f"{grads[worst]:.1e} ({worst})", flush=True)
+        assert values < 1e-5 and grads[worst] < 1e-4, (label, run, values, worst, grads[worst])
         worst_values = max(worst_values, values)
     return worst_values
 
 
 def check_model_backends(family: str, label: str) -> float:
     """A tiny patched model through its fla node (Ling 3: Kimi Delta Attention with the safe gate, gated latent
-    attention, experts; Nemotron-H: Mamba-2 blocks on its 16-token chunks; Qwen3-Next: Gated DeltaNet; all through
-    their round-batched nodes): tree log-probs and every parameter gradient with the fla backend, the mixers in the
-    packed layout and whole in the executed layout (``gated_deltanet.EXECUTED_LAYOUT``), against the torch
-    backend."""
+    attention, experts; Nemotron-H: Mamba-2 blocks on its 16-token chunks; both through their round-batched nodes):
+    tree log-probs and every parameter gradient with the fla backend, the mixers in the packed layout and whole in the
+    executed layout (``gated_deltanet.EXECUTED_LAYOUT``), against the torch backend."""
     import torch
 
     from harts_hf import tree_logprobs
@@ -581,17 +586,7 @@ def check_model_backends(family: str, label: str) -> float:
         loss = sum((lp * torch.randn(lp.shape, generator=torch.Generator().manual_seed(i))).sum()
                    for i, lp in enumerate(out.logprobs))
         results[run] = (torch.cat(out.logprobs).detach(), torch.autograd.grad(loss, params, allow_unused=True))
-    worst_values = 0.0
-    for run in ("fla", "fla_executed"):
-        values = rel(results[run][0], results["torch"][0])
-        grads = {n: rel(a, b) for n, a, b in zip(names, results[run][1], results["torch"][1])
-                 if b is not None and b.norm() > 0}
-        worst = max(grads, key=grads.get)
-        print(f"model (tiny {label}, {len(sequences)} sequences, forks at chunk edges): {run} vs torch backend: "
-              f"log-probs {values:.1e}, worst parameter gradient {grads[worst]:.1e} ({worst})", flush=True)
-        assert values < 1e-5 and grads[worst] < 1e-4, (family, run, values, worst, grads[worst])
-        worst_values = max(worst_values, values)
-    return worst_values
+    return _against_torch(f"tiny {label}, {len(sequences)} sequences, forks at chunk edges", names, results)
 
 
 def check_kept_mixer_outputs() -> None:
