@@ -122,7 +122,9 @@ states gathered into the rounds' order once, the projections, conv, node, norm a
 (replayed ancestors again), and the output rows gathered back once (:mod:`~harts_hf.kernels.tree_gated_delta_rule
 .executed`), instead of the node gathering its q, k, v and gates in and its outputs and gradients out. Fewer bytes
 moved (on Kimi's preset the hidden row is about a quarter of the node's inputs) for a few percent more rows through
-the projections. Forests with hand-offs (planner pieces) keep the packed layout. Opt-in until measured on a GPU."""
+the projections. Forests with hand-offs (planner pieces) keep the packed layout. A kept node output
+(:func:`~.checkpointing.keep_mixer_outputs`) then has a row per executed position, a few percent more than
+:func:`~.checkpointing.mixer_output_bytes_per_token` counts per token. Opt-in until measured on a GPU."""
 
 
 def executed_layout(tree: TreeMetadata, plan):
