@@ -788,6 +788,11 @@ def test_executed_rows_and_the_executed_view(final_states_only):
     y = torch.randn(E, 3, dtype=torch.float64, generator=generator, requires_grad=True)
     (d_y,) = torch.autograd.grad(rows.to_rows(y), y, x.detach())
     assert torch.equal(d_y[rows.own_position], x.detach()) and not d_y[rows.replay_position].any()
+    # a forest of unshared sequences (the packed path): nothing gathered either way
+    unshared = executed_rows(build_gated_delta_plan(PrefixForest.from_sequences([[1] * 70, [2] * 9]).pack(),
+                                                    final_states_only=final_states_only))
+    head = x[:79]
+    assert unshared.identity and unshared.to_executed(head) is head and unshared.to_rows(head) is head
     # the node on the executed view, fed its executed rows, against the node on the plan
     H, HV, K, V = 1, 2, 8, 8
     inputs = [torch.randn(U, H, K, dtype=torch.float64, generator=generator),

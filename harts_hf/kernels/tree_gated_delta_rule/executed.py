@@ -51,8 +51,9 @@ class ExecutedRows:
 
     def to_executed(self, x: torch.Tensor) -> torch.Tensor:
         """``[E, ...]``: the rows of ``x [U, ...]`` at every executed position (differentiable; the backward sums a
-        row's copies in fp32, rounded once)."""
-        return _ToExecuted.apply(x, self)
+        row's copies in fp32, rounded once). The identity layout (nothing replayed, every row at its own position: a
+        forest of unshared sequences) returns ``x``."""
+        return x if self.identity else _ToExecuted.apply(x, self)
 
     def to_rows(self, y: torch.Tensor) -> torch.Tensor:
         """``[U, ...]``: each row's own position of ``y [E, ...]`` (differentiable; replayed positions get zero
