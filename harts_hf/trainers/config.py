@@ -33,10 +33,10 @@ MAMBA_SCAN_INPUTS_HELP = ("Mamba-2 mixers (Nemotron-H, Falcon-H1, Granite-4 hybr
                           "transformers' CUDA path hands them to mamba_ssm; states and sums stay fp32) or 'cuda' "
                           "('half' for CUDA inputs); process-wide (harts_hf.model_patches.mamba2.SCAN_INPUTS). None "
                           "leaves that setting as it is ('cuda' unless changed).")
-EXECUTED_MIXERS_HELP = ("Recurrent mixers (Gated DeltaNet, Kimi Delta Attention, Mamba-2) on trees: run each whole in its "
-                        "kernel's executed layout (the layer's hidden rows gathered in and its output rows out once) "
-                        "instead of gathering the kernel's q, k, v and gates in and its outputs and gradients out; "
-                        "exact, fewer bytes moved for a few percent more rows through the projections; not yet "
+EXECUTED_MIXERS_HELP = ("Recurrent mixers (Gated DeltaNet, Kimi Delta Attention, Mamba-2) on trees: run each whole "
+                        "in its kernel's executed layout (the layer's hidden rows gathered in and its output rows out "
+                        "once) instead of gathering the kernel's q, k, v and gates in and its outputs and gradients "
+                        "out; exact, fewer bytes moved for a few percent more rows through the projections; not yet "
                         "measured on a GPU, so off by default; process-wide "
                         "(harts_hf.model_patches.gated_deltanet.EXECUTED_LAYOUT). None leaves that setting as it is.")
 SHARED_KEYS_HELP = ("Tree attention on the varlen kernels (torch's, FlashAttention-4): attend key segments shared by "
@@ -368,8 +368,8 @@ def apply_process_settings(args) -> None:
     """Put ``tree_varlen_kernel`` (``varlen.KERNEL``), ``tree_autocast_experts`` (``token_modules.AUTOCAST_EXPERTS``),
     ``tree_mamba_scan_inputs`` (``mamba2.SCAN_INPUTS``), ``tree_shared_keys_in_place``
     (``varlen.SHARED_KEYS_IN_PLACE``) and ``tree_executed_mixers`` (``gated_deltanet.EXECUTED_LAYOUT``) in force,
-    process-wide; None leaves a setting as it is. 'fa4' without
-    FlashAttention-4 installed fails here, naming the fix."""
+    process-wide; None leaves a setting as it is. 'fa4' without FlashAttention-4 installed fails here, naming the
+    fix."""
     from ..kernels.tree_attention import varlen
 
     if args.tree_varlen_kernel == "fa4" and not varlen._fa4_importable():
