@@ -184,6 +184,17 @@ def test_kept_mixer_outputs_match_grpo_trainer(saved_model, tmp_path):
     assert_same_loss_and_grads(base, tree)
 
 
+def test_executed_mixers_match_grpo_trainer(saved_model, tmp_path, monkeypatch):
+    """tree_executed_mixers: the Gated DeltaNet layers whole in their kernel's executed layout, put in force by the
+    trainer's config; the loss and gradients are GRPOTrainer's."""
+    from harts_hf.model_patches import gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "EXECUTED_LAYOUT", False)
+    base, tree = make_trainers(saved_model, tmp_path, tree_args=dict(tree_executed_mixers=True))
+    assert gated_deltanet.EXECUTED_LAYOUT
+    assert_same_loss_and_grads(base, tree)
+
+
 def test_kept_mixer_outputs_within_a_budget_match_grpo_trainer(saved_model, tmp_path):
     """tree_keep_mixer_gib: as many mixer layers as fit at tree_token_budget tokens (here one of two), the same loss
     and gradients as GRPOTrainer's."""
