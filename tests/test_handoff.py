@@ -189,6 +189,26 @@ def test_forced_splits_match_tree_and_reference(family):
     assert 0 < needed < sources  # some of the sources' segments are no child's ancestors: left out of the hand-offs
 
 
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "nemotron_h"])
+def test_forced_splits_with_the_mixers_in_the_executed_layout(family, monkeypatch):
+    """``gated_deltanet.EXECUTED_LAYOUT``: pieces that only hand off (and the whole tree) run their mixers in the
+    executed layout and export their children's rows from it; pieces below a branch point keep the packed layout.
+    The same log-probs, entropies and gradients as the tree and the per-trajectory path."""
+    from harts_hf.model_patches import gated_deltanet
+
+    monkeypatch.setattr(gated_deltanet, "EXECUTED_LAYOUT", True)
+    exported = []
+    original = gated_deltanet._export_rows
+
+    def spy(tree, layer, own, context, count, executed=None):
+        exported.append(executed is not None)
+        return original(tree, layer, own, context, count, executed)
+
+    monkeypatch.setattr(gated_deltanet, "_export_rows", spy)
+    check_plan(build(family), handoff_sequences(), 140, reference=True)
+    assert any(exported) and not all(exported)  # exports from both layouts
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear", "nemotron_h", "llama"])
 def test_runs_longer_than_the_budget_are_cut_inside(family):
     """A budget below the longest runs without a branch point (handoff_sequences' runs of up to 108 tokens and a

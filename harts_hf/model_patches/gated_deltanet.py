@@ -105,7 +105,7 @@ def tree_gdn_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata, pr
     key = key.reshape(N, -1, head_k_dim)
     value = value.reshape(N, -1, head_v_dim)
     core = tree_recurrence_with_handoffs(tree, layer, (query, key, value, g, beta),
-                                         plan if rows is None else plan.executed_view(), backend=backend,
+                                         plan if rows is None else plan.executed_view(), rows, backend=backend,
                                          use_qk_l2norm_in_kernel=True)
     # under ZeRO-3 a module call is a collective and the block count differs between processes: call the norm's
     # forward per block (its weight is an external parameter of this module, gathered once)
@@ -122,15 +122,17 @@ states gathered into the rounds' order once, the projections, conv, node, norm a
 (replayed ancestors again), and the output rows gathered back once (:mod:`~harts_hf.kernels.tree_gated_delta_rule
 .executed`), instead of the node gathering its q, k, v and gates in and its outputs and gradients out. Fewer bytes
 moved (on Kimi's preset the hidden row is about a quarter of the node's inputs) for a few percent more rows through
-the projections. Forests with hand-offs (planner pieces) keep the packed layout. A kept node output
+the projections. A planner piece that starts below a branch point (hand-off context) keeps the packed layout; one
+that hands off to pieces below it exports their rows from the executed ones. A kept node output
 (:func:`~.checkpointing.keep_mixer_outputs`) then has a row per executed position, a few percent more than
 :func:`~.checkpointing.mixer_output_bytes_per_token` counts per token. Opt-in until measured on a GPU."""
 
 
 def executed_layout(tree: TreeMetadata, plan):
     """The :class:`~harts_hf.kernels.tree_gated_delta_rule.executed.ExecutedRows` a mixer runs on
-    (:data:`EXECUTED_LAYOUT`, a forest without hand-offs), or None for the packed rows."""
-    if not EXECUTED_LAYOUT or tree.context is not None or tree.exports:
+    (:data:`EXECUTED_LAYOUT`, a forest without hand-off context: it may export to pieces below it), or None for the
+    packed rows."""
+    if not EXECUTED_LAYOUT or tree.context is not None:
         return None
     return executed_rows(plan)
 
@@ -142,24 +144,26 @@ def tree_conv_with_handoffs(module, tree: TreeMetadata, layer: int | None, x: to
     and exports its own for the pieces below it (``layer``: the module's key; None without hand-offs). With ``rows``
     (:func:`executed_layout`), ``x`` holds the executed positions' rows ``[E, C]`` and so does the result."""
     weight = module.conv1d.weight.squeeze(1)  # [C, W]
+    conv_context = None if tree.context is None else tree.context.get(layer, "conv")
+    if tree.exports:
+        _export_rows(tree, layer, {"conv": x}, {"conv": conv_context},
+                     lambda export: min(weight.shape[1] - 1, export.ancestor_tokens), rows)
     if rows is not None:
         ancestors = tree.ancestors(weight.shape[1])
         return tree_causal_conv1d(x, weight, module.conv1d.bias, rows.ancestors(ancestors),
                                   activation=module.activation, fixups=rows.conv_fixups(ancestors),
                                   backend=conv_ops.bulk_backend(x))
-    conv_context = None if tree.context is None else tree.context.get(layer, "conv")
-    if tree.exports:
-        _export_rows(tree, layer, {"conv": x}, {"conv": conv_context},
-                     lambda export: min(weight.shape[1] - 1, export.ancestor_tokens))
     return tree_causal_conv1d(x, weight, module.conv1d.bias, tree.ancestors(weight.shape[1]),
                               activation=module.activation, context=conv_context,
                               fixups=tree.conv_fixups(weight.shape[1]), backend=conv_ops.bulk_backend(x))
 
 
-def tree_recurrence_with_handoffs(tree: TreeMetadata, layer: int | None, inputs: tuple, plan, **options):
+def tree_recurrence_with_handoffs(tree: TreeMetadata, layer: int | None, inputs: tuple, plan, rows=None,
+                                  **options):
     """:func:`tree_gated_delta_rule` of ``inputs = (q, k, v, g, beta)`` on ``plan``; a planner piece starts from its
     hand-off's state and replay rows and exports its own states and rows for the pieces below it (``layer``: the
-    module's key; None without hand-offs). ``options``: the kernel's keyword arguments."""
+    module's key; None without hand-offs). With ``rows`` (:func:`executed_layout`) the inputs are the executed
+    positions' and ``plan`` the executed view. ``options``: the kernel's keyword arguments."""
     if layer is None:
         return tree_gated_delta_rule(*inputs, plan, **options)
     replay = None
@@ -173,18 +177,23 @@ def tree_recurrence_with_handoffs(tree: TreeMetadata, layer: int | None, inputs:
         if state is not None:
             export.record((layer, "state"), state)
     _export_rows(tree, layer, dict(zip(GDN_REPLAY_NAMES, inputs)), replay or dict.fromkeys(GDN_REPLAY_NAMES),
-                 lambda export: export.ancestor_tokens % plan.chunk_size)
+                 lambda export: export.ancestor_tokens % plan.chunk_size, rows)
     return out
 
 
-def _export_rows(tree: TreeMetadata, layer: int, own: dict, context: dict, count) -> None:
+def _export_rows(tree: TreeMetadata, layer: int, own: dict, context: dict, count, executed=None) -> None:
     """For every export, the last ``count(export)`` rows of its branch token's path from ``own`` ``[U, ...]``
-    tensors continued upwards by the ``context`` rows (None: no context rows)."""
+    tensors continued upwards by the ``context`` rows (None: no context rows). With ``executed``
+    (:func:`executed_layout`; no context rows then), ``own`` holds the executed positions' rows: each token's own
+    position is read."""
     rows = {name: tensor if context[name] is None else torch.cat([tensor, context[name].to(tensor.dtype)])
             for name, tensor in own.items()}
     for export in tree.exports:
         if count(export) == 0:
             continue
         for name, tensor in own.items():
-            index = tree.export_index(export.branch_token, count(export), rows[name].shape[0] - tensor.shape[0])
+            context_rows = 0 if executed is not None else rows[name].shape[0] - tensor.shape[0]
+            index = tree.export_index(export.branch_token, count(export), context_rows)
+            if executed is not None:
+                index = executed.own_position[index]
             export.record((layer, name), rows[name][index])

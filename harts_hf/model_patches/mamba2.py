@@ -73,7 +73,7 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
     scan = _scan_dtype(x, dtype, compute)
     inputs = (C.to(scan).reshape(U, G, N), B.to(scan).reshape(U, G, N), (x * dt[..., None]).to(scan), g,
               torch.ones_like(dt))
-    y = tree_recurrence_with_handoffs(tree, layer, inputs, plan if rows is None else plan.executed_view(),
+    y = tree_recurrence_with_handoffs(tree, layer, inputs, plan if rows is None else plan.executed_view(), rows,
                                       scale=1.0, backend=backend, delta=False)
     y = (y + module.D.to(compute)[:, None] * x).reshape(1, U, -1)
     if getattr(module, "mamba_rms_norm", True):

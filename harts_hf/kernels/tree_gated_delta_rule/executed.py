@@ -13,7 +13,8 @@ Exact: a replayed row is its token's row again (the same inputs, so the same pro
 each row's ancestors within its unit and, for a unit's first ``W - 1`` rows, the ancestors before the unit from their
 own executed rows (:meth:`ExecutedRows.ancestors`); the gradient of the gathered hidden states sums each token's
 copies in fp32 and rounds once (:func:`~.round_batch.sum_by_token`, deterministic), and only own rows carry the output's
-gradient. Needs a forest without hand-off context rows (a planner piece below a branch point keeps the packed layout).
+gradient. Needs a forest without hand-off context rows (a planner piece below a branch point keeps the packed layout);
+a piece that hands off to pieces below it exports their rows from each token's own position.
 """
 
 from __future__ import annotations
