@@ -192,8 +192,7 @@ def _export_rows(tree: TreeMetadata, layer: int, own: dict, context: dict, count
         if count(export) == 0:
             continue
         for name, tensor in own.items():
-            context_rows = 0 if executed is not None else rows[name].shape[0] - tensor.shape[0]
-            index = tree.export_index(export.branch_token, count(export), context_rows)
+            index = tree.export_index(export.branch_token, count(export), rows[name].shape[0] - tensor.shape[0])
             if executed is not None:
                 index = executed.own_position[index]
             export.record((layer, name), rows[name][index])
