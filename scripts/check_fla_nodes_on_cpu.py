@@ -127,6 +127,7 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     import torch
 
     from harts_hf.kernels import build_gated_delta_plan, tree_gated_delta_rule
+    from harts_hf.kernels.tree_gated_delta_rule.executed import executed_rows
     from harts_hf.trees import PrefixForest
     from tests.forests import chunk_edge_sequences
 
@@ -140,7 +141,8 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     # round-batched node also with the serial state pass (harts_hf's kernels; per-channel gates for KDA; its lanes run
     # the same kernels, checked in main() for Gated DeltaNet)
     serial = ("fla_serial",) if delta else ()
-    variants = ("fla", *serial, "fla_per_round")
+    # and the round-batched node on the plan's executed view, fed its executed rows (the mixers' executed layout)
+    variants = ("fla", *serial, "fla_per_round", "fla_executed")
 
     def through(name, run):
         fla_kda.BATCH_ROUNDS = fla_simple_gla.BATCH_ROUNDS = name != "fla_per_round"
@@ -156,9 +158,14 @@ def check_round_node(label: str, per_channel: bool, delta: bool, chunk_size: int
     leaves = inputs(packed.num_tokens)
     outs = {}
     for name in ("torch", *variants):
-        def run(backend):
+        def run(backend, executed=name == "fla_executed"):
             the_plan = build_gated_delta_plan(packed, final_states_only=backend == "fla", chunk_size=chunk_size)
-            return tree_gated_delta_rule(*leaves, the_plan, backend=backend, **options), len(the_plan.rounds)
+            if not executed:
+                return tree_gated_delta_rule(*leaves, the_plan, backend=backend, **options), len(the_plan.rounds)
+            rows = executed_rows(the_plan)
+            out = tree_gated_delta_rule(*(rows.to_executed(x) for x in leaves), the_plan.executed_view(),
+                                        backend=backend, **options)
+            return rows.to_rows(out), len(the_plan.rounds)
         out, rounds = through(name, run)
         outs[name] = (out.detach(), torch.autograd.grad(out.square().sum(), leaves))
     worst = 0.0
@@ -397,7 +404,7 @@ def main() -> None:
                                         chunk_size=32))
     worst = max(worst, check_unshared_layout())
     worst = max(worst, check_model_backends("bailing_hybrid", "Ling 3"))
-    worst = max(worst, check_model_backends("nemotron_h", "Nemotron-H"))
+    worst = max(worst, check_model_backends("nemotron_h", "Nemotron-H", executed=True))
     worst = max(worst, check_model())
     check_kept_mixer_outputs()
     worst = max(worst, check_token_ops())
@@ -560,11 +567,12 @@ def _against_torch(label: str, names, results: dict) -> float:
     return worst_values
 
 
-def check_model_backends(family: str, label: str) -> float:
+def check_model_backends(family: str, label: str, executed: bool = False) -> float:
     """A tiny patched model through its fla node (Ling 3: Kimi Delta Attention with the safe gate, gated latent
     attention, experts; Nemotron-H: Mamba-2 blocks on its 16-token chunks; both through their round-batched nodes):
-    tree log-probs and every parameter gradient with the fla backend, the mixers in the packed layout and whole in the
-    executed layout (``gated_deltanet.EXECUTED_LAYOUT``), against the torch backend."""
+    tree log-probs and every parameter gradient with the fla backend (``executed``: also with the mixers whole in the
+    executed layout, ``gated_deltanet.EXECUTED_LAYOUT``; the KDA node on an executed view is checked in
+    :func:`check_round_node`), against the torch backend."""
     import torch
 
     from harts_hf import tree_logprobs
@@ -576,7 +584,7 @@ def check_model_backends(family: str, label: str) -> float:
     sequences = chunk_edge_sequences(vocab=VOCAB, base_len=140)  # forks at 0, 1, 63-65, 127-129 still
     names, params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad])
     results = {}
-    for run in ("torch", "fla", "fla_executed"):  # the last: the mixers whole in the executed layout
+    for run in ("torch", "fla", *(("fla_executed",) if executed else ())):  # the mixers whole in the executed layout
         gated_deltanet.EXECUTED_LAYOUT = run == "fla_executed"
         try:
             out = tree_logprobs(model, sequences, gdn_backend="torch" if run == "torch" else "fla",
