@@ -5,7 +5,7 @@ pass per round, with the one-launch serial state pass and with its heavy-path la
 fla's public function once per round, ``fla_backend.PUBLIC_PER_ROUND``) against the fp32 torch backend, on a forest
 of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state, context rows, requested
 states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
-(log-probs and every parameter gradient); the tree conv with fla's ``causal_conv1d`` for its bulk; Kimi Delta
+(log-probs and every parameter gradient; the node's two state passes and the executed layout); the tree conv with fla's ``causal_conv1d`` for its bulk; Kimi Delta
 Attention (a tiny Ling 3 model too) and gated linear attention (Mamba-2; a tiny Nemotron-H too) through their
 round-batched nodes over fla's ``chunk_kda`` / ``chunk_simple_gla`` stages and through those functions per round;
 the fused per-token kernels (with fla's RMSNorm and with harts_hf's own). fp32 throughout, but for Mamba-2's node once
@@ -518,8 +518,10 @@ def check_fewer_stages(run, leaves) -> None:
 
 def check_model() -> float:
     """A tiny Qwen3-Next through the patched model: tree log-probs and every parameter gradient with the fla
-    backend (round-batched node; fla's public function per round; the mixers whole in the executed layout) against
-    the torch backend, on a forest with forks at and around chunk edges."""
+    backend (round-batched node with either state pass ``"auto"`` picks; the mixers whole in the executed layout)
+    against the torch backend, on a forest with forks at and around chunk edges. The node's other variants (the
+    serial pass's lanes, fla's public function per round), which ``"auto"`` never picks, are checked at the node
+    (main()), on the same forest and on planner pieces: a model run of each took a minute here."""
     import torch
 
     from harts_hf import tree_logprobs
@@ -534,14 +536,13 @@ def check_model() -> float:
 
     results = {}
     for backend, state_pass in (("torch", "rounds"), ("fla", "rounds"), ("fla_serial", "serial"),
-                                ("fla_lanes", "lanes"), ("fla_public", "rounds"), ("fla_executed", "rounds")):
+                                ("fla_executed", "rounds")):
         fla_backend.BATCH_ROUNDS, fla_backend.STATE_PASS = True, state_pass
-        fla_backend.PUBLIC_PER_ROUND = backend == "fla_public"  # fla's public function per round
         gated_deltanet.EXECUTED_LAYOUT = backend == "fla_executed"  # the mixers whole in the executed layout
         try:
             out = tree_logprobs(model, sequences, gdn_backend=backend.split("_")[0], attention_backend="sdpa")
         finally:
-            fla_backend.PUBLIC_PER_ROUND = gated_deltanet.EXECUTED_LAYOUT = False
+            gated_deltanet.EXECUTED_LAYOUT = False
         weights = [torch.randn(lp.shape, generator=torch.Generator().manual_seed(i)) for i, lp in
                    enumerate(out.logprobs)]
         loss = sum((lp * w).sum() for lp, w in zip(out.logprobs, weights))
