@@ -58,32 +58,15 @@ if [ ! -f "$JOBS/.queued" ]; then
   # kept node outputs, and profiled; the Ling-3 `swe` tree on it at 32,768; Nemotron-H `tau` both paths kept, profiled)
   # (run on an H100, 2026-12-07 07:09-07:13 UTC, and taken off: shared key segments in place on FlashAttention-4, Kimi's
   # `tau` tree with and without them and the attention alone at MLA's heads)
-  # issues 25/26/22, any card (an H200 runs the headline first): the recurrent mixers whole in their node's executed
-  # layout (hidden rows gathered in, output rows out; gated_deltanet.EXECUTED_LAYOUT) against the node gathering its
-  # inputs and outputs, A/B on the tree in one process, both with kept node outputs; the packed pass (first set;
-  # nothing replayed there, so the two are one) timed twice. Kimi `tau` read 0.929-0.939 of its FLOP ratio and
-  # Nemotron-H `tau` 0.934-0.956 (2026-12-07; the node's gathers ~0.12 and ~0.10 s of their trees' 4.2 and 2.7 s);
-  # the 2B preset's tree alone (its node's gathers ~0.10 s of 5.0 s on the H200, 2026-12-02)
-  executed_ab() {
-    job_tf524 kimi_tau_executed --env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True $probe \
-      --model kimi_linear_dense_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-      --kernels ${fa4}_keep_mixers_executed ${fa4}_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each \
-      --out $J/kimi_tau_executed
-    job nemotron_tau_executed $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-      --kernels ${fa4}_keep_mixers_executed ${fa4}_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each \
-      --out $J/nemotron_tau_executed
-    job tau_executed $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels fused_executed_mixers fused \
-      --repeats 2 --out $J/tau_executed
-  }
-  [ "$h200" = 0 ] && executed_ab  # on an H200 after the headline, below
+  # (run on an H100, 2026-12-07 12:58-13:05 UTC, and taken off: the recurrent mixers whole in their node's executed
+  # layout against the node's gathers on Kimi, Nemotron-H and 2B `tau`, and both profiled on Kimi and Nemotron-H)
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on $fa4 (where that is torch's flash varlen, a new row, not a re-run)
   [ "$h200" = 1 ] && job headline $probe --workload tau grpo distinct --scale 1.0 --budget 0 --no-history \
     --kernels $fa4 --repeats 2 --keep-attention on --packed-groups 0 --packed-warmup each \
     --out $J/headline
-  [ "$h200" = 1 ] && executed_ab
-  # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
+    # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
   # 2.9% for 13.3 GiB; the packed path with them was not timed against itself)
   [ "$h200" = 1 ] && job tau_keep_mixers $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" \
     --kernels fused_keep_mixers fused --repeats 2 --packed-groups 0 --packed-warmup each --out $J/tau_keep_mixers

@@ -125,7 +125,10 @@ moved (on Kimi's preset the hidden row is about a quarter of the node's inputs) 
 the projections. A planner piece that starts below a branch point (hand-off context) keeps the packed layout; one
 that hands off to pieces below it exports their rows from the executed ones. A kept node output
 (:func:`~.checkpointing.keep_mixer_outputs`) then has a row per executed position, a few percent more than
-:func:`~.checkpointing.mixer_output_bytes_per_token` counts per token. Opt-in until measured on a GPU."""
+:func:`~.checkpointing.mixer_output_bytes_per_token` counts per token. Off by default: on an H100 (full-size `tau`,
+2026-12-07) the node's gathers it removes were about what the extra projection rows, the hidden rows' gathers and their
+gradient sum added (Kimi-Linear 4.63 s either way, 2.4 GiB lower peak; Nemotron-H 2.82 against 2.75 s; the 2.3B
+Qwen3-Next 5.76 against 5.72 s; BENCHMARKS.md, "Where the trees lose")."""
 
 
 def executed_layout(tree: TreeMetadata, plan):

@@ -36,8 +36,10 @@ MAMBA_SCAN_INPUTS_HELP = ("Mamba-2 mixers (Nemotron-H, Falcon-H1, Granite-4 hybr
 EXECUTED_MIXERS_HELP = ("Recurrent mixers (Gated DeltaNet, Kimi Delta Attention, Mamba-2) on trees: run each whole "
                         "in its kernel's executed layout (the layer's hidden rows gathered in and its output rows out "
                         "once) instead of gathering the kernel's q, k, v and gates in and its outputs and gradients "
-                        "out; exact, fewer bytes moved for a few percent more rows through the projections; not yet "
-                        "measured on a GPU, so off by default; process-wide "
+                        "out; exact, fewer bytes moved for a few percent more rows through the projections. Not "
+                        "faster on an H100 (full-size tau: Kimi-Linear 4.63 s either way with a 2.4 GiB lower peak, "
+                        "Nemotron-H 2.5% slower, the 2.3B Qwen3-Next 0.7% slower; BENCHMARKS.md), so off by default; "
+                        "a memory option at best; process-wide "
                         "(harts_hf.model_patches.gated_deltanet.EXECUTED_LAYOUT). None leaves that setting as it is.")
 SHARED_KEYS_HELP = ("Tree attention on the varlen kernels (torch's, FlashAttention-4): attend key segments shared by "
                     "many trajectories (a group's prompt) in place, one extra unmasked call each merged through the "
