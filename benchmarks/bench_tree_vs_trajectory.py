@@ -68,7 +68,7 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
               graph_tokens=0, experts="cuda", scan="cuda", shared_keys=False, gather_sum="rows", state_pass="auto",
-              kda_inputs=True, keep_mixers=False, executed_mixers=False)
+              kda_inputs=True, keep_mixers=False, executed_mixers=False, scan_chunk=None)
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
@@ -98,6 +98,7 @@ KERNEL_SETS = {
     "fused_executed_mixers": dict(_FUSED, executed_mixers=True),
     "fused_keep_mixers_executed": dict(_FUSED, keep_mixers=True, executed_mixers=True),
     "fused_fa4_keep_mixers_executed": dict(_FUSED, varlen="fa4", keep_mixers=True, executed_mixers=True),
+    "fused_keep_mixers_scan64": dict(_FUSED, keep_mixers=True, scan_chunk=64),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -136,7 +137,9 @@ segments attended in place too. On FlashAttention-4 multi-head latent attention'
 at their own width (128 beside keys of 192) since 2026-12-07, zero-padded to the keys' width before. The sets ending
 ``executed_mixers`` / ``_executed`` run every recurrent mixer whole in its node's executed layout (hidden states
 gathered in and outputs gathered out once, ``gated_deltanet.EXECUTED_LAYOUT``) where the others gather the node's
-inputs and outputs; on the packed path (nothing replayed) the two are the same."""
+inputs and outputs; on the packed path (nothing replayed) the two are the same. ``fused_keep_mixers_scan64`` runs
+Mamba-2's scan on chunks of 64 (``mamba2.CHUNK_SIZE``) where the others take the mixer's own (Nemotron-H's 128), on
+both paths."""
 
 
 def use_kernels(name: str, model=None) -> None:
@@ -161,6 +164,7 @@ def use_kernels(name: str, model=None) -> None:
     fla_backend.STATE_PASS = kernels["state_pass"]
     kimi_delta_attention.FUSED_INPUTS = kernels["kda_inputs"]
     gated_deltanet.EXECUTED_LAYOUT = kernels["executed_mixers"]
+    mamba2.CHUNK_SIZE = kernels["scan_chunk"]
     if model is not None:
         from harts_hf.model_patches import keep_mixer_outputs
 

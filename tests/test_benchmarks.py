@@ -592,18 +592,24 @@ def test_every_kernel_set_puts_every_setting_in_force():
 
     from harts_hf.kernels.tree_attention import varlen
     from harts_hf.kernels.tree_gated_delta_rule import fla_backend
-    from harts_hf.model_patches import gated_deltanet
+    from harts_hf.model_patches import gated_deltanet, mamba2
 
     for name, kernels in KERNEL_SETS.items():
         assert kernels.keys() == KERNEL_SETS["fused"].keys(), name
-    saved = fla_backend.STATE_PASS, varlen.GATHER_SUM, varlen.KERNEL, gated_deltanet.EXECUTED_LAYOUT
+    saved = (fla_backend.STATE_PASS, varlen.GATHER_SUM, varlen.KERNEL, gated_deltanet.EXECUTED_LAYOUT,
+             mamba2.CHUNK_SIZE)
     try:
         use_kernels("fused_rounds_state")
         assert fla_backend.STATE_PASS == "rounds"
         use_kernels("fused_executed_mixers")
         assert gated_deltanet.EXECUTED_LAYOUT
+        from tests.models import build
+
+        use_kernels("fused_keep_mixers_scan64", model=build("nemotron_h"))
+        assert mamba2.CHUNK_SIZE == 64
         use_kernels("fused")
-        assert (fla_backend.STATE_PASS, varlen.GATHER_SUM, varlen.KERNEL, gated_deltanet.EXECUTED_LAYOUT) == saved
+        assert (fla_backend.STATE_PASS, varlen.GATHER_SUM, varlen.KERNEL, gated_deltanet.EXECUTED_LAYOUT,
+                mamba2.CHUNK_SIZE) == saved
     finally:
         use_kernels("fused")
 

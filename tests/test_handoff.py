@@ -245,6 +245,23 @@ def test_inside_cuts_follow_the_models_chunk_grid():
     assert chunk_grid(build("qwen3_next")) == 64 and chunk_grid(build("llama")) == 64
 
 
+def test_mamba2_chunk_size_sets_the_grid_the_planner_cuts_on(monkeypatch):
+    """``mamba2.CHUNK_SIZE`` overrides the mixers' own chunks (16 in the test model) for the plan and the planner's
+    grid alike: at 128 the long runs are cut at multiples of 128, each hand-off replays on that grid, and the pieces
+    match one tree forward and the per-trajectory path (which keeps the mixers' own chunks)."""
+    import harts_hf.model_patches.mamba2 as mamba2
+
+    model = build("nemotron_h")
+    monkeypatch.setattr(mamba2, "CHUNK_SIZE", 128)
+    assert chunk_grid(model) == 128
+    rng = random.Random(3)
+    sequences = handoff_sequences() + [[rng.randrange(VOCAB) for _ in range(400)]]
+    the_plan, _ = check_plan(model, sequences, 150, reference=True, chunk_size=chunk_grid(model))
+    handoffs = [p.handoff for p in the_plan.pieces if p.handoff is not None]
+    assert {h.state_depth for h in handoffs} >= {128, 256} and all(h.state_depth % 128 == 0 for h in handoffs)
+    assert any(h.replay_tokens > 0 for h in handoffs)  # states handed over at 128 with rows replayed after them
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_random_forests(seed):
     rng = random.Random(seed)

@@ -386,3 +386,31 @@ def test_mixers_in_the_executed_layout_match_per_sequence_fp64(family, monkeypat
     model = build(family, dtype=torch.float64, mild_decay=False)
     compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-5, value_tol=1e-7, float64_recurrence=True)
     assert layouts and not any(rows.identity for rows in layouts)  # replayed rows: not the packed layout again
+
+
+@pytest.mark.parametrize("family,chunk", [("nemotron_h_dense", 32), ("bamba", 64), ("falcon_h1", 32)])
+def test_mamba2_scan_on_another_chunk_grid_matches_per_sequence_fp64(family, chunk, monkeypatch):
+    """``mamba2.CHUNK_SIZE``: the scan's chunk grid on forests set apart from the mixer's own ``chunk_size`` (16 in
+    the tiny models; the reference keeps it): the same log-probs, entropies and gradients, with forks at and around
+    the new grid's edges (replays of up to ``chunk - 1`` rows)."""
+    import harts_hf.model_patches.mamba2 as mamba2
+    from harts_hf.kernels import TreeMetadata
+
+    monkeypatch.setattr(mamba2, "CHUNK_SIZE", chunk)
+    grids = []
+    original = TreeMetadata.gdn_plan
+    monkeypatch.setattr(TreeMetadata, "gdn_plan", lambda self, backend, chunk_size=None:
+                        grids.append(chunk_size) or original(self, backend, chunk_size=chunk_size))
+    model = build(family, dtype=torch.float64, mild_decay=False)
+    assert {m.chunk_size for m in model.modules() if hasattr(m, "chunk_size")} == {16}
+    compare(model, chunk_edge_sequences(vocab=VOCAB), grad_tol=1e-5, value_tol=1e-7, float64_recurrence=True)
+    assert set(grids) - {None} == {chunk}  # every Mamba-2 plan on the new grid (None: the metadata's own, 64)
+
+
+@pytest.mark.parametrize("value", [8, 48, 0, True, "64"])
+def test_mamba2_chunk_size_refuses_a_grid_the_kernels_cannot_tile(value, monkeypatch):
+    import harts_hf.model_patches.mamba2 as mamba2
+
+    monkeypatch.setattr(mamba2, "CHUNK_SIZE", value)
+    with pytest.raises(ValueError, match="mamba2.CHUNK_SIZE must be None or a power of two of at least 16"):
+        tree_logprobs(build("nemotron_h"), [[1, 2, 3], [1, 2, 4]])

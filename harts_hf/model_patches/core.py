@@ -237,16 +237,19 @@ def model_type_of(model) -> str:
 def chunk_grid(model) -> int:
     """The chunk grid the planner should cut ``model``'s forests on: the least common multiple of
     :data:`~harts_hf.trees.CHUNK_SIZE` (fla's chunks for Gated DeltaNet and KDA) and every Mamba-2 mixer's own
-    ``chunk_size`` (Nemotron-H's 128, Falcon-H1's ``mamba_chunk_size``). A cut on this grid hands the state over with
-    nothing replayed in any layer; a model without such mixers (or of no registered family) gets ``CHUNK_SIZE``."""
+    ``chunk_size`` (Nemotron-H's 128, Falcon-H1's ``mamba_chunk_size``; :data:`.mamba2.CHUNK_SIZE` where set). A cut on
+    this grid hands the state over with nothing replayed in any layer; a model without such mixers (or of no registered
+    family) gets ``CHUNK_SIZE``."""
     from ..trees import CHUNK_SIZE
+    from .mamba2 import scan_chunk_size
 
     _load_families()
     family = _REGISTRY.get(getattr(getattr(model, "config", None), "model_type", None))
     grid = CHUNK_SIZE
     for module in model.modules() if family is not None and family.linear_classes else ():
         size = getattr(module, "chunk_size", None) if type(module).__name__ in family.linear_classes else None
-        if isinstance(size, int) and size > 0:
+        if isinstance(size, int) and size > 0:  # a Mamba-2 mixer (the gated-delta-rule ones have no chunk_size)
+            size = scan_chunk_size(module)
             grid = math.lcm(grid, size)
     return grid
 

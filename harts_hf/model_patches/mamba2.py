@@ -26,7 +26,25 @@ from ..kernels import TreeMetadata
 from .core import PatchedForward, layer_key
 from .gated_deltanet import executed_layout, tree_conv_with_handoffs, tree_mixer_call, tree_recurrence_with_handoffs
 
-__all__ = ["SCAN_INPUTS", "tree_mamba2_factory", "tree_mamba2_forward"]
+__all__ = ["CHUNK_SIZE", "SCAN_INPUTS", "scan_chunk_size", "tree_mamba2_factory", "tree_mamba2_forward"]
+
+CHUNK_SIZE: int | None = None
+"""The chunk grid of the scan on forests (the tree, and the per-trajectory paths that run through harts_hf's
+patches): None (the default) is each mixer's own ``chunk_size`` (Nemotron-H's 128), an int overrides it (a power of two,
+16 or more: fla's chunk kernels' tiles). Any grid gives the same scan in exact arithmetic (only the order of the sums
+changes), and the planner cuts on it (:func:`~.core.chunk_grid`). A finer grid replays fewer ancestors where a unit
+starts off it (at most ``chunk - 1`` rows per unit) for more state passes."""
+
+
+def scan_chunk_size(module) -> int:
+    """The chunk grid of ``module``'s scan on forests: :data:`CHUNK_SIZE`, else the mixer's own ``chunk_size``."""
+    if CHUNK_SIZE is None:
+        return module.chunk_size
+    if not isinstance(CHUNK_SIZE, int) or isinstance(CHUNK_SIZE, bool) or CHUNK_SIZE < 16 or \
+            CHUNK_SIZE & (CHUNK_SIZE - 1):
+        raise ValueError(f"mamba2.CHUNK_SIZE must be None or a power of two of at least 16, got {CHUNK_SIZE!r}; "
+                         "None runs each mixer's own chunk_size")
+    return CHUNK_SIZE
 
 SCAN_INPUTS = "cuda"
 """The dtype of the scan's inputs ``C``, ``B`` and ``dt x``: ``"cuda"`` (the default: ``"half"`` for CUDA inputs,
@@ -50,7 +68,7 @@ def tree_mamba2_forward(module, hidden_states: torch.Tensor, tree: TreeMetadata)
     dtype = hidden_states.dtype
     H, P, G, N = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
     backend = tree.gdn_backend_for(hidden_states)
-    plan = tree.gdn_plan(backend, chunk_size=module.chunk_size)
+    plan = tree.gdn_plan(backend, chunk_size=scan_chunk_size(module))
     rows = executed_layout(tree, plan)
     if rows is not None:
         hidden_states = rows.to_executed(hidden_states[0]).unsqueeze(0)
