@@ -46,6 +46,7 @@ def scan_chunk_size(module) -> int:
                          "None runs each mixer's own chunk_size")
     return CHUNK_SIZE
 
+
 SCAN_INPUTS = "cuda"
 """The dtype of the scan's inputs ``C``, ``B`` and ``dt x``: ``"cuda"`` (the default: ``"half"`` for CUDA inputs,
 ``"fp32"`` for the others), ``"fp32"`` (transformers' PyTorch scan) or ``"half"`` (the half precision the layer runs
