@@ -256,14 +256,20 @@ def main():
                         help="Mamba-2 presets: the dtype of the scan's C, B and dt x in the tree and packed paths "
                              "(harts_hf.model_patches.mamba2.SCAN_INPUTS: 'cuda', the default, is 'half' on the GPU; "
                              "the per-trajectory path is transformers' own)")
+    parser.add_argument("--mamba-chunk", type=int, default=None,
+                        help="Mamba-2 presets: the scan's chunk grid in the tree and packed paths "
+                             "(harts_hf.model_patches.mamba2.CHUNK_SIZE; default: the mixer's own; the per-trajectory "
+                             "path is transformers' own)")
     args = parser.parse_args()
     from harts_hf.model_patches import mamba2
 
-    saved, mamba2.SCAN_INPUTS = mamba2.SCAN_INPUTS, args.mamba_scan  # put back at the end (the device worker runs
-    try:  # its jobs in one process)
+    # put back at the end (the device worker runs its jobs in one process)
+    saved = mamba2.SCAN_INPUTS, mamba2.CHUNK_SIZE
+    mamba2.SCAN_INPUTS, mamba2.CHUNK_SIZE = args.mamba_scan, args.mamba_chunk
+    try:
         run_stages(args)
     finally:
-        mamba2.SCAN_INPUTS = saved
+        mamba2.SCAN_INPUTS, mamba2.CHUNK_SIZE = saved
 
 
 def run_stages(args) -> None:
@@ -276,6 +282,7 @@ def run_stages(args) -> None:
 
     results["transformers"] = transformers.__version__
     results["mamba_scan_inputs"] = args.mamba_scan
+    results["mamba_chunk"] = args.mamba_chunk
 
     def save():
         (out / "gpu_parity.json").write_text(json.dumps(results, indent=2, default=str))
