@@ -68,7 +68,7 @@ MODELS["kimi_linear_dense_shaped"] = dict(  # the dense-FFN Kimi-Linear-shaped p
 
 _FUSED = dict(token_ops="auto", logprob_stats="auto", varlen="torch", norm="harts", shared_casts=False, gdn_public=False,
               graph_tokens=0, experts="cuda", scan="cuda", shared_keys=False, gather_sum="rows", state_pass="auto",
-              kda_inputs=True, keep_mixers=False, executed_mixers=False, scan_chunk=None)
+              kda_inputs=True, keep_mixers=False, executed_mixers=False, scan_chunk=64)
 KERNEL_SETS = {
     "fused": _FUSED,
     "reference": dict(_FUSED, token_ops="torch", logprob_stats="torch", experts="never"),
@@ -99,6 +99,8 @@ KERNEL_SETS = {
     "fused_keep_mixers_executed": dict(_FUSED, keep_mixers=True, executed_mixers=True),
     "fused_fa4_keep_mixers_executed": dict(_FUSED, varlen="fa4", keep_mixers=True, executed_mixers=True),
     "fused_keep_mixers_scan64": dict(_FUSED, keep_mixers=True, scan_chunk=64),
+    "fused_own_scan_chunks": dict(_FUSED, scan_chunk=None),
+    "fused_keep_mixers_own_scan_chunks": dict(_FUSED, keep_mixers=True, scan_chunk=None),
 }
 """Kernel sets the benchmarks time, as settings of ``token_ops.ops.BACKEND``, ``logprob_stats.ops.BACKEND``,
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
@@ -137,9 +139,11 @@ segments attended in place too. On FlashAttention-4 multi-head latent attention'
 at their own width (128 beside keys of 192) since 2026-12-07, zero-padded to the keys' width before. The sets ending
 ``executed_mixers`` / ``_executed`` run every recurrent mixer whole in its node's executed layout (hidden states
 gathered in and outputs gathered out once, ``gated_deltanet.EXECUTED_LAYOUT``) where the others gather the node's
-inputs and outputs; on the packed path (nothing replayed) the two are the same. ``fused_keep_mixers_scan64`` runs
-Mamba-2's scan on chunks of 64 (``mamba2.CHUNK_SIZE``) where the others take the mixer's own (Nemotron-H's 128), on
-both paths."""
+inputs and outputs; on the packed path (nothing replayed) the two are the same. Mamba-2's scan runs on chunks of 64
+(``mamba2.CHUNK_SIZE``, harts_hf's default since 2026-12-07, on both paths) in every set but those ending
+``own_scan_chunks`` (the mixer's own: Nemotron-H's 128, as every set before then ran it); on 2026-12-07
+``fused_keep_mixers_scan64`` named the chunks of 64 beside ``fused_keep_mixers`` with the mixer's own (now the same
+set)."""
 
 
 def use_kernels(name: str, model=None) -> None:

@@ -225,10 +225,14 @@ def test_runs_longer_than_the_budget_are_cut_inside(family):
     assert {h.state_depth for h in inside} >= {64, 128, 192, 256}  # the lone trajectory's cuts among them
 
 
-def test_inside_cuts_follow_the_models_chunk_grid():
+def test_inside_cuts_follow_the_models_chunk_grid(monkeypatch):
     """A Mamba-2 model with chunks of 128: ``chunk_grid`` gives 128, and the planner cuts the long runs at multiples
     of 128 only, where every layer's state hands over with nothing replayed (on the default grid of 64, odd multiples
-    of 64 replay 64 rows in the Mamba layers). Exact against one tree forward and the per-trajectory path."""
+    of 64 replay 64 rows in the Mamba layers). Exact against one tree forward and the per-trajectory path. With the
+    mixers' own chunks (``mamba2.CHUNK_SIZE = None``; the default, 64, is the next test's subject)."""
+    import harts_hf.model_patches.mamba2 as mamba2
+
+    monkeypatch.setattr(mamba2, "CHUNK_SIZE", None)
     model = build("nemotron_h")
     mixers = [m for m in model.modules() if type(m).__name__ == "NemotronHMamba2Mixer"]
     assert mixers and chunk_grid(model) == 64  # the test model's chunks of 16

@@ -236,10 +236,10 @@ def model_type_of(model) -> str:
 
 def chunk_grid(model) -> int:
     """The chunk grid the planner should cut ``model``'s forests on: the least common multiple of
-    :data:`~harts_hf.trees.CHUNK_SIZE` (fla's chunks for Gated DeltaNet and KDA) and every Mamba-2 mixer's own
-    ``chunk_size`` (Nemotron-H's 128, Falcon-H1's ``mamba_chunk_size``; :data:`.mamba2.CHUNK_SIZE` where set). A cut on
-    this grid hands the state over with nothing replayed in any layer; a model without such mixers (or of no registered
-    family) gets ``CHUNK_SIZE``."""
+    :data:`~harts_hf.trees.CHUNK_SIZE` (fla's chunks for Gated DeltaNet and KDA) and every Mamba-2 mixer's scan grid
+    (:data:`.mamba2.CHUNK_SIZE`, 64, or where that is None the mixer's own ``chunk_size``: Nemotron-H's 128,
+    Falcon-H1's ``mamba_chunk_size``). A cut on this grid hands the state over with nothing replayed in any layer; a
+    model without such mixers (or of no registered family) gets ``CHUNK_SIZE``."""
     from ..trees import CHUNK_SIZE
     from .mamba2 import scan_chunk_size
 

@@ -1,14 +1,14 @@
 """Tree forward for Mamba-2 mixers (Nemotron-H, Bamba, Granite-4 hybrid, Falcon-H1 with its multipliers and its
 optional gated norm): the input projection once per unique token, the depthwise causal conv over each token's
-ancestors, the state-space-duality scan over the prefix forest on the mixer's own chunk grid, then its gated RMSNorm
-and output projection.
+ancestors, the state-space-duality scan over the prefix forest on a chunk grid (:data:`CHUNK_SIZE`: 64 unless set,
+or the mixer's own), then its gated RMSNorm and output projection.
 
 Mamba-2's scan is the gated delta rule's chunk machinery without the delta correction: the state ``h [heads, N, P]``
 follows ``h = exp(dt A) h + B (dt x)^T`` and ``y = h^T C + D x``, i.e. gated linear attention with ``q = C``,
 ``k = B`` (``n_groups`` key heads), ``v = dt x``, log decay ``g = dt A`` (``tree_gated_delta_rule(delta=False)``).
 ``dt`` is ``softplus(dt + dt_bias)`` clamped to the mixer's ``time_step_limit``, in the projection's dtype, and the
 rest in fp32, as transformers' own scan computes them. Planner pieces take their root's conv rows, state and replay
-rows (on the mixer's chunk grid) from the hand-off, as the gated-delta-rule mixers do.
+rows (on the scan's chunk grid) from the hand-off, as the gated-delta-rule mixers do.
 
 :data:`SCAN_INPUTS` picks the dtype of the scan's ``C``, ``B`` and ``dt x``: on CUDA the half precision the model
 runs in (the default), as transformers' CUDA path hands them to ``mamba_ssm``'s kernels (their states and sums stay
@@ -28,12 +28,15 @@ from .gated_deltanet import executed_layout, tree_conv_with_handoffs, tree_mixer
 
 __all__ = ["CHUNK_SIZE", "SCAN_INPUTS", "scan_chunk_size", "tree_mamba2_factory", "tree_mamba2_forward"]
 
-CHUNK_SIZE: int | None = None
+CHUNK_SIZE: int | None = 64
 """The chunk grid of the scan on forests (the tree, and the per-trajectory paths that run through harts_hf's
-patches): None (the default) is each mixer's own ``chunk_size`` (Nemotron-H's 128), an int overrides it (a power of two,
-16 or more: fla's chunk kernels' tiles). Any grid gives the same scan in exact arithmetic (only the order of the sums
-changes), and the planner cuts on it (:func:`~.core.chunk_grid`). A finer grid replays fewer ancestors where a unit
-starts off it (at most ``chunk - 1`` rows per unit) for more state passes."""
+patches): 64 (the default, fla's own chunk), None for each mixer's own ``chunk_size`` (Nemotron-H's 128, as
+transformers' scan runs it), or another power of two of at least 16 (fla's chunk kernels' tiles). Any grid gives the
+same scan in exact arithmetic (only the order of the sums changes), and the planner cuts on it
+(:func:`~.core.chunk_grid`). A finer grid replays fewer ancestors where a unit starts off it (at most ``chunk - 1`` rows
+per unit) for more state passes. Measured on an H100 (BENCHMARKS.md, Nemotron-H full-size ``tau``, 2026-12-07): 64
+against the mixer's 128 took the tree from 2.74 to 2.58 s and the packed path from 23.57 to 22.51 s, with the tree's
+bf16 error against fp32 the per-trajectory paths'."""
 
 
 def scan_chunk_size(module) -> int:
@@ -43,7 +46,7 @@ def scan_chunk_size(module) -> int:
     if not isinstance(CHUNK_SIZE, int) or isinstance(CHUNK_SIZE, bool) or CHUNK_SIZE < 16 or \
             CHUNK_SIZE & (CHUNK_SIZE - 1):
         raise ValueError(f"mamba2.CHUNK_SIZE must be None or a power of two of at least 16, got {CHUNK_SIZE!r}; "
-                         "None runs each mixer's own chunk_size")
+                         "64 is the default, None runs each mixer's own chunk_size")
     return CHUNK_SIZE
 
 
