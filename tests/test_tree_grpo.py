@@ -336,6 +336,8 @@ def test_unsupported_model_type_and_switch_off(tmp_path):
     (dict(tree_varlen_kernel="fa3"), ["tree_varlen_kernel", "'fa4'", "'fa3'"]),
     (dict(tree_autocast_experts="bf16"), ["tree_autocast_experts", "'never'", "'bf16'"]),
     (dict(tree_mamba_scan_inputs="bf16"), ["tree_mamba_scan_inputs", "'half'", "'bf16'"]),
+    (dict(tree_mamba_chunk_size=48), ["tree_mamba_chunk_size", "power of two", "'own'", "48"]),
+    (dict(tree_mamba_chunk_size="auto"), ["tree_mamba_chunk_size", "'auto'"]),
     (dict(tree_attention_backend="cudnn"), ["tree_attention_backend='cudnn'", "CUDA only", "'auto'"]),
     (dict(tree_attention_backend="varlen"), ["tree_attention_backend='varlen'", "CUDA only"]),
     (dict(tree_gdn_backend="fla"), ["tree_gdn_backend='fla'", "CUDA only"]),
@@ -411,13 +413,15 @@ def test_varlen_kernel_field_sets_the_kernel(saved_model, tmp_path, monkeypatch)
 @pytest.mark.parametrize("field, module, name, start, choices", [
     ("tree_autocast_experts", "model_patches.token_modules", "AUTOCAST_EXPERTS", "cuda", ("never", "always")),
     ("tree_mamba_scan_inputs", "model_patches.mamba2", "SCAN_INPUTS", "fp32", ("half", "cuda", "fp32")),
+    ("tree_mamba_chunk_size", "model_patches.mamba2", "CHUNK_SIZE", 64, (128, "own", 32)),
+    ("tree_mamba_chunk_size", "model_patches.mamba2", "CHUNK_SIZE", 64, ("32",)),
     ("tree_shared_keys_in_place", "kernels.tree_attention.varlen", "SHARED_KEYS_IN_PLACE", False, (True, False)),
     ("tree_executed_mixers", "model_patches.gated_deltanet", "EXECUTED_LAYOUT", False, (True, False)),
 ])
 def test_process_setting_fields_set_their_setting(saved_model, tmp_path, monkeypatch, field, module, name, start,
                                                   choices):
     """tree_autocast_experts (where routed experts run in the autocast dtype), tree_mamba_scan_inputs (the dtype
-    of Mamba-2's scan inputs), tree_shared_keys_in_place (shared key segments attended in place) and
+    of Mamba-2's scan inputs), tree_mamba_chunk_size (its chunk grid; 'own' is None), tree_shared_keys_in_place (shared key segments attended in place) and
     tree_executed_mixers (recurrent mixers whole in their kernel's executed layout) put their setting in force at
     construction (process-wide); None leaves it."""
     import importlib
@@ -425,7 +429,7 @@ def test_process_setting_fields_set_their_setting(saved_model, tmp_path, monkeyp
     settings = importlib.import_module(f"harts_hf.{module}")
     monkeypatch.setattr(settings, name, start)
     model = AutoModelForCausalLM.from_pretrained(saved_model)
-    for choice, expected in ((None, start), *((c, c) for c in choices)):
+    for choice, expected in ((None, start), *((c, {"own": None, "32": 32}.get(c, c)) for c in choices)):
         args = TreeGRPOConfig(**dict(BASE_ARGS, output_dir=str(tmp_path), router_aux_loss_coef=0.0,
                                      **{field: choice}))
         TreeGRPOTrainer(model, reward_funcs=length_reward, args=args, train_dataset=prompt_dataset(4),

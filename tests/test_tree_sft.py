@@ -170,6 +170,7 @@ def test_training_steps_give_the_same_parameters(saved_model, tmp_path):
     (dict(tree_varlen_kernel="fa3"), ["tree_varlen_kernel", "'fa4'"]),
     (dict(tree_autocast_experts="bf16"), ["tree_autocast_experts", "'never'"]),
     (dict(tree_mamba_scan_inputs="bf16"), ["tree_mamba_scan_inputs", "'half'"]),
+    (dict(tree_mamba_chunk_size=8), ["tree_mamba_chunk_size", "power of two"]),
     (dict(tree_shared_keys_in_place=1), ["tree_shared_keys_in_place", "True or False"]),
     (dict(tree_executed_mixers="yes"), ["tree_executed_mixers", "True or False"]),
     (dict(tree_head_chunk_size=0), ["tree_head_chunk_size"]),

@@ -35,6 +35,7 @@ from .config import (
     KEEP_MIXER_GIB_HELP,
     KEEP_MIXER_OUTPUTS_HELP,
     KEEP_SOURCE_GRAPHS_HELP,
+    MAMBA_CHUNK_SIZE_HELP,
     MAMBA_SCAN_INPUTS_HELP,
     MATMUL_GIB_HELP,
     MATMUL_LAYERS_HELP,
@@ -73,6 +74,7 @@ class TreeSFTConfig(SFTConfig):
     tree_varlen_kernel: str | None = field(default=None, metadata={"help": VARLEN_KERNEL_HELP})
     tree_autocast_experts: str | None = field(default=None, metadata={"help": AUTOCAST_EXPERTS_HELP})
     tree_mamba_scan_inputs: str | None = field(default=None, metadata={"help": MAMBA_SCAN_INPUTS_HELP})
+    tree_mamba_chunk_size: str | None = field(default=None, metadata={"help": MAMBA_CHUNK_SIZE_HELP})
     tree_shared_keys_in_place: bool | None = field(default=None, metadata={"help": SHARED_KEYS_HELP})
     tree_executed_mixers: bool | None = field(default=None, metadata={"help": EXECUTED_MIXERS_HELP})
     tree_head_chunk_size: int = field(default=4096, metadata={
