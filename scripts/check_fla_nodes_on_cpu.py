@@ -570,8 +570,8 @@ def _against_torch(label: str, names, results: dict) -> float:
 
 def check_model_backends(family: str, label: str, executed: bool = False) -> float:
     """A tiny patched model through its fla node (Ling 3: Kimi Delta Attention with the safe gate, gated latent
-    attention, experts; Nemotron-H: Mamba-2 blocks on its 16-token chunks; both through their round-batched nodes):
-    tree log-probs and every parameter gradient with the fla backend (``executed``: also with the mixers whole in the
+    attention, experts; Nemotron-H: Mamba-2 blocks on the scan's chunks of 64, ``mamba2.CHUNK_SIZE``'s default; both
+    through their round-batched nodes): tree log-probs and every parameter gradient with the fla backend (``executed``: also with the mixers whole in the
     executed layout, ``gated_deltanet.EXECUTED_LAYOUT``; the KDA node on an executed view is checked in
     :func:`check_round_node`), against the torch backend."""
     import torch
