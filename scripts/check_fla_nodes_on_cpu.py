@@ -4,12 +4,12 @@ The fla nodes (the fused per-round node and the round-batched node, ``fla_backen
 pass per round, with the one-launch serial state pass and with its heavy-path lanes, ``fla_backend.STATE_PASS``;
 fla's public function once per round, ``fla_backend.PUBLIC_PER_ROUND``) against the fp32 torch backend, on a forest
 of nested forks (several rounds) and on planner pieces with hand-offs (handed-in state, context rows, requested
-states); then a tiny patched Qwen3-Next with the fla backend against the torch backend
-(log-probs and every parameter gradient; the node's two state passes and the executed layout); the tree conv with fla's ``causal_conv1d`` for its bulk; Kimi Delta
-Attention (a tiny Ling 3 model too) and gated linear attention (Mamba-2; a tiny Nemotron-H too) through their
-round-batched nodes over fla's ``chunk_kda`` / ``chunk_simple_gla`` stages and through those functions per round;
-the fused per-token kernels (with fla's RMSNorm and with harts_hf's own). fp32 throughout, but for Mamba-2's node once
-on fp16 inputs (``mamba2.SCAN_INPUTS = "half"``); a few minutes on 2 cores.
+states); then a tiny patched Qwen3-Next with the fla backend against the torch backend (log-probs and every
+parameter gradient; the node's two state passes and the executed layout); the tree conv with fla's ``causal_conv1d``
+for its bulk; Kimi Delta Attention (a tiny Ling 3 model too) and gated linear attention (Mamba-2; a tiny Nemotron-H
+too) through their round-batched nodes over fla's ``chunk_kda`` / ``chunk_simple_gla`` stages and through those
+functions per round; the fused per-token kernels (with fla's RMSNorm and with harts_hf's own). fp32 throughout, but
+for Mamba-2's node once on fp16 inputs (``mamba2.SCAN_INPUTS = "half"``); a few minutes on 2 cores.
 
 Triton must be importable, at the version the interpreter bridges below were written for (3.6.0, the GPU
 machine's): ``bash scripts/run.sh test`` runs this in a helper venv (``.harts-env/triton``) that sees the active
@@ -571,9 +571,9 @@ def _against_torch(label: str, names, results: dict) -> float:
 def check_model_backends(family: str, label: str, executed: bool = False) -> float:
     """A tiny patched model through its fla node (Ling 3: Kimi Delta Attention with the safe gate, gated latent
     attention, experts; Nemotron-H: Mamba-2 blocks on the scan's chunks of 64, ``mamba2.CHUNK_SIZE``'s default; both
-    through their round-batched nodes): tree log-probs and every parameter gradient with the fla backend (``executed``: also with the mixers whole in the
-    executed layout, ``gated_deltanet.EXECUTED_LAYOUT``; the KDA node on an executed view is checked in
-    :func:`check_round_node`), against the torch backend."""
+    through their round-batched nodes): tree log-probs and every parameter gradient with the fla backend
+    (``executed``: also with the mixers whole in the executed layout, ``gated_deltanet.EXECUTED_LAYOUT``; the KDA node
+    on an executed view is checked in :func:`check_round_node`), against the torch backend."""
     import torch
 
     from harts_hf import tree_logprobs

@@ -77,7 +77,7 @@ if [ ! -f "$JOBS/.queued" ]; then
   [ "$h200" = 1 ] && job headline $probe --workload tau grpo distinct --scale 1.0 --budget 0 --no-history \
     --kernels $fa4 --repeats 2 --keep-attention on --packed-groups 0 --packed-warmup each \
     --out $J/headline
-    # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
+  # issue 22, on an H200: the kept node outputs' A/B on the headline's `tau`, both paths (on an H100 the 2.3B tree saved
   # 2.9% for 13.3 GiB; the packed path with them was not timed against itself)
   [ "$h200" = 1 ] && job tau_keep_mixers $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" \
     --kernels fused_keep_mixers fused --repeats 2 --packed-groups 0 --packed-warmup each --out $J/tau_keep_mixers

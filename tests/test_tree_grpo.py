@@ -420,10 +420,10 @@ def test_varlen_kernel_field_sets_the_kernel(saved_model, tmp_path, monkeypatch)
 ])
 def test_process_setting_fields_set_their_setting(saved_model, tmp_path, monkeypatch, field, module, name, start,
                                                   choices):
-    """tree_autocast_experts (where routed experts run in the autocast dtype), tree_mamba_scan_inputs (the dtype
-    of Mamba-2's scan inputs), tree_mamba_chunk_size (its chunk grid; 'own' is None), tree_shared_keys_in_place (shared key segments attended in place) and
-    tree_executed_mixers (recurrent mixers whole in their kernel's executed layout) put their setting in force at
-    construction (process-wide); None leaves it."""
+    """tree_autocast_experts (where routed experts run in the autocast dtype), tree_mamba_scan_inputs (the dtype of
+    Mamba-2's scan inputs), tree_mamba_chunk_size (its chunk grid; 'own' is None), tree_shared_keys_in_place (shared key
+    segments attended in place) and tree_executed_mixers (recurrent mixers whole in their kernel's executed layout) put
+    their setting in force at construction (process-wide); None leaves it."""
     import importlib
 
     settings = importlib.import_module(f"harts_hf.{module}")

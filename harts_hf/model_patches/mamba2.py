@@ -26,7 +26,8 @@ from ..kernels import TreeMetadata
 from .core import PatchedForward, layer_key
 from .gated_deltanet import executed_layout, tree_conv_with_handoffs, tree_mixer_call, tree_recurrence_with_handoffs
 
-__all__ = ["CHUNK_SIZE", "SCAN_INPUTS", "scan_chunk_size", "tree_mamba2_factory", "tree_mamba2_forward"]
+__all__ = ["CHUNK_SIZE", "SCAN_INPUTS", "is_scan_chunk_size", "scan_chunk_size", "tree_mamba2_factory",
+           "tree_mamba2_forward"]
 
 CHUNK_SIZE: int | None = 64
 """The chunk grid of the scan on forests (the tree, and the per-trajectory paths that run through harts_hf's
@@ -39,12 +40,16 @@ against the mixer's 128 took the tree from 2.74 to 2.58 s and the packed path fr
 bf16 error against fp32 the per-trajectory paths'."""
 
 
+def is_scan_chunk_size(value) -> bool:
+    """Whether ``value`` can be the scan's chunk grid: an int that is a power of two of at least 16."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 16 and not value & (value - 1)
+
+
 def scan_chunk_size(module) -> int:
     """The chunk grid of ``module``'s scan on forests: :data:`CHUNK_SIZE`, else the mixer's own ``chunk_size``."""
     if CHUNK_SIZE is None:
         return module.chunk_size
-    if not isinstance(CHUNK_SIZE, int) or isinstance(CHUNK_SIZE, bool) or CHUNK_SIZE < 16 or \
-            CHUNK_SIZE & (CHUNK_SIZE - 1):
+    if not is_scan_chunk_size(CHUNK_SIZE):
         raise ValueError(f"mamba2.CHUNK_SIZE must be None or a power of two of at least 16, got {CHUNK_SIZE!r}; "
                          "64 is the default, None runs each mixer's own chunk_size")
     return CHUNK_SIZE

@@ -363,13 +363,12 @@ class TreeGRPOConfig(GRPOConfig):
 def check_process_settings(config) -> None:
     """``tree_varlen_kernel``, ``tree_autocast_experts`` and ``tree_mamba_scan_inputs`` are each one of their
     choices, ``tree_mamba_chunk_size`` a power of two of at least 16 (an int, or its digits: the command line's),
-    'own' or None, ``tree_shared_keys_in_place`` and
-    ``tree_executed_mixers`` a bool or None (an error names the field, the value and the choices)."""
+    'own' or None, ``tree_shared_keys_in_place`` and ``tree_executed_mixers`` a bool or None (an error names the
+    field, the value and the choices)."""
     chunk = config.tree_mamba_chunk_size
     if isinstance(chunk, str) and chunk.isdigit():  # from the command line (HfArgumentParser gives strings)
         config.tree_mamba_chunk_size = chunk = int(chunk)
-    if chunk is not None and chunk != "own" and (not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 16
-                                                 or chunk & (chunk - 1)):
+    if chunk is not None and chunk != "own" and not mamba2.is_scan_chunk_size(chunk):
         raise ValueError(f"tree_mamba_chunk_size must be a power of two of at least 16 (64: fla's chunk, the "
                          f"default), 'own' (each Mamba-2 mixer's chunk_size) or None, got {chunk!r}.")
     for name, choices in (("tree_varlen_kernel", _VARLEN_KERNELS), ("tree_autocast_experts", _AUTOCAST_EXPERTS),
@@ -383,11 +382,10 @@ def check_process_settings(config) -> None:
 
 def apply_process_settings(args) -> None:
     """Put ``tree_varlen_kernel`` (``varlen.KERNEL``), ``tree_autocast_experts`` (``token_modules.AUTOCAST_EXPERTS``),
-    ``tree_mamba_scan_inputs`` (``mamba2.SCAN_INPUTS``), ``tree_mamba_chunk_size`` (``mamba2.CHUNK_SIZE``; 'own' is
-    None there), ``tree_shared_keys_in_place``
-    (``varlen.SHARED_KEYS_IN_PLACE``) and ``tree_executed_mixers`` (``gated_deltanet.EXECUTED_LAYOUT``) in force,
-    process-wide; None leaves a setting as it is. 'fa4' without FlashAttention-4 installed fails here, naming the
-    fix."""
+    ``tree_mamba_scan_inputs`` (``mamba2.SCAN_INPUTS``), ``tree_mamba_chunk_size`` (``mamba2.CHUNK_SIZE``; 'own' is None
+    there), ``tree_shared_keys_in_place`` (``varlen.SHARED_KEYS_IN_PLACE``) and ``tree_executed_mixers``
+    (``gated_deltanet.EXECUTED_LAYOUT``) in force, process-wide; None leaves a setting as it is. 'fa4' without
+    FlashAttention-4 installed fails here, naming the fix."""
     from ..kernels.tree_attention import varlen
 
     if args.tree_varlen_kernel == "fa4" and not varlen._fa4_importable():
