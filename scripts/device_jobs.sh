@@ -62,15 +62,8 @@ if [ ! -f "$JOBS/.queued" ]; then
   # layout against the node's gathers on Kimi, Nemotron-H and 2B `tau`, and both profiled on Kimi and Nemotron-H)
   # (run on an H100, 2026-12-07 13:35-13:41 UTC, and taken off: Mamba-2's scan on chunks of 64 against the mixer's 128,
   # Nemotron-H `tau` both paths, and its bf16 parity at 64)
-  # issue 26, on an H100 (an H200 runs nemotron_swe_tree below): Nemotron-H with the scan on chunks of 64 (the default
-  # since 2026-12-07): `tau` both paths again on another machine (0.953 on one), `swe` both paths at 65,536 (0.893 at
-  # the mixer's 128, 2026-12-06)
-  if [ "$h200" = 0 ]; then
-    job nemotron_tau64 $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-      --kernels fused_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each --out $J/nemotron_tau64
-    job nemotron_swe64 $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
-      --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_swe64
-  fi
+  # (run on an H100, 2026-12-07 15:48-15:55 UTC, and taken off: Nemotron-H `tau` both paths on chunks of 64 on another
+  # machine, and `swe` both paths at 65,536 on chunks of 64)
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on $fa4 (where that is torch's flash varlen, a new row, not a re-run)
