@@ -184,10 +184,11 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
 
 
 def profile(model, sequences, device, attention: str, out: Path, loop_count: int = 8,
-            parts=("tree", "loop", "packed")) -> dict:
-    """Warm runs under torch.profiler: the whole forest, ``loop_count`` of its trajectories alone (length quantiles
-    0.1-0.9, the per-trajectory path) and ONE packed call of its first trajectories up to the forest's unique-token
-    count (the packed per-trajectory path at the tree's size). For each: kernel seconds by op family (gpu_suite's
+            parts=("tree", "loop", "packed"), budget: int | None = None) -> dict:
+    """Warm runs under torch.profiler: the whole forest (in pieces of at most ``budget`` unique tokens where given),
+    ``loop_count`` of its trajectories alone (length quantiles 0.1-0.9, the per-trajectory path) and ONE packed call
+    of its first trajectories up to the forest's unique-token count or ``budget``, the smaller (the packed
+    per-trajectory path at the tree's size: a piece's where the forest runs in pieces). For each: kernel seconds by op family (gpu_suite's
     families) and by model part, forward / recomputed forward / backward (:mod:`module_breakdown`: GDN layers with
     the tree conv and the gated delta rule inside, attention layers with the attention kernel inside, MLPs, the
     decoder layers' norms, the LM head, the rest), their sum, the wall time (the gap is host time the GPU waited
@@ -203,7 +204,8 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     from harts_hf.trees import PrefixForest
 
     picks = _quantile_picks(sequences, loop_count)
-    group = consecutive_groups(sequences, PrefixForest.from_sequences(sequences).pack().num_tokens)[0]
+    unique = PrefixForest.from_sequences(sequences).pack().num_tokens
+    group = consecutive_groups(sequences, min(unique, budget or unique))[0]
     packed = PrefixForest.from_sequences(group, groups=list(range(len(group))))
     forests = {"tree": [sequences], "loop": [[sequences[i]] for i in picks], "packed": [group]}
     forests = {name: batch for name, batch in forests.items() if name in parts}
@@ -220,7 +222,8 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
             if name == "packed":
                 runs = [dict(seconds=timed_run(model, packed, device, attention), unique_tokens=sum(map(len, group)))]
             else:
-                runs = [run(model, forest, None, device, history=False, attention=attention) for forest in batch]
+                runs = [run(model, forest, budget if name == "tree" else None, device, history=False,
+                            attention=attention) for forest in batch]
         wall, tokens = sum(r["seconds"] for r in runs), sum(r["unique_tokens"] for r in runs)
         events = prof.key_averages()
         (out / f"profile_{name}.txt").write_text(events.table(sort_by="self_cuda_time_total", row_limit=50))
@@ -239,7 +242,7 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
         return report
     profiler = cProfile.Profile()  # host time of one warm tree run: where a small forest's fixed cost goes
     report["tree"]["host_wall_seconds"] = profiler.runcall(
-        lambda: run(model, sequences, None, device, history=False, attention=attention)["seconds"])
+        lambda: run(model, sequences, budget, device, history=False, attention=attention)["seconds"])
     for order, name in (("cumulative", "profile_tree_host.txt"), ("tottime", "profile_tree_host_self.txt")):
         text = io.StringIO()  # by time inside and below each function, then by its own time
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(60)
@@ -355,8 +358,9 @@ def main(argv=None):
     parser.add_argument("--attention", default="auto", choices=["auto", "varlen", "cudnn"],
                         help="tree attention kernel for the tree and the per-trajectory sample alike")
     parser.add_argument("--profile", nargs="*", choices=["tree", "loop", "packed"], default=None,
-                        help="also run the whole forest once more, 8 (or --loop-sample) of its trajectories alone and "
-                             "one packed call of its first trajectories up to its unique-token count, under "
+                        help="also run the whole forest once more (in pieces of the first --budget), 8 (or "
+                             "--loop-sample) of its trajectories alone and one packed call of its first trajectories "
+                             "up to its unique-token count (or that budget, the smaller), under "
                              "torch.profiler: kernel seconds per op family and per model part (forward / recomputed "
                              "forward / backward of GDN layers, tree conv, gated delta rule, attention, MLP, norms, "
                              "head) and tokens of each, the top kernels in OUT/profile_<tree|loop|packed>.txt; "
@@ -522,7 +526,8 @@ def probe_workload(args, model, device, workload: str, out: Path) -> None:
     checkpointing(model, *first)  # in force for the packed, profile and loop runs
     if args.profile is not None:
         rows.append(dict(profile=profile(model, sequences, device, args.attention, out,
-                                         max(args.loop_sample, 8), args.profile or ("tree", "loop", "packed"))))
+                                         max(args.loop_sample, 8), args.profile or ("tree", "loop", "packed"),
+                                         args.budget[0] or None)))
         save()
     for replicas in args.replicas:
         rows.append(dict(replica_balance=replica_balance(model, sequences, args.budget[0] or None, replicas, device,
