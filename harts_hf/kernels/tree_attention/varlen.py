@@ -40,7 +40,9 @@ value row gathered per run, for forests whose runs would gather any; torch's ker
 softcapping or sinks) or ``"auto"``: fa4 where it imports on a GPU of compute capability 9.x or 10.x, else torch.
 Measured on the H200 (BENCHMARKS.md, 2026-12-02): fa4 takes full-size `tau`'s tree step from 5.91 to 5.32 s, the
 packed baseline's calls of changing lengths compiled nothing noticeable, and the no-sharing control ran level with it;
-it is opt-in because it is a separate install (``harts_hf[fa4]``, a beta release)."""
+on an H100 (2026-12-07) it took Nemotron-H's full-size `swe` tree (heads of 128, in pieces) from 14.31 to 13.02 s, 0.958
+of the FLOP ratio against the packed path's cuDNN calls (torch's flash varlen: 0.872). It is opt-in because it is a
+separate install (``harts_hf[fa4]``, a beta release)."""
 
 
 SHARED_KEYS_IN_PLACE = False
