@@ -188,8 +188,8 @@ def profile(model, sequences, device, attention: str, out: Path, loop_count: int
     """Warm runs under torch.profiler: the whole forest (in pieces of at most ``budget`` unique tokens where given),
     ``loop_count`` of its trajectories alone (length quantiles 0.1-0.9, the per-trajectory path) and ONE packed call
     of its first trajectories up to the forest's unique-token count or ``budget``, the smaller (the packed
-    per-trajectory path at the tree's size: a piece's where the forest runs in pieces). For each: kernel seconds by op family (gpu_suite's
-    families) and by model part, forward / recomputed forward / backward (:mod:`module_breakdown`: GDN layers with
+    per-trajectory path at the tree's size: a piece's where the forest runs in pieces). For each: kernel seconds by
+    op family (gpu_suite's families) and by model part, forward / recomputed forward / backward (:mod:`module_breakdown`: GDN layers with
     the tree conv and the gated delta rule inside, attention layers with the attention kernel inside, MLPs, the
     decoder layers' norms, the LM head, the rest), their sum, the wall time (the gap is host time the GPU waited
     for) and the tokens it ran (unique for the tree, path tokens for the others), so they compare per token; the top
