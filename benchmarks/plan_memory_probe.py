@@ -186,12 +186,12 @@ def run(model, sequences, budget, device, history: bool, attention: str = "auto"
 def profile(model, sequences, device, attention: str, out: Path, loop_count: int = 8,
             parts=("tree", "loop", "packed"), budget: int | None = None) -> dict:
     """Warm runs under torch.profiler: the whole forest (in pieces of at most ``budget`` unique tokens where given),
-    ``loop_count`` of its trajectories alone (length quantiles 0.1-0.9, the per-trajectory path) and ONE packed call
-    of its first trajectories up to the forest's unique-token count or ``budget``, the smaller (the packed
-    per-trajectory path at the tree's size: a piece's where the forest runs in pieces). For each: kernel seconds by
-    op family (gpu_suite's families) and by model part, forward / recomputed forward / backward (:mod:`module_breakdown`: GDN layers with
-    the tree conv and the gated delta rule inside, attention layers with the attention kernel inside, MLPs, the
-    decoder layers' norms, the LM head, the rest), their sum, the wall time (the gap is host time the GPU waited
+    ``loop_count`` of its trajectories alone (length quantiles 0.1-0.9, the per-trajectory path) and ONE packed call of
+    its first trajectories up to the forest's unique-token count or ``budget``, the smaller (the packed per-trajectory
+    path at the tree's size: a piece's where the forest runs in pieces). For each: kernel seconds by op family
+    (gpu_suite's families) and by model part, forward / recomputed forward / backward (:mod:`module_breakdown`: GDN
+    layers with the tree conv and the gated delta rule inside, attention layers with the attention kernel inside, MLPs,
+    the decoder layers' norms, the LM head, the rest), their sum, the wall time (the gap is host time the GPU waited
     for) and the tokens it ran (unique for the tree, path tokens for the others), so they compare per token; the top
     kernels go to ``profile_<name>.txt`` (the tree's also by input shape and Python stack to
     ``profile_tree_by_source.txt``), and a cProfile of one more warm tree run (host time by Python function) to
