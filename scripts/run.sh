@@ -63,7 +63,9 @@ case "${1:-}" in
     # suite in two pytest-xdist workers beside the check (3 processes) finished in 13 minutes but stretched the check
     # to 21 (2026-12-03), so the suite stays in one process; with the DeepSpeed tests (two processes each, 5 minutes
     # alone) right after the suite, beside the check's tail, the suite took 21.3-22.7 minutes and DeepSpeed 8.4-8.6
-    # (2026-12-07, two runs): ~30 minutes where the check took about 21, hence the earlier start
+    # (2026-12-07, two runs): ~30 minutes where the check took about 21, hence the earlier start. Its first run (the
+    # same day) found the machine slower: the suite 26.3 minutes, the check about 36, DeepSpeed 9.6 after the suite,
+    # beside the check; CI 47.6 minutes in all, as before, so what the change saves is not measured yet
     helper_env triton "triton==3.6.0"
     helper_env deepspeed "deepspeed==0.19.8"
     "$HELPERS/deepspeed/bin/python" -c "import deepspeed"  # tests/test_deepspeed.py skips without it: fail here
