@@ -66,15 +66,8 @@ if [ ! -f "$JOBS/.queued" ]; then
   # machine, and `swe` both paths at 65,536 on chunks of 64)
   # (run on an H100, 2026-12-07 16:24-16:40 UTC, and taken off: Nemotron-H `swe` at 65,536 profiled in pieces, with the
   # hand-off sources' graphs kept, and on FlashAttention-4 against torch's flash call, then the packed path)
-  # issue 26, on an H100 with FlashAttention-4's stack (three calls: device_env.sh): Nemotron-H on it, `swe` both paths
-  # again with two packed passes (0.958 with one, 2026-12-07) and `tau` both paths, the node outputs kept
-  if [ "$h200" = 0 ] && [ "$fa4" = fused_fa4 ]; then
-    job nemotron_swe_fa4 $probe --model nemotron_h_shaped --workload swe --scale 1.0 --budget 65536 "${same[@]}" \
-      --kernels fused_fa4 --repeats 2 --packed-groups 65536 --packed-warmup each --out $J/nemotron_swe_fa4
-    job nemotron_tau_fa4 $probe --model nemotron_h_shaped --workload tau --scale 1.0 --budget 0 "${same[@]}" \
-      --kernels fused_fa4_keep_mixers fused_keep_mixers --repeats 2 --packed-groups 32768 --packed-warmup each \
-      --out $J/nemotron_tau_fa4
-  fi
+  # (run on an H100, 2026-12-07 19:02-19:22 UTC, and taken off: Nemotron-H `swe` and `tau` both paths on
+  # FlashAttention-4, and the headline's `tau` / `grpo` / `distinct` on it, both paths)
   # issue 23: the headline's `tau`, `grpo` and `distinct` rows again, both paths, one process (the packed rows of
   # 2026-12-04 predate the packed path's executed layout as views, 940afb9); each packed call warmed up (the 12-04 rows
   # warmed the first only); on $fa4 (where that is torch's flash varlen, a new row, not a re-run)
