@@ -294,6 +294,8 @@ def test_varlen_kernel_choice():
     with pytest.raises(ValueError, match="varlen KERNEL must be 'auto', 'torch', 'fa4' or 'flex', got 'fa3'"):
         varlen.varlen_kernel(torch.device("cpu"), "fa3")
     assert varlen.varlen_kernel(torch.device("cpu"), "torch") == "torch"
+    # the default: FlashAttention-4 where it is installed (auto), torch's flash varlen elsewhere
+    assert varlen.KERNEL == "auto"
 
 
 def test_varlen_auto_takes_fa4_only_with_the_functions_harts_hf_calls(monkeypatch):

@@ -17,12 +17,12 @@ _ATTENTION_BACKENDS = ("auto", "sdpa", "runs", "varlen", "cudnn")
 _VARLEN_KERNELS = (None, "torch", "fa4", "flex", "auto")
 _AUTOCAST_EXPERTS = (None, *token_modules._AUTOCAST_EXPERTS)
 _MAMBA_SCAN_INPUTS = (None, *mamba2._SCAN_INPUTS)
-VARLEN_KERNEL_HELP = ("The tree attention's varlen kernel on CUDA: 'torch' (torch's flash varlen), 'fa4' "
-                      "(FlashAttention-4, pip install harts_hf[fa4]; the fastest measured, BENCHMARKS.md), 'auto' (fa4 "
-                      "where installed on Hopper / Blackwell, else torch), 'flex' (torch's FlexAttention on the "
+VARLEN_KERNEL_HELP = ("The tree attention's varlen kernel on CUDA: 'auto' (fa4 where installed on Hopper / "
+                      "Blackwell, else torch), 'torch' (torch's flash varlen), 'fa4' (FlashAttention-4, pip install "
+                      "harts_hf[fa4]; the fastest measured, BENCHMARKS.md), 'flex' (torch's FlexAttention on the "
                       "packed rows where runs share keys: nothing gathered per run); process-wide "
                       "(harts_hf.kernels.tree_attention.varlen.KERNEL). None leaves that setting as it is "
-                      "('torch' unless changed).")
+                      "('auto' unless changed).")
 AUTOCAST_EXPERTS_HELP = ("Under autocast, where MoE routed experts on transformers' grouped_mm run in the autocast "
                          "dtype (transformers runs them in the weights' dtype: fp32 with fp32 master weights): 'cuda' "
                          "(CUDA inputs), 'always' or 'never'; process-wide "

@@ -159,7 +159,7 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, subtree_en
             if backend != "varlen" and q.is_cuda:
                 _log_once("harts_hf: tree attention computes softcapping / sinks explicitly per run on the GPU "
                           "(exact, not fast) unless FlashAttention-4 runs the varlen path: pip install "
-                          "harts_hf[fa4] and set tree_varlen_kernel='fa4' (or varlen.KERNEL = 'fa4')")
+                          "harts_hf[fa4] (tree_varlen_kernel 'auto', the default, or 'fa4')")
     if backend == "auto" and layout is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         backend = "varlen" if window is not None or _flex_varlen(q, layout) else cuda_backend(layout)
     if backend in ("varlen", "cudnn"):

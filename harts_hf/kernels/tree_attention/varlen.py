@@ -31,18 +31,21 @@ per-trajectory varlen call over ~600k rows of 16 heads x 256 raised an illegal m
 split into several calls by runs (benchmarks/varlen_limits.py)."""
 PAD_ROWS = 128  # per sequence, in flash's backward accumulator
 
-KERNEL = "torch"
-"""The varlen kernel: ``"torch"`` (torch's ``varlen_attn``, FlashAttention-2 inside torch; the default), ``"fa4"``
-(FlashAttention-4's CuTe-DSL kernels, package ``flash-attn-4``, module ``flash_attn.cute``: wgmma kernels on Hopper,
-head dims up to 256, GQA, varlen, bottom-right causal; called through harts_hf's dispatcher ops, :mod:`.fa4`, so
-checkpointing can keep its outputs), ``"flex"`` (torch's FlexAttention on the packed rows, :mod:`.flex`: no key or
-value row gathered per run, for forests whose runs would gather any; torch's kernel for the rest, and with a window,
-softcapping or sinks) or ``"auto"``: fa4 where it imports on a GPU of compute capability 9.x or 10.x, else torch.
+KERNEL = "auto"
+"""The varlen kernel: ``"auto"`` (the default: ``"fa4"`` where FlashAttention-4 imports, with the functions harts_hf
+calls, on a GPU of compute capability 9.x or 10.x, else ``"torch"``), ``"torch"`` (torch's ``varlen_attn``,
+FlashAttention-2 inside torch), ``"fa4"`` (FlashAttention-4's CuTe-DSL kernels, package ``flash-attn-4``, module
+``flash_attn.cute``: wgmma kernels on Hopper, head dims up to 256, GQA, varlen, bottom-right causal; called through
+harts_hf's dispatcher ops, :mod:`.fa4`, so checkpointing can keep its outputs; an error where it is not installed) or
+``"flex"`` (torch's FlexAttention on the packed rows, :mod:`.flex`: no key or value row gathered per run, for forests
+whose runs would gather any; torch's kernel for the rest, and with a window, softcapping or sinks).
 Measured on the H200 (BENCHMARKS.md, 2026-12-02): fa4 takes full-size `tau`'s tree step from 5.91 to 5.32 s, the
 packed baseline's calls of changing lengths compiled nothing noticeable, and the no-sharing control ran level with it;
-on an H100 (2026-12-07) it took Nemotron-H's full-size `swe` tree (heads of 128, in pieces) from 14.31 to 13.02 s, 0.958
-of the FLOP ratio against the packed path's cuDNN calls (torch's flash varlen: 0.872). It is opt-in because it is a
-separate install (``harts_hf[fa4]``, a beta release)."""
+on H100s (2026-12-06 and 07) it took the `tau` tree from 5.81 to 5.35 s and Nemotron-H's full-size `swe` tree (heads
+of 128, in pieces) from 14.31 to 13.02 s, 0.958 and 0.976 of the FLOP ratio against the packed path's cuDNN calls
+(torch's flash varlen: 0.872-0.899). FlashAttention-4 is a separate install (``harts_hf[fa4]``, a beta release), so
+without it nothing changes; with it, ``"auto"`` runs it (since 2026-12-07; ``"torch"`` was the default before), and
+its first call in a process compiles its kernels (~45 s on an H100)."""
 
 
 SHARED_KEYS_IN_PLACE = False
@@ -318,8 +321,9 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     kernel = "torch" if kernel == "flex" else kernel  # FlexAttention's cases are routed before (ops.tree_attention)
     if (softcap is not None or sinks is not None) and kernel != "fa4":
         raise ValueError("tree attention: softcapping / sinks on the varlen path need FlashAttention-4 "
-                         f"(varlen KERNEL is {KERNEL!r}, which runs {kernel!r}): pip install harts_hf[fa4] and set "
-                         "KERNEL = 'fa4' (from harts_hf.kernels.tree_attention import varlen), or use backend='runs' (exact, slow)")
+                         f"(varlen KERNEL is {KERNEL!r}, which runs {kernel!r}): pip install harts_hf[fa4] on a Hopper / "
+                         "Blackwell GPU with KERNEL 'auto' or 'fa4' (from harts_hf.kernels.tree_attention import "
+                         "varlen), or use backend='runs' (exact, slow)")
     features = dict(window=window, softcap=softcap, sinks=sinks)
     if SHARED_KEYS_IN_PLACE and layout.parent is not None and all(value is None for value in features.values()):
         from .shared_keys import shared_segment_split, tree_attention_shared_keys
