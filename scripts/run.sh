@@ -65,7 +65,10 @@ case "${1:-}" in
     # alone) right after the suite, beside the check's tail, the suite took 21.3-22.7 minutes and DeepSpeed 8.4-8.6
     # (2026-12-07, two runs): ~30 minutes where the check took about 21, hence the earlier start. Its first run (the
     # same day) found the machine slower: the suite 26.3 minutes, the check about 36, DeepSpeed 9.6 after the suite,
-    # beside the check; CI 47.6 minutes in all, as before, so what the change saves is not measured yet
+    # beside the check; CI 47.6 minutes in all, as before, so what the change saves is not measured yet. Where the
+    # check's time went (its own laps, 2026-12-07 evening, beside the suite): 28 minutes, 14 of them in fla's KDA
+    # kernels (9 in the KDA node, 4.5 in the tiny Ling 3); with KDA's kernels at their largest autotuning blocks and a
+    # shorter KDA forest those took 4.3 and 2 minutes, and the check about 20
     helper_env triton "triton==3.6.0"
     helper_env deepspeed "deepspeed==0.19.8"
     "$HELPERS/deepspeed/bin/python" -c "import deepspeed"  # tests/test_deepspeed.py skips without it: fail here
