@@ -68,7 +68,7 @@ case "${1:-}" in
     # beside the check; CI 47.6 minutes in all, as before, so what the change saves is not measured yet. Where the
     # check's time went (its own laps, 2026-12-07 evening, beside the suite): 28 minutes, 14 of them in fla's KDA
     # kernels (9 in the KDA node, 4.5 in the tiny Ling 3); with KDA's kernels at their largest autotuning blocks and a
-    # shorter KDA forest those took 4.3 and 2 minutes, and the check about 20
+    # shorter KDA forest those took 4.4 and 2.1 minutes, and the whole check 18 (its second half alone on the machine)
     helper_env triton "triton==3.6.0"
     helper_env deepspeed "deepspeed==0.19.8"
     "$HELPERS/deepspeed/bin/python" -c "import deepspeed"  # tests/test_deepspeed.py skips without it: fail here
