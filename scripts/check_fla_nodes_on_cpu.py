@@ -9,7 +9,8 @@ parameter gradient; the node's two state passes and the executed layout); the tr
 for its bulk; Kimi Delta Attention (a tiny Ling 3 model too) and gated linear attention (Mamba-2; a tiny Nemotron-H
 too) through their round-batched nodes over fla's ``chunk_kda`` / ``chunk_simple_gla`` stages and through those
 functions per round; the fused per-token kernels (with fla's RMSNorm and with harts_hf's own). fp32 throughout, but
-for Mamba-2's node once on fp16 inputs (``mamba2.SCAN_INPUTS = "half"``); a few minutes on 2 cores.
+for Mamba-2's node once on fp16 inputs (``mamba2.SCAN_INPUTS = "half"``); about 18 minutes on one core of this machine
+(2026-12-07), each part's seconds printed as it ends.
 
 Triton must be importable, at the version the interpreter bridges below were written for (3.6.0, the GPU
 machine's): ``bash scripts/run.sh test`` runs this in a helper venv (``.harts-env/triton``) that sees the active

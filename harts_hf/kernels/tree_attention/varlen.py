@@ -321,9 +321,9 @@ def tree_attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lay
     kernel = "torch" if kernel == "flex" else kernel  # FlexAttention's cases are routed before (ops.tree_attention)
     if (softcap is not None or sinks is not None) and kernel != "fa4":
         raise ValueError("tree attention: softcapping / sinks on the varlen path need FlashAttention-4 "
-                         f"(varlen KERNEL is {KERNEL!r}, which runs {kernel!r}): pip install harts_hf[fa4] on a Hopper / "
-                         "Blackwell GPU with KERNEL 'auto' or 'fa4' (from harts_hf.kernels.tree_attention import "
-                         "varlen), or use backend='runs' (exact, slow)")
+                         f"(varlen KERNEL is {KERNEL!r}, which runs {kernel!r}): pip install harts_hf[fa4] on a "
+                         "Hopper / Blackwell GPU with KERNEL 'auto' or 'fa4' (from harts_hf.kernels.tree_attention "
+                         "import varlen), or use backend='runs' (exact, slow)")
     features = dict(window=window, softcap=softcap, sinks=sinks)
     if SHARED_KEYS_IN_PLACE and layout.parent is not None and all(value is None for value in features.values()):
         from .shared_keys import shared_segment_split, tree_attention_shared_keys
