@@ -79,7 +79,8 @@ if [ ! -f "$JOBS/.queued" ]; then
   [ "$h200" = 1 ] && job tau_keep_mixers $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" \
     --kernels fused_keep_mixers fused --repeats 2 --packed-groups 0 --packed-warmup each --out $J/tau_keep_mixers
   # issue 22: the trainer's step on the H200, one tree forward per microbatch (no pieces: the issue's target is this
-  # H200 step)
+  # H200 step); the trainers' attention is FlashAttention-4 where its stack travelled (varlen.KERNEL "auto", the
+  # default since 2026-12-07), torch's flash varlen otherwise
   [ "$h200" = 1 ] && job tree_swe005 $trainer --preset 2b --scale 0.05 --workload swe --tasks-per-step 4 --steps 5 \
     --warmup 2 --trainer tree --out $J/tree_swe005
   # issue 26: Nemotron-H full-size `swe` on the H200 (the scan's inputs in bf16, the default since 2026-12-06: both
