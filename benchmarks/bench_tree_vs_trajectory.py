@@ -106,7 +106,9 @@ KERNEL_SETS = {
 ``tree_attention.varlen.KERNEL``, ``token_ops.ops.NORM_KERNEL``, ``model_patches.core.SHARED_CASTS``,
 ``tree_gated_delta_rule.fla_backend.PUBLIC_PER_ROUND``, ``cuda_graphs.MAX_TOKENS``,
 ``model_patches.token_modules.AUTOCAST_EXPERTS`` and ``model_patches.mamba2.SCAN_INPUTS``. ``fused`` is harts_hf's
-default, ``fused_fa4`` the same with the tree attention on FlashAttention-4. Since 2026-12-02 the default RMSNorm kernel is harts_hf's own
+default without FlashAttention-4 (torch's flash varlen, named: since 2026-12-07 the default, ``varlen.KERNEL =
+"auto"``, takes FlashAttention-4 where it is installed), ``fused_fa4`` the same with the tree attention on
+FlashAttention-4. Since 2026-12-02 the default RMSNorm kernel is harts_hf's own
 (``token_ops.NORM_KERNEL = "harts"``); ``fused_fla_norm`` / ``fused_fa4_fla_norm`` run fla's, as ``fused`` /
 ``fused_fa4`` did before (rows measured earlier name the sets as they were: ``fused_norm``, ``fused_fa4_norm`` and
 ``fused_fa4_norm_casts`` were the ones with harts_hf's kernel, the others had fla's). The other sets change one
