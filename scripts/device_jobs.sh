@@ -54,6 +54,20 @@ if [ ! -f "$JOBS/.queued" ]; then
   # FlashAttention-4 where its stack travelled (device_env.sh: two calls of archives first), else torch's flash varlen
   # (harts_hf's default): the headline's kernel, and MLA's fastest (values unpadded)
   fa4=fused; [ -f .device/fa4x/.fa4libs ] && fa4=fused_fa4
+  # issue 22 (queued 2026-12-08; no machine came that session): planner pieces WITHOUT gradient checkpointing against
+  # the whole forest checkpointed. Checkpointing reruns every layer's forward (0.92 of 5.01 device seconds on the
+  # H200's `tau`, the per-part profile); pieces small enough to keep every layer's activations pay instead the
+  # hand-off sources' no-grad forward (tau: 4-7 hand-offs at 24,576-16,384, the shared prompt) and smaller GEMMs. Each
+  # budget both ways (--stored-layers 24 0) so the pieces' own cost shows apart from the rerun's. Both kinds of card,
+  # first in line; on an H100 with the allocator's expandable segments (the worker's environment: every job there;
+  # the 2.3B `tau` forest with more kept than the default needed them on an H100, 2026-12-06)
+  [ "$h200" = 1 ] || export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+  [ "$h200" = 1 ] && pieces=(49152 32768 24576) || pieces=(24576 16384)
+  job tau_ckpt $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels $fa4 --repeats 2 --out $J/tau_ckpt
+  job tau_pieces $probe --workload tau --scale 1.0 --budget "${pieces[@]}" --stored-layers 24 0 "${same[@]}" \
+    --kernels $fa4 --repeats 2 --out $J/tau_pieces
+  job grpo_pieces $probe --workload grpo --scale 1.0 --budget "${pieces[@]}" --stored-layers 24 0 "${same[@]}" \
+    --kernels $fa4 --repeats 2 --out $J/grpo_pieces
   # (run on an H100, 2026-12-07 05:47-05:55 UTC, and taken off: Kimi `tau` both paths on FlashAttention-4 with the
   # kept node outputs, and profiled; the Ling-3 `swe` tree on it at 32,768; Nemotron-H `tau` both paths kept, profiled)
   # (run on an H100, 2026-12-07 07:09-07:13 UTC, and taken off: shared key segments in place on FlashAttention-4, Kimi's
