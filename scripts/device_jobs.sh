@@ -57,13 +57,15 @@ if [ ! -f "$JOBS/.queued" ]; then
   # issue 22 (queued 2026-12-08; no machine came that session): planner pieces WITHOUT gradient checkpointing against
   # the whole forest checkpointed. Checkpointing reruns every layer's forward (0.92 of 5.01 device seconds on the
   # H200's `tau`, the per-part profile); pieces small enough to keep every layer's activations pay instead the
-  # hand-off sources' no-grad forward (tau: 4-7 hand-offs at 24,576-16,384, the shared prompt) and smaller GEMMs. Each
+  # hand-off sources' no-grad forward (tau: 2-7 hand-offs at 49,152-16,384, the shared prompt) and smaller GEMMs. Each
   # budget both ways (--stored-layers 24 0) so the pieces' own cost shows apart from the rerun's. Both kinds of card,
-  # first in line; on an H100 with the allocator's expandable segments (the worker's environment: every job there;
-  # the 2.3B `tau` forest with more kept than the default needed them on an H100, 2026-12-06)
+  # first in line (the whole forest checkpointed: the headline job's `tau` tree on an H200, tau_ckpt on an H100); on
+  # an H100 with the allocator's expandable segments (the worker's environment: every job there; the 2.3B `tau`
+  # forest with more kept than the default needed them on an H100, 2026-12-06)
   [ "$h200" = 1 ] || export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
   [ "$h200" = 1 ] && pieces=(49152 32768 24576) || pieces=(24576 16384)
-  job tau_ckpt $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels $fa4 --repeats 2 --out $J/tau_ckpt
+  [ "$h200" = 1 ] || job tau_ckpt $probe --workload tau --scale 1.0 --budget 0 "${same[@]}" --kernels $fa4 \
+    --repeats 2 --out $J/tau_ckpt
   job tau_pieces $probe --workload tau --scale 1.0 --budget "${pieces[@]}" --stored-layers 24 0 "${same[@]}" \
     --kernels $fa4 --repeats 2 --out $J/tau_pieces
   job grpo_pieces $probe --workload grpo --scale 1.0 --budget "${pieces[@]}" --stored-layers 24 0 "${same[@]}" \
